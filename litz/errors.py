@@ -1,0 +1,40 @@
+"""Exceptions that Litz raises to users: each names what failed and where."""
+
+from __future__ import annotations
+
+
+class LitzError(Exception):
+    """Base class of every error Litz raises on purpose."""
+
+
+class ConfigError(LitzError):
+    """A job was configured wrongly (bad option, missing binary, bad table spec)."""
+
+
+class EtcdUnreachable(LitzError):
+    """The etcd server named for the job cannot be reached."""
+
+
+class ProtocolError(LitzError):
+    """A message was malformed or of an unknown type; the receiver keeps running."""
+
+
+class TableError(LitzError):
+    """An unknown table, or an update whose dtype or shape does not fit the table."""
+
+
+class TaskError(LitzError):
+    """A micro-task's ``run_task`` raised: names the executor, the task's arguments and the traceback."""
+
+    def __init__(self, executor_id: int, args: object, traceback: str, worker: str = "?") -> None:
+        self.executor_id = executor_id
+        self.args_ = args
+        self.traceback = traceback
+        self.worker = worker
+        super().__init__(
+            f"run_task failed on executor {executor_id} (worker {worker}) with args {args!r}:\n{traceback}"
+        )
+
+
+class ProcessLost(LitzError):
+    """A worker or server process of the job died or lost its etcd lease."""

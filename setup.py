@@ -1,0 +1,27 @@
+"""Litz: an elastic parameter-server framework for iterative-convergent ML."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="litz",
+    version="0.1.0",
+    description="Elastic parameter server: micro-tasks, migrating executors and shards, SCAR checkpoints",
+    packages=find_packages(include=["litz", "litz.*", "apps", "apps.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy>=1.24",
+        "numba>=0.58",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "greenlet>=3.0",
+        "cloudpickle>=3.0",
+        "pyarrow>=14",
+        "etcd3aio>=0.3",
+    ],
+    extras_require={
+        "gpu": ["cupy-cuda12x"],
+        "test": ["pytest>=8", "scikit-learn>=1.3"],
+        "dev": ["pytest>=8", "ruff>=0.5", "scikit-learn>=1.3"],
+    },
+    entry_points={"console_scripts": ["litz=litz.cli:main"]},
+)
