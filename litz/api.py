@@ -1,0 +1,180 @@
+"""The programming model (DESIGN.md §1): Driver, Executor, App and what they exchange.
+
+The driver runs in the master and only dispatches micro-tasks and reacts to their
+completion; executors run the micro-tasks next to the data they own. Neither sees
+processes, hosts or sockets: the framework moves executors and shards underneath.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from litz.errors import TaskError
+from litz.ps.tables import Table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from litz.runtime.master import Master
+
+
+class ParameterServer:
+    """What ``self.ps`` offers (to executors inside a task, and to the driver).
+
+    Values returned by ``get`` are read-only views shared through the process cache:
+    copy before modifying. ``get_many`` returns a fresh stacked array ``(n, *row_shape)``.
+    """
+
+    def get(self, table: str, key: Hashable) -> np.ndarray:
+        raise NotImplementedError
+
+    def get_many(self, table: str, keys: Iterable[Hashable]) -> np.ndarray:
+        raise NotImplementedError
+
+    def update(self, table: str, key: Hashable, delta: Any) -> None:
+        raise NotImplementedError
+
+    def update_many(self, table: str, keys: Iterable[Hashable], deltas: Any) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """A finished micro-task, as ``handle_task_completion`` receives it."""
+
+    executor_id: int
+    args: Any
+    value: Any
+    task_id: int
+    version: int
+
+
+@dataclass(frozen=True)
+class TaskFailure:
+    """A micro-task whose ``run_task`` raised."""
+
+    executor_id: int
+    args: Any
+    traceback: str
+    task_id: int
+    worker: str
+
+
+class Executor:
+    """A logical executor: owns an input partition (reloadable) and mutable state (serializable).
+
+    Override ``load_input`` (how to read partition ``executor_id`` of ``num_executors`` from
+    shared storage), ``init_state`` and ``run_task``. Keep input and state apart: input is
+    never shipped when an executor moves away from a leaving host, it is reloaded.
+    Attributes set by the framework: ``executor_id``, ``num_executors``, ``config``, ``ps``,
+    ``input`` and ``state``.
+    """
+
+    executor_id: int
+    num_executors: int
+    config: dict[str, Any]
+    ps: ParameterServer
+    input: Any = None
+    state: Any = None
+
+    def load_input(self) -> Any:
+        """Load this executor's input partition; the result is stored in ``self.input``."""
+        return None
+
+    def init_state(self) -> Any:
+        """Create this executor's mutable state; the result is stored in ``self.state``."""
+        return None
+
+    def run_task(self, args: Any) -> Any:
+        """Run one micro-task; returning is the completion signal, the value goes to the driver."""
+        raise NotImplementedError
+
+    def get_state(self) -> Any:
+        """The state to ship or checkpoint (default: ``self.state``)."""
+        return self.state
+
+    def set_state(self, state: Any) -> None:
+        self.state = state
+
+
+class Driver:
+    """The job's control logic, run in the master.
+
+    Override ``dispatch_initial_tasks`` and ``handle_task_completion``; call
+    ``dispatch_task`` to queue micro-tasks and ``finish`` to end the job with a result.
+    ``self.ps`` reads and writes parameters synchronously (e.g. to evaluate or to read the
+    final model). ``self.config`` holds the application's options.
+    """
+
+    num_executors: int
+    config: dict[str, Any]
+    _master: Master | None = None
+    _finished: bool = False
+    _result: Any = None
+
+    # -- framework side ---------------------------------------------------------
+    def _bind(self, master: Master, num_executors: int, config: dict[str, Any]) -> None:
+        self._master = master
+        self.num_executors = num_executors
+        self.config = config
+
+    @property
+    def ps(self) -> ParameterServer:
+        assert self._master is not None, "the driver is not running"
+        return self._master.ps
+
+    @property
+    def version(self) -> int:
+        """The master's version counter: incremented at each task completion."""
+        assert self._master is not None
+        return self._master.state.version
+
+    def dispatch_task(self, executor_id: int, args: Any = None) -> int:
+        """Queue a micro-task for one executor; returns its task id."""
+        assert self._master is not None, "dispatch_task called before the job started"
+        return self._master.dispatch(executor_id, args)
+
+    def finish(self, result: Any = None) -> None:
+        """End the job: ``litz.run`` returns ``result`` (tasks still in flight are abandoned)."""
+        self._finished = True
+        self._result = result
+
+    # -- application side -----------------------------------------------------------
+    def dispatch_initial_tasks(self) -> None:
+        raise NotImplementedError
+
+    def handle_task_completion(self, result: TaskResult) -> None:
+        raise NotImplementedError
+
+    def handle_task_failure(self, failure: TaskFailure) -> None:
+        """Called when ``run_task`` raised; the default stops the job with a TaskError."""
+        raise TaskError(failure.executor_id, failure.args, failure.traceback, failure.worker)
+
+
+@dataclass
+class App:
+    """Everything a job needs: the two classes, the tables, how many executors, the options."""
+
+    driver: type[Driver]
+    executor: type[Executor]
+    tables: list[Table] = field(default_factory=list)
+    num_executors: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    name: str = "app"
+
+
+@dataclass
+class JobResult:
+    """What ``litz.run`` returns: the driver's result, wall time, and per-process counters."""
+
+    value: Any
+    elapsed: float
+    stats: dict[str, dict[str, Any]]
+    job: str
+    tasks_completed: int
+
+    def total(self, counter: str, role: str | None = None) -> int:
+        """Sum a counter over processes (optionally of one role)."""
+        return sum(int(s.get(counter, 0)) for s in self.stats.values() if role is None or s.get("role") == role)

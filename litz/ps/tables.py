@@ -1,0 +1,218 @@
+"""Parameter tables: row shape, dtype, initializer and combiner, and the checks on keys and updates.
+
+A ``Table`` is a declaration shared by the driver, the workers and the servers. Its combiner
+says how two updates merge (in a worker's update log) and how an update applies to a value
+(on a server). Built-ins: ``add`` (default), ``min``, ``max``, ``assign``; an application may
+supply any associative function through ``Combiner``.
+
+Rows are created on first touch by the initializer, which is a pure function of
+(table, key), so that a row initialised on any server, at any time, has the same value.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from litz.errors import TableError
+
+Key = Hashable
+
+
+class Combiner:
+    """How updates merge and apply. Subclass it, or wrap one associative function with ``Combiner.of``.
+
+    ``merge_into(acc, upd)`` merges ``upd`` into ``acc`` (an array the caller owns) and returns
+    the result (``acc`` itself when done in place). ``apply_into(value, upd)`` applies an update
+    to a stored value the same way. For most combiners the two are the same operation.
+    """
+
+    name = "custom"
+
+    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def apply_into(self, value: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        return self.merge_into(value, upd)
+
+    @staticmethod
+    def of(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str = "custom") -> Combiner:
+        """A combiner from an associative function ``fn(a, b) -> combined`` (used to merge and to apply)."""
+        return _FunctionCombiner(fn, name)
+
+
+class _FunctionCombiner(Combiner):
+    def __init__(self, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str) -> None:
+        self.fn = fn
+        self.name = name
+
+    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        out = self.fn(acc, upd)
+        if out is not acc:
+            acc[...] = out
+        return acc
+
+
+class _Ufunc(Combiner):
+    def __init__(self, name: str, ufunc: np.ufunc) -> None:
+        self.name = name
+        self.ufunc = ufunc
+
+    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        self.ufunc(acc, upd, out=acc, casting="same_kind")
+        return acc
+
+
+class _Assign(Combiner):
+    name = "assign"
+
+    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        acc[...] = upd
+        return acc
+
+
+COMBINERS: dict[str, Combiner] = {
+    "add": _Ufunc("add", np.add),
+    "min": _Ufunc("min", np.minimum),
+    "max": _Ufunc("max", np.maximum),
+    "assign": _Assign(),
+}
+
+
+def _key_seed(key: Key) -> int:
+    if isinstance(key, (int, np.integer)):
+        return int(key) & 0xFFFFFFFF
+    return zlib.crc32(repr(key).encode())
+
+
+@dataclass
+class Table:
+    """A named parameter table.
+
+    Args:
+        name: the table's name, used in ``ps.get(name, key)``.
+        shape: the shape of one row (``()`` for scalars).
+        dtype: the rows' dtype; updates must be castable to it (same kind).
+        init: ``"zeros"``, ``("full", v)``, ``("normal", std)``, ``("uniform", lo, hi)``, or
+            ``fn(key, shape, dtype) -> array``: rows are created on first touch.
+        combiner: ``"add"``, ``"min"``, ``"max"``, ``"assign"`` or a ``Combiner``.
+        num_rows: if set, keys must be ints in ``[0, num_rows)``; otherwise ints or strings.
+        seed: seeds the random initializers (per key, so any server makes the same row).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any = "float32"
+    init: Any = "zeros"
+    combiner: Any = "add"
+    num_rows: int | None = None
+    seed: int = 0
+    _combiner: Combiner = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(s) for s in (self.shape if isinstance(self.shape, (tuple, list)) else
+                                            (self.shape,)))
+        self.dtype = np.dtype(self.dtype)
+        if isinstance(self.combiner, str):
+            if self.combiner not in COMBINERS:
+                raise TableError(f"table {self.name!r}: unknown combiner {self.combiner!r} "
+                                 f"(choose from {sorted(COMBINERS)} or pass a Combiner)")
+            self._combiner = COMBINERS[self.combiner]
+        elif isinstance(self.combiner, Combiner):
+            self._combiner = self.combiner
+        else:
+            raise TableError(f"table {self.name!r}: combiner must be a name or a Combiner")
+
+    @property
+    def comb(self) -> Combiner:
+        return self._combiner
+
+    @property
+    def row_nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    # -- keys -----------------------------------------------------------------
+    def check_key(self, key: Any) -> Key:
+        """Return the canonical key or raise TableError naming the table and the key."""
+        if isinstance(key, (bool, np.bool_)):
+            raise TableError(f"table {self.name!r}: key {key!r} is a bool; keys are ints or strings")
+        if isinstance(key, (int, np.integer)):
+            key = int(key)
+            if self.num_rows is not None and not 0 <= key < self.num_rows:
+                raise TableError(f"table {self.name!r}: key {key} out of range [0, {self.num_rows})")
+            return key
+        if isinstance(key, str) and self.num_rows is None:
+            return key
+        raise TableError(f"table {self.name!r}: bad key {key!r} of type {type(key).__name__} "
+                         f"({'ints in range' if self.num_rows is not None else 'ints or strings'} expected)")
+
+    def check_keys(self, keys: Any) -> list[Key]:
+        if isinstance(keys, range) and self.num_rows is not None:
+            if len(keys) and not (0 <= keys[0] < self.num_rows and 0 <= keys[-1] < self.num_rows):
+                raise TableError(f"table {self.name!r}: keys {keys} out of range [0, {self.num_rows})")
+            return list(keys)
+        if isinstance(keys, np.ndarray):
+            keys = keys.tolist()
+        return [self.check_key(k) for k in keys]
+
+    # -- values ---------------------------------------------------------------
+    def check_delta(self, delta: Any, n: int | None = None, what: str = "update") -> np.ndarray:
+        """Validate one row (n is None) or n stacked rows; return an array of the table's dtype."""
+        arr = np.asarray(delta)
+        expected = self.shape if n is None else (n, *self.shape)
+        if arr.shape != expected:
+            raise TableError(f"table {self.name!r}: {what} has shape {arr.shape}, expected {expected}")
+        if not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):
+            raise TableError(f"table {self.name!r}: {what} has dtype {arr.dtype}, "
+                             f"which cannot be cast to the table's {self.dtype}")
+        return arr if arr.dtype == self.dtype else arr.astype(self.dtype)
+
+    def initial_row(self, key: Key) -> np.ndarray:
+        """The row's initial value: a pure function of (table, key)."""
+        init = self.init
+        if callable(init):
+            row = np.asarray(init(key, self.shape, self.dtype), dtype=self.dtype)
+            if row.shape != self.shape:
+                raise TableError(f"table {self.name!r}: initializer gave shape {row.shape} for key {key!r}")
+            return np.array(row, copy=True)
+        kind, *params = (init,) if isinstance(init, str) else tuple(init)
+        if kind == "zeros":
+            return np.zeros(self.shape, self.dtype)
+        if kind == "full":
+            return np.full(self.shape, params[0], self.dtype)
+        rng = np.random.default_rng([self.seed, _key_seed(key), zlib.crc32(self.name.encode())])
+        if kind == "normal":
+            return (rng.standard_normal(self.shape) * (params[0] if params else 1.0)).astype(self.dtype)
+        if kind == "uniform":
+            lo, hi = params if params else (0.0, 1.0)
+            return rng.uniform(lo, hi, self.shape).astype(self.dtype)
+        raise TableError(f"table {self.name!r}: unknown initializer {init!r}")
+
+
+def table_index(tables: list[Table]) -> dict[str, Table]:
+    """Map names to tables, refusing duplicates."""
+    out: dict[str, Table] = {}
+    for t in tables:
+        if t.name in out:
+            raise TableError(f"table {t.name!r} declared twice")
+        out[t.name] = t
+    return out
+
+
+def shard_of(key: Key, num_shards: int) -> int:
+    """The logical shard of a key: stable across processes and runs (never Python's salted hash)."""
+    if isinstance(key, int):
+        return key % num_shards
+    return zlib.crc32(key.encode() if isinstance(key, str) else repr(key).encode()) % num_shards
+
+
+def lookup(tables: dict[str, Table], name: Any) -> Table:
+    """The table of that name, or a TableError that lists the known ones."""
+    table = tables.get(name) if isinstance(name, str) else None
+    if table is None:
+        raise TableError(f"unknown table {name!r} (tables: {sorted(tables)})")
+    return table

@@ -1,0 +1,58 @@
+"""The update log: one per worker process; ``ps.update`` merges into it with the table's combiner.
+
+The worker flushes it to the servers and sends the buffered task completions to the master
+only once the servers have acknowledged the flush (DESIGN.md §2, rule 1). The log holds no
+sockets: ``drain`` hands the merged updates over, grouped per table, ready to be split by
+server and sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+from litz.ps.tables import Table
+
+
+class UpdateLog:
+    """Per-key merge of updates with each table's combiner; counts what it absorbed."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, dict[Hashable, np.ndarray]] = {}
+        self._tables: dict[str, Table] = {}
+        self.nbytes = 0
+        self.updates_in = 0
+        self.rows_out = 0
+
+    def add(self, table: Table, key: Hashable, delta: np.ndarray) -> None:
+        """Merge one validated row delta (the log copies it: the caller may reuse its array)."""
+        rows = self._rows.get(table.name)
+        if rows is None:
+            rows = self._rows[table.name] = {}
+            self._tables[table.name] = table
+        self.updates_in += 1
+        acc = rows.get(key)
+        if acc is None:
+            rows[key] = np.array(delta, dtype=table.dtype, copy=True)
+            self.nbytes += table.row_nbytes
+        else:
+            table.comb.merge_into(acc, delta)
+
+    def add_many(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
+        for i, key in enumerate(keys):
+            self.add(table, key, deltas[i])
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self._rows.values())
+
+    def __bool__(self) -> bool:
+        return any(self._rows.values())
+
+    def drain(self) -> dict[str, tuple[list[Hashable], list[np.ndarray]]]:
+        """Take everything: table -> (keys, row deltas); the log is empty afterwards."""
+        out = {name: (list(rows.keys()), list(rows.values())) for name, rows in self._rows.items() if rows}
+        self.rows_out += sum(len(k) for k, _ in out.values())
+        self._rows.clear()
+        self.nbytes = 0
+        return out

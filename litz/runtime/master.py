@@ -1,0 +1,397 @@
+"""The master: hosts the driver, owns the version counter and the executor/shard maps.
+
+``MasterState`` is the socket-free bookkeeping (versions, tasks in flight, placement) that
+tests drive directly. ``Master`` connects it to the endpoint, etcd membership and the
+driver: it waits for the job's processes to register, initialises servers and workers,
+runs the driver's callbacks as completions arrive, and shuts everything down.
+
+The version is incremented *before* ``handle_task_completion`` runs, so every task the
+handler dispatches carries a version greater than that of any task that could have read
+parameters before the completed task's updates were applied (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import zmq
+
+from litz.api import App, Driver, JobResult, ParameterServer, TaskFailure, TaskResult
+from litz.errors import LitzError, ProcessLost, TableError
+from litz.ps.tables import Table, lookup, shard_of, table_index
+from litz.runtime.membership import Membership
+from litz.runtime.node import PROCS, proc_key
+from litz.runtime.protocol import Message
+from litz.runtime.transport import Endpoint
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NUM_SHARDS = 64
+
+
+@dataclass
+class TaskRecord:
+    task_id: int
+    executor_id: int
+    version: int
+    args: Any
+    worker: str
+
+
+class MasterState:
+    """Versions, placement and tasks in flight; no sockets."""
+
+    def __init__(self, num_executors: int, workers: list[str], servers: list[str],
+                 num_shards: int = DEFAULT_NUM_SHARDS) -> None:
+        if num_executors < 1 or not workers or not servers:
+            raise LitzError("a job needs at least one executor, one worker and one server")
+        self.version = 0
+        self.num_executors = num_executors
+        self.num_shards = num_shards
+        self.workers = list(workers)
+        self.servers = list(servers)
+        # contiguous blocks of executors per worker, as even as possible
+        self.placement: dict[int, str] = {
+            e: workers[e * len(workers) // num_executors] for e in range(num_executors)
+        }
+        self.shard_map: list[str] = [servers[s % len(servers)] for s in range(num_shards)]
+        self.inflight: dict[int, TaskRecord] = {}
+        self.outbox: dict[str, list[list[Any]]] = {}
+        self._next_id = 0
+        self.completed = 0
+
+    def executors_of(self, worker: str) -> list[int]:
+        return [e for e, w in self.placement.items() if w == worker]
+
+    def shards_of(self, server: str) -> list[int]:
+        return [s for s, srv in enumerate(self.shard_map) if srv == server]
+
+    def dispatch(self, executor_id: int, args: Any) -> int:
+        """Queue a task for its executor's worker, tagged with the current version."""
+        worker = self.placement.get(executor_id) if isinstance(executor_id, int) else None
+        if worker is None:
+            raise LitzError(f"dispatch_task: no executor {executor_id!r} (executors are 0..{self.num_executors - 1})")
+        self._next_id += 1
+        rec = TaskRecord(self._next_id, executor_id, self.version, args, worker)
+        self.inflight[rec.task_id] = rec
+        self.outbox.setdefault(worker, []).append([rec.task_id, executor_id, rec.version, args])
+        return rec.task_id
+
+    def complete(self, task_id: int) -> TaskRecord:
+        """A task finished: forget it and advance the version (before the driver is told)."""
+        rec = self.inflight.pop(task_id)
+        self.version += 1
+        self.completed += 1
+        return rec
+
+    def fail(self, task_id: int) -> TaskRecord:
+        return self.inflight.pop(task_id)
+
+    def take_outbox(self) -> dict[str, list[list[Any]]]:
+        out, self.outbox = self.outbox, {}
+        return out
+
+
+class DriverPS(ParameterServer):
+    """The driver's synchronous view of the parameters (reads bypass every cache)."""
+
+    def __init__(self, master: Master) -> None:
+        self._m = master
+
+    def get(self, table: str, key: Hashable) -> np.ndarray:
+        return self.get_many(table, [key])[0]
+
+    def get_many(self, table: str, keys: Iterable[Hashable]) -> np.ndarray:
+        return self._m.read(table, keys)
+
+    def update(self, table: str, key: Hashable, delta: Any) -> None:
+        t = self._m.table(table)
+        self._m.write(t, [t.check_key(key)], t.check_delta(delta)[None])
+
+    def update_many(self, table: str, keys: Iterable[Hashable], deltas: Any) -> None:
+        t = self._m.table(table)
+        keys = t.check_keys(keys)
+        self._m.write(t, keys, t.check_delta(deltas, n=len(keys)))
+
+
+class Master:
+    """Runs one job's driver over registered worker and server processes."""
+
+    def __init__(self, app: App, job: str, membership: Membership, *, workers: int, servers: int,
+                 num_executors: int, options: dict[str, Any] | None = None,
+                 health_check: Callable[[], None] | None = None, startup_timeout: float = 60.0,
+                 num_shards: int = DEFAULT_NUM_SHARDS) -> None:
+        self.app = app
+        self.job = job
+        self.membership = membership
+        self.want_workers = workers
+        self.want_servers = servers
+        self.num_executors = num_executors
+        self.options = dict(options or {})
+        self.health_check = health_check
+        self.startup_timeout = startup_timeout
+        self.num_shards = num_shards
+        self.tables: dict[str, Table] = table_index(app.tables)
+        self.endpoint = Endpoint("master")
+        self.ps = DriverPS(self)
+        self.state: MasterState | None = None  # type: ignore[assignment]
+        self.procs: dict[str, dict[str, Any]] = {}
+        self._rid = 0
+        self._replies: dict[int, Message] = {}
+        self._deferred: list[Message] = []
+        self._byes: dict[str, dict[str, Any]] = {}
+        self._stats: dict[int, dict[str, Any]] = {}
+        self._last_health = 0.0
+        self.errors: list[str] = []
+
+    def table(self, name: str) -> Table:
+        return lookup(self.tables, name)
+
+    # -- the loop's plumbing ------------------------------------------------------------------
+    def _poll(self, timeout_ms: int) -> list[Message]:
+        """Wait for messages (and check the processes' health); return those received."""
+        out: list[Message] = []
+        if self.endpoint.router.poll(timeout_ms):
+            while True:
+                try:
+                    msg = self.endpoint.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if msg is not None:
+                    out.append(msg)
+        now = time.monotonic()
+        if now - self._last_health > 0.2:
+            self._last_health = now
+            self._check_health()
+        return out
+
+    def _check_health(self) -> None:
+        if self.health_check is not None:
+            self.health_check()
+        for ev in self.membership.poll_events():
+            if ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
+                ident = ev.key.rsplit("/", 1)[-1]
+                if ident in self.state.workers or ident in self.state.servers:
+                    if ident not in self._byes:
+                        raise ProcessLost(f"process {ident} left the job (its etcd lease ended)")
+            elif ev.kind == "put" and ev.value and "addr" in ev.value:
+                self.procs[ev.value["id"]] = ev.value
+                self.endpoint.connect(ev.value["id"], ev.value["addr"])
+
+    def _wait(self, done: Callable[[], bool], what: str, timeout: float,
+              handle: Callable[[Message], None]) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise LitzError(f"timed out after {timeout:.0f} s waiting for {what}")
+            for msg in self._poll(100):
+                handle(msg)
+
+    def _handle_aside(self, msg: Message) -> None:
+        """While waiting for replies, keep completions for later and record replies."""
+        if msg.type in ("get_reply", "update_ack", "stats") or (msg.type == "error" and "rid" in msg.fields):
+            self._replies[msg["rid"]] = msg
+        elif msg.type == "bye":
+            self._byes[msg.sender] = msg["stats"]
+        elif msg.type == "error":
+            self._report_error(msg)
+        else:
+            self._deferred.append(msg)
+
+    def _report_error(self, msg: Message) -> None:
+        text = f"{msg.sender}: {msg['reason']}"
+        self.errors.append(text)
+        log.error("error reported by %s", text)
+
+    # -- start-up -------------------------------------------------------------------------------
+    def _wait_for_processes(self) -> tuple[list[str], list[str]]:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            procs = self.membership.get_prefix(PROCS)
+            workers = sorted(v["id"] for k, v in procs.items() if k.startswith(proc_key("worker", "")))
+            servers = sorted(v["id"] for k, v in procs.items() if k.startswith(proc_key("server", "")))
+            if len(workers) >= self.want_workers and len(servers) >= self.want_servers:
+                for v in procs.values():
+                    if "addr" in v:
+                        self.procs[v["id"]] = v
+                        self.endpoint.connect(v["id"], v["addr"])
+                return workers[: self.want_workers], servers[: self.want_servers]
+            if time.monotonic() > deadline:
+                raise LitzError(f"timed out after {self.startup_timeout:.0f} s waiting for "
+                                f"{self.want_workers} workers and {self.want_servers} servers to register "
+                                f"(have {len(workers)} and {len(servers)})")
+            if self.health_check is not None:
+                self.health_check()
+            time.sleep(0.02)
+
+    def _initialise(self, workers: list[str], servers: list[str]) -> None:
+        state = self.state = MasterState(self.num_executors, workers, servers, self.num_shards)
+        tables_blob = cloudpickle.dumps(list(self.tables.values()))
+        for srv in servers:
+            self.endpoint.send(srv, "init_server", tables=tables_blob, shards=state.shards_of(srv),
+                               num_shards=state.num_shards, master="master")
+        app_blob = cloudpickle.dumps({"executor": self.app.executor, "config": self.app.config})
+        peers = {ident: p["addr"] for ident, p in self.procs.items()}
+        for w in workers:
+            self.endpoint.send(w, "init_worker", app=app_blob, tables=tables_blob,
+                               executors=state.executors_of(w), num_executors=self.num_executors,
+                               num_shards=state.num_shards, shard_map=state.shard_map, peers=peers,
+                               options=self.options, master="master")
+        ready: dict[str, Message] = {}
+
+        def on_msg(msg: Message) -> None:
+            if msg.type == "ready":
+                ready[msg.sender] = msg
+            else:
+                self._handle_aside(msg)
+
+        self._wait(lambda: len(ready) == len(workers) + len(servers), "workers and servers to initialise",
+                   self.startup_timeout, on_msg)
+        failures = [m.get("error") for m in ready.values() if m.get("error")]
+        if failures:
+            raise LitzError("initialisation failed:\n" + "\n".join(failures))
+
+    # -- the driver's synchronous PS access -----------------------------------------------------
+    def _request(self, server: str, type_name: str, **fields: Any) -> int:
+        self._rid += 1
+        self.endpoint.send(server, type_name, rid=self._rid, **fields)
+        return self._rid
+
+    def _await(self, rids: list[int], what: str) -> list[Message]:
+        self._wait(lambda: all(r in self._replies for r in rids), what, 60.0, self._handle_aside)
+        replies = [self._replies.pop(r) for r in rids]
+        for r in replies:
+            if r.type == "error":
+                raise LitzError(f"{what} failed on {r.sender}: {r['reason']}")
+        return replies
+
+    def read(self, table_name: str, keys: Iterable[Hashable]) -> np.ndarray:
+        """Read rows straight from the servers (used by the driver)."""
+        assert self.state is not None
+        table = self.table(table_name)
+        keys = table.check_keys(keys)
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self.state.shard_map[shard_of(key, self.num_shards)], []).append(i)
+        rids = {srv: self._request(srv, "get", items=[[table.name, [keys[i] for i in idx]]])
+                for srv, idx in groups.items()}
+        out = np.empty((len(keys), *table.shape), table.dtype)
+        for srv, reply in zip(rids, self._await(list(rids.values()), f"reading table {table.name!r}"),
+                              strict=True):
+            if reply["errors"][0] is not None:
+                raise TableError(reply["errors"][0])
+            out[groups[srv]] = reply["values"][0]
+        return out
+
+    def write(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
+        """Apply updates from the driver and wait until the servers acknowledge them."""
+        assert self.state is not None
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self.state.shard_map[shard_of(key, self.num_shards)], []).append(i)
+        rids = [self._request(srv, "update", items=[[table.name, [keys[i] for i in idx], deltas[idx]]])
+                for srv, idx in groups.items()]
+        for reply in self._await(rids, f"updating table {table.name!r}"):
+            if reply["errors"][0] is not None:
+                raise TableError(reply["errors"][0])
+
+    def collect_stats(self) -> dict[str, dict[str, Any]]:
+        """Ask every process for its counters (benchmarks)."""
+        assert self.state is not None
+        procs = self.state.workers + self.state.servers
+        rids = {p: self._request(p, "stats_request") for p in procs}
+        replies = self._await(list(rids.values()), "statistics")
+        out = {p: r["stats"] for p, r in zip(rids, replies, strict=True)}
+        out["master"] = {"role": "master", **self.endpoint.counters()}
+        return out
+
+    # -- dispatch and completion ------------------------------------------------------------------
+    def dispatch(self, executor_id: int, args: Any) -> int:
+        assert self.state is not None
+        return self.state.dispatch(executor_id, args)
+
+    def _send_outbox(self) -> None:
+        assert self.state is not None
+        for worker, tasks in self.state.take_outbox().items():
+            self.endpoint.send(worker, "tasks", tasks=tasks)
+
+    def _on_done(self, driver: Driver, msg: Message) -> None:
+        assert self.state is not None
+        for task_id, tb in msg["failed"]:
+            rec = self.state.fail(task_id)
+            driver.handle_task_failure(TaskFailure(rec.executor_id, rec.args, tb, task_id, msg.sender))
+        for task_id, value in msg["completed"]:
+            if driver._finished:
+                return
+            rec = self.state.complete(task_id)
+            driver.handle_task_completion(TaskResult(rec.executor_id, rec.args, value, task_id, rec.version))
+
+    def run(self, driver: Driver) -> JobResult:
+        """Run the job to the driver's ``finish``; always shuts the processes down."""
+        started = time.monotonic()
+        self.membership.watch_prefix(PROCS)
+        self.membership.register(proc_key("master", "master"), {
+            "role": "master", "id": "master", "host": socket.gethostname(), "addr": self.endpoint.address,
+            "pid": os.getpid(), "started": time.time(),
+        })
+        stats: dict[str, dict[str, Any]] = {}
+        try:
+            workers, servers = self._wait_for_processes()
+            self._initialise(workers, servers)
+            driver._bind(self, self.num_executors, self.app.config)
+            driver.dispatch_initial_tasks()
+            self._send_outbox()
+            assert self.state is not None
+            while not driver._finished:
+                if not self.state.inflight and not self._deferred:
+                    raise LitzError("the driver has no task in flight and has not called finish(): "
+                                    "the job cannot make progress")
+                pending, self._deferred = self._deferred, []
+                for msg in pending + self._poll(200):
+                    if msg.type == "done":
+                        self._on_done(driver, msg)
+                    else:
+                        self._handle_aside(msg)
+                    if driver._finished:
+                        break
+                self._send_outbox()
+            if self.options.get("collect_stats", True):
+                stats = self.collect_stats()
+        finally:
+            self.shutdown(stats)
+        assert self.state is not None
+        return JobResult(driver._result, time.monotonic() - started, stats, self.job, self.state.completed)
+
+    def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
+        """Tell every process to leave and wait (briefly) for their goodbyes."""
+        targets = [p for p in self.procs if p != "master" and self.procs[p].get("role") in ("worker", "server")]
+        for p in targets:
+            try:
+                self.endpoint.send(p, "shutdown", reason="job finished")
+            except Exception:
+                log.warning("cannot reach %s to shut it down", p)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(p in self._byes for p in targets):
+            if self.endpoint.router.poll(100):
+                try:
+                    msg = self.endpoint.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                if msg is not None and msg.type == "bye":
+                    self._byes[msg.sender] = msg["stats"]
+        for p, s in self._byes.items():
+            stats.setdefault(p, s)
+        try:
+            self.membership.deregister()
+        except LitzError:
+            log.warning("could not deregister the master from etcd")
+        self.endpoint.close()
+

@@ -1,0 +1,711 @@
+"""Litz's view of etcd: who is in the job, registered under leases that vanish when a process dies.
+
+Failure detection in Litz is lease expiry: every process registers a key under a short lease (2 s by
+default) and keeps it alive; when a process dies or hangs, etcd deletes the key and every watcher sees a
+``delete`` event.  This module is the only place that talks to etcd, so the client library (etcd3aio, an
+asyncio gRPC client) can be swapped without touching the rest of Litz.
+
+Threading model: the rest of a Litz process runs a greenlet/ZeroMQ hub loop that must never block on etcd,
+and asyncio cannot share that loop.  So each ``Membership`` owns a daemon thread running its own asyncio
+loop; the lease keep-alive and the watches live there as tasks.  Watch events cross to the hub through a
+thread-safe ``queue.Queue`` plus an ``on_event()`` wake-up callback (the hub's writes a byte to a pipe it
+polls).  The synchronous methods submit a coroutine to that loop and wait for its result; they block the
+caller for at most about the configured timeout, and ``poll_events()`` never blocks.
+
+Everything is built to ride out a restart of etcd: unary calls retry transient gRPC errors until their
+deadline, watches resume from the last revision they saw, and a lease that was lost is granted again and
+its keys are put back (other members see the process leave and come back, and a warning is logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError, prefix_range_end
+
+from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProtocolError
+
+__all__ = ["Event", "Membership"]
+
+_log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# mvccpb.Event.EventType values; spelled out so we need not import etcd3aio's generated protobuf modules.
+_EVENT_PUT = 0
+_EVENT_DELETE = 1
+
+# gRPC codes that mean "etcd is not there right now" (restarting, not yet up, network blip): worth retrying.
+_TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Errors that all mean "etcd did not answer in time"; converted to EtcdUnreachable at the API boundary.
+_ETCD_ERRORS: tuple[type[BaseException], ...] = (
+    EtcdError,
+    grpc.RpcError,
+    TimeoutError,
+    asyncio.TimeoutError,
+    concurrent.futures.TimeoutError,
+)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change under a watched prefix, as the hub sees it.
+
+    ``key`` is relative to the job prefix (``/litz/<job>/``) so callers never deal with other jobs' keys;
+    ``value`` is the decoded JSON for ``put`` and None for ``delete`` (etcd does not send the old value).
+    """
+
+    kind: str
+    key: str
+    value: dict | None
+
+
+class _Transient(Exception):
+    """Raised inside the etcd thread for conditions that should be retried like a dropped connection."""
+
+
+def _parse_endpoints(etcd: str) -> list[str]:
+    """Turn ``http://host:port`` / ``host:port`` (comma-separated for a cluster) into gRPC ``host:port``s.
+
+    TLS is not wired up yet, so ``https://`` is refused here with a clear message instead of failing later
+    with an obscure handshake error.
+    """
+    endpoints = []
+    for part in etcd.split(","):
+        part = part.strip().rstrip("/")
+        if part.startswith("https://"):
+            raise ConfigError(f"etcd endpoint {part!r}: TLS (https://) is not supported, use http://")
+        if part.startswith("http://"):
+            part = part[len("http://") :]
+        if not part or "/" in part or ":" not in part:
+            raise ConfigError(f"etcd endpoint {part!r} in {etcd!r} is not of the form http://HOST:PORT")
+        endpoints.append(part)
+    return endpoints
+
+
+def _encode(value: dict) -> bytes:
+    """JSON-encode a value compactly; raises TypeError in the caller's thread for unserialisable values."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def _describe(exc: BaseException) -> str:
+    """One-line description of an etcd/gRPC failure (AioRpcError's own str() spans several lines)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details() or ''}".strip().rstrip(":")
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
+        return "timed out"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Whether an error means etcd is (for now) unreachable rather than that the request was wrong."""
+    if isinstance(exc, (EtcdConnectionError, EtcdTransientError, _Transient)):
+        return True
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _TRANSIENT_CODES
+
+
+def _is_lease_not_found(exc: BaseException) -> bool:
+    """A put with a lease that etcd has already expired fails with NOT_FOUND; we then grant a new lease."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
+
+
+class Membership:
+    """Registration, key/value access and watches under ``/litz/<job>/``, driven from any thread.
+
+    Use ``start()`` (or ``with Membership(...) as m:``) before anything else and ``close()`` at the end.
+    A process registers at most one lease: ``register()`` grants it, ``put(..., lease=True)`` attaches more
+    keys to it, and all of them are kept alive and restored together.
+
+    To learn the current members without missing a change, call ``watch_prefix()`` first (it returns once
+    the watch is established) and then ``get_prefix()``; applying the events afterwards may repeat a change
+    already in the snapshot, which is harmless for put/delete state.
+    """
+
+    def __init__(
+        self,
+        etcd: str,
+        job: str,
+        *,
+        on_event: Callable[[], None] | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        """Describe the connection; nothing is contacted until ``start()``.
+
+        ``connect_timeout`` bounds ``start()`` and is also the deadline of each later call, long enough to
+        ride out an etcd restart (about a second) without surfacing an error.
+        """
+        if not job or "/" in job:
+            raise ConfigError(f"job name {job!r} must be non-empty and contain no '/'")
+        self._url = etcd
+        self._endpoints = _parse_endpoints(etcd)
+        self._job = job
+        self._prefix = f"/litz/{job}/"
+        self._on_event = on_event
+        self._timeout = connect_timeout
+        self._events: queue.Queue[Event] = queue.Queue()
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        # The fields below are touched only on the etcd thread, so they need no lock.
+        self._client: Etcd3Client | None = None
+        self._registered = False
+        self._ttl = 2
+        self._lease_id: int | None = None
+        self._leased: dict[str, bytes] = {}
+        self._restore_needed = False
+        self._lease_lock: asyncio.Lock | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._watch_tasks: list[asyncio.Task[None]] = []
+
+    # -- properties -------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The etcd address as given, for messages."""
+        return self._url
+
+    @property
+    def prefix(self) -> str:
+        """The job's key prefix in etcd, ``/litz/<job>/``."""
+        return self._prefix
+
+    @property
+    def registered(self) -> bool:
+        """Whether this process holds a registration (even while its lease is being re-granted)."""
+        return self._registered
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the etcd thread and check that etcd answers, within ``connect_timeout`` seconds.
+
+        Raises EtcdUnreachable naming the URL (and cleans up the thread) if etcd does not answer in time,
+        so a wrong ``--etcd`` is reported before any work is done.
+        """
+        if self._closed:
+            raise LitzError("Membership.start() called after close()")
+        if self._loop is not None:
+            return
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(
+            target=self._run_loop, args=(loop,), name=f"litz-etcd-{self._job}", daemon=True
+        )
+        self._loop, self._thread = loop, thread
+        thread.start()
+        try:
+            self._call("connect", self._connect())
+        except BaseException:
+            self._stop_thread()
+            raise
+
+    def close(self) -> None:
+        """Deregister if registered, stop watches and keep-alive, close the client, join the thread.
+
+        Idempotent and safe after a failed ``start()``.  If etcd is unreachable the lease cannot be revoked;
+        it then expires by itself after its TTL, which is logged rather than raised so shutdown completes.
+        """
+        if self._closed:
+            return
+        self._check_thread("close")
+        self._closed = True
+        if self._loop is None:
+            return
+        if self._registered:
+            try:
+                self._call("deregister", self._deregister(), allow_closed=True)
+            except EtcdUnreachable as exc:
+                _log.warning("%s; its lease will expire by itself", exc)
+        self._stop_thread()
+
+    def __enter__(self) -> Membership:
+        """Start, so ``with Membership(url, job) as m:`` gives a connected instance."""
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close whatever happened in the block, so the lease and thread never outlive it."""
+        self.close()
+
+    # -- public operations ------------------------------------------------------------------------------
+
+    def register(self, key: str, value: dict, ttl: int = 2) -> None:
+        """Put ``key`` = ``value`` under a new lease of ``ttl`` seconds and keep that lease alive.
+
+        The keep-alive runs every ``ttl/3`` s on the etcd thread.  If the lease is lost (etcd restarted
+        with a lease gone, or this process stalled past the TTL) or the key disappears, the lease is granted
+        again and the keys are put back, with a warning.  Registering again replaces the previous
+        registration (its lease is revoked and keys attached with ``put(lease=True)`` go with it).
+        """
+        if ttl < 1:
+            raise ValueError(f"ttl must be at least 1 s, got {ttl}")
+        self._call(f"register {key}", self._register(key, _encode(value), int(ttl)))
+
+    def deregister(self) -> None:
+        """Revoke the lease so the registered keys disappear now rather than at expiry; no-op if none."""
+        self._call("deregister", self._deregister())
+
+    def put(self, key: str, value: dict, *, lease: bool = False) -> None:
+        """Store ``value`` at ``key``; with ``lease=True`` it lives and dies with this process's registration.
+
+        Leased keys are restored together with the registration after a lease loss.
+        """
+        self._call(f"put {key}", self._put(key, _encode(value), lease))
+
+    def get(self, key: str) -> dict | None:
+        """Return the value at ``key``, or None if there is none; ProtocolError if it is not JSON."""
+        return self._call(f"get {key}", self._get(key))
+
+    def get_prefix(self, prefix: str) -> dict[str, dict]:
+        """Return every key under ``prefix`` (relative to the job prefix, as are the returned keys)."""
+        return self._call(f"get prefix {prefix}", self._get_prefix(prefix))
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; if it was leased, it is also no longer restored after a lease loss."""
+        self._call(f"delete {key}", self._delete(key))
+
+    def watch_prefix(self, prefix: str) -> None:
+        """Watch every key under ``prefix``: each change becomes an Event and then ``on_event()`` is called.
+
+        Returns once etcd has confirmed the watch, so every change made after this call is delivered.  The
+        watch resumes from the last revision it saw after a connection loss or an etcd restart.
+        """
+        self._call(f"watch {prefix}", self._watch(prefix))
+
+    def poll_events(self) -> list[Event]:
+        """Return the events queued so far, without blocking (what the hub calls after a wake-up)."""
+        out: list[Event] = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_events(self, timeout: float) -> list[Event]:
+        """Block up to ``timeout`` s for at least one event and return all queued ones ([] on timeout)."""
+        try:
+            first = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        return [first, *self.poll_events()]
+
+    # -- plumbing between the caller's thread and the etcd thread ---------------------------------------
+
+    @staticmethod
+    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+        """Body of the etcd thread: run the loop until ``_stop_thread`` stops it, then close it."""
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def _check_thread(self, what: str) -> None:
+        """Refuse calls from the etcd thread (e.g. inside ``on_event``): they would wait on themselves."""
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise LitzError(f"Membership.{what}() must not be called on the etcd thread (from on_event)")
+
+    def _call(self, what: str, coro: Coroutine[Any, Any, T], *, allow_closed: bool = False) -> T:
+        """Run ``coro`` on the etcd thread and return its result, converting etcd errors to EtcdUnreachable.
+
+        The whole coroutine runs under one deadline (``self._timeout``) on the loop; the extra second on
+        this side only guards against a wedged loop, so the caller can never hang for ever.
+        """
+        method = what.split()[0]
+        if self._loop is None or (self._closed and not allow_closed):
+            coro.close()
+            when = "after close()" if self._closed else "before start()"
+            raise LitzError(f"Membership.{method}() called {when}")
+        if self._thread is not None and threading.current_thread() is self._thread:
+            coro.close()
+            self._check_thread(method)
+        # One deadline for the whole operation, however many RPCs it makes (register: grant + puts).
+        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, self._timeout), self._loop)
+        try:
+            return fut.result(self._timeout + 1.0)
+        except _ETCD_ERRORS as exc:
+            fut.cancel()
+            detail = f"{what}: {_describe(exc)}"
+            raise EtcdUnreachable(
+                f"cannot reach etcd at {self._url} ({detail}): check that it runs / pass --etcd"
+            ) from exc
+
+    def _stop_thread(self) -> None:
+        """Cancel every task, close the gRPC channel, stop the loop and join the thread."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        if thread.is_alive():
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+            try:
+                fut.result(5.0)
+            except Exception as exc:  # shutdown must complete even if the channel misbehaves
+                _log.warning("etcd client shutdown for %s failed: %s", self._url, _describe(exc))
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5.0)
+            if thread.is_alive():
+                _log.warning("etcd thread for %s did not stop within 5 s; leaving it (daemon)", self._url)
+
+    async def _shutdown(self) -> None:
+        """Runs on the etcd thread: cancel our tasks and gRPC's, then close the channel."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        # Closing the channel cancels gRPC's own request-feeding tasks; reap them so that none is destroyed
+        # while pending (which asyncio reports as an error at interpreter exit).
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        await asyncio.get_running_loop().shutdown_asyncgens()
+
+    # -- coroutines (etcd thread only) ------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        """Absolute etcd key for a job-relative key."""
+        return self._prefix + key.lstrip("/")
+
+    def _kv_client(self) -> Etcd3Client:
+        """The connected client (tasks only run between connect and shutdown, so it is always set)."""
+        assert self._client is not None
+        return self._client
+
+    async def _retry(self, fn: Callable[[float], Awaitable[T]], timeout: float | None = None) -> T:
+        """Call ``fn(remaining_seconds)`` until it succeeds, retrying transient errors until the deadline.
+
+        etcd3aio's own retry gives up after a few attempts within ~150 ms, far shorter than an etcd restart;
+        retrying here for the whole call deadline is what lets callers not notice a restart.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self._timeout if timeout is None else timeout)
+        delay = 0.05
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                return await asyncio.wait_for(fn(max(remaining, 0.01)), max(remaining, 0.01))
+            except Exception as exc:
+                if not _is_transient(exc) or loop.time() + delay >= deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _connect(self) -> None:
+        """Create the client and make one read, retrying until ``connect_timeout`` (etcd may be starting)."""
+        self._lease_lock = asyncio.Lock()
+        # rpc_max_attempts=1: we retry ourselves (see _retry).  Watches reconnect with short back-off so
+        # they resume within about a second of etcd coming back.
+        self._client = Etcd3Client(
+            self._endpoints,
+            rpc_max_attempts=1,
+            watch_reconnect_backoff_seconds=0.1,
+            watch_max_reconnect_backoff_seconds=1.0,
+        )
+        await self._client.connect()
+        kv = self._client.kv
+        assert kv is not None
+        await self._retry(lambda t: kv.get(self._prefix, count_only=True, timeout=t))
+
+    async def _register(self, key: str, data: bytes, ttl: int) -> None:
+        """Grant the lease, put the key, start the keep-alive task; on failure leave nothing registered."""
+        if self._registered:
+            await self._deregister()
+        self._registered = True
+        self._ttl = ttl
+        self._leased = {key: data}
+        try:
+            await self._grant_and_put_all()
+        except BaseException:
+            self._registered = False
+            self._leased = {}
+            self._lease_id = None
+            raise
+        self._keepalive_task = asyncio.get_running_loop().create_task(
+            self._keepalive_loop(), name=f"litz-lease-{self._job}"
+        )
+
+    async def _grant_and_put_all(self, timeout: float | None = None) -> None:
+        """Grant a fresh lease and put every leased key with it (first registration and after a loss)."""
+        assert self._lease_lock is not None
+        async with self._lease_lock:
+            lease_svc = self._kv_client().lease
+            kv = self._kv_client().kv
+            assert lease_svc is not None and kv is not None
+            grant = await self._retry(lambda t: lease_svc.grant(self._ttl, timeout=t), timeout)
+            self._lease_id = grant.ID
+            self._restore_needed = True
+            for key, data in list(self._leased.items()):
+                full = self._full(key)
+                await self._retry(lambda t, k=full, d=data: kv.put(k, d, lease=grant.ID, timeout=t), timeout)
+            self._restore_needed = False
+
+    async def _deregister(self) -> None:
+        """Stop the keep-alive and revoke the lease; local state is cleared even if etcd cannot be reached."""
+        task, self._keepalive_task = self._keepalive_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        lease_id = self._lease_id
+        self._registered = False
+        self._lease_id = None
+        self._leased = {}
+        if lease_id is not None:
+            lease_svc = self._kv_client().lease
+            assert lease_svc is not None
+            try:
+                await self._retry(lambda t: lease_svc.revoke(lease_id, timeout=t))
+            except Exception as exc:
+                if not _is_lease_not_found(exc):  # already expired: the keys are gone, which is the goal
+                    raise
+
+    async def _keepalive_once(self, lease_id: int, timeout: float) -> int:
+        """Send one LeaseKeepAlive and return the TTL etcd reports (<= 0: the lease no longer exists).
+
+        etcd3aio's LeaseKeepalive sleeps ``max(1, ttl // 3)`` s, i.e. 1 s for a 2 s lease, which leaves too
+        little slack; we drive single keep-alive streams at ``ttl/3`` ourselves instead.
+        """
+        lease_svc = self._kv_client().lease
+        assert lease_svc is not None
+        call = lease_svc.keep_alive(lease_id)
+
+        async def first_response() -> Any:
+            async for resp in call:
+                return resp
+            raise _Transient("keep-alive stream closed without an answer")
+
+        try:
+            resp = await asyncio.wait_for(first_response(), timeout)
+        finally:
+            call.cancel()
+        return int(resp.TTL)
+
+    async def _restore_missing_keys(self, timeout: float) -> None:
+        """Put back leased keys that disappeared (deleted by someone, or lost with the data directory)."""
+        kv = self._kv_client().kv
+        assert kv is not None
+        lease_id = self._lease_id
+        if lease_id is None:
+            return
+        for key, data in list(self._leased.items()):
+            resp = await kv.get(self._full(key), count_only=True, timeout=timeout)
+            if resp.count == 0 and key in self._leased:
+                _log.warning("etcd %s: registered key %s disappeared; putting it back", self._url, key)
+                await kv.put(self._full(key), data, lease=lease_id, timeout=timeout)
+
+    async def _keepalive_loop(self) -> None:
+        """Renew the lease every ttl/3 s; re-grant and re-put when it is lost; never gives up.
+
+        Every third round it also checks that the leased keys still exist.  Outages are logged once when
+        they start and once when they end, not on every failed attempt.
+        """
+        loop = asyncio.get_running_loop()
+        interval = self._ttl / 3
+        next_at = loop.time()
+        rounds = 0
+        failing_since: float | None = None
+        while True:
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            next_at = max(next_at, loop.time() - interval)  # after a long stall, do not fire a burst
+            try:
+                if self._lease_id is None:
+                    await self._grant_and_put_all(timeout=interval)
+                else:
+                    ttl_left = await self._keepalive_once(self._lease_id, interval)
+                    if ttl_left <= 0:
+                        _log.warning(
+                            "etcd %s: lease for %s was lost (etcd restarted without it, or this process "
+                            "stalled for over %d s); registering again, others may have seen it leave",
+                            self._url, ", ".join(self._leased), self._ttl,
+                        )  # fmt: skip
+                        self._lease_id = None
+                        await self._grant_and_put_all(timeout=interval)
+                    else:
+                        rounds += 1
+                        if self._restore_needed or rounds % 3 == 0:
+                            await self._restore_missing_keys(interval)
+                            self._restore_needed = False
+                if failing_since is not None:
+                    down = time.monotonic() - failing_since
+                    _log.warning("etcd %s reachable again after %.1f s; lease renewed", self._url, down)
+                    failing_since = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if _is_lease_not_found(exc):
+                    self._lease_id = None  # a put raced with expiry; grant again next round
+                elif failing_since is None:
+                    failing_since = time.monotonic()
+                    _log.warning(
+                        "etcd %s: cannot renew lease (%s); retrying every %.2f s",
+                        self._url, _describe(exc), interval,
+                    )  # fmt: skip
+                if not _is_transient(exc) and not _is_lease_not_found(exc):
+                    _log.debug("keep-alive error", exc_info=True)
+
+    async def _put(self, key: str, data: bytes, lease: bool) -> None:
+        """Plain or leased put; a leased put whose lease just expired triggers a re-grant (which puts it)."""
+        kv = self._kv_client().kv
+        assert kv is not None
+        if not lease:
+            self._leased.pop(key, None)
+            await self._retry(lambda t: kv.put(self._full(key), data, timeout=t))
+            return
+        if not self._registered:
+            raise LitzError(f"put({key!r}, lease=True) needs register() first: there is no lease to use")
+        self._leased[key] = data
+        lease_id = self._lease_id
+        if lease_id is not None:
+            try:
+                await self._retry(lambda t: kv.put(self._full(key), data, lease=lease_id, timeout=t))
+                return
+            except Exception as exc:
+                if not _is_lease_not_found(exc):
+                    raise
+            if self._lease_id == lease_id:
+                self._lease_id = None
+        await self._grant_and_put_all()
+
+    async def _get(self, key: str) -> dict | None:
+        """Read one key and decode it."""
+        kv = self._kv_client().kv
+        assert kv is not None
+        resp = await self._retry(lambda t: kv.get(self._full(key), timeout=t))
+        if not resp.kvs:
+            return None
+        return self._decode(resp.kvs[0].key, resp.kvs[0].value)
+
+    async def _get_prefix(self, prefix: str) -> dict[str, dict]:
+        """Read a range of keys and return them relative to the job prefix."""
+        kv = self._kv_client().kv
+        assert kv is not None
+        full = self._full(prefix)
+        resp = await self._retry(lambda t: kv.get(full, range_end=prefix_range_end(full), timeout=t))
+        return {self._relative(item.key): self._decode(item.key, item.value) for item in resp.kvs}
+
+    async def _delete(self, key: str) -> None:
+        """Delete a key and forget it as a leased key, so the keep-alive does not put it back."""
+        kv = self._kv_client().kv
+        assert kv is not None
+        self._leased.pop(key, None)
+        await self._retry(lambda t: kv.delete(self._full(key), timeout=t))
+
+    async def _watch(self, prefix: str) -> None:
+        """Start a watch task and wait until etcd confirms it (so no later change can be missed)."""
+        created: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.get_running_loop().create_task(
+            self._watch_loop(self._full(prefix), created), name=f"litz-watch-{self._job}-{prefix}"
+        )
+        self._watch_tasks.append(task)
+        try:
+            await asyncio.wait_for(asyncio.shield(created), self._timeout)
+        except BaseException:
+            task.cancel()
+            self._watch_tasks.remove(task)
+            raise
+
+    async def _watch_loop(self, full_prefix: str, created: asyncio.Future[None]) -> None:
+        """Feed watch responses into the event queue for ever, re-creating the watch whenever it ends.
+
+        etcd3aio's watch already reconnects after UNAVAILABLE (what an etcd restart looks like); this loop
+        covers what it does not: a watch that etcd cancels (e.g. after compaction), a stream that ends
+        cleanly, or any other error.  It resumes at the revision after the last event it delivered.
+        """
+        watch_svc = self._kv_client().watch
+        assert watch_svc is not None
+        range_end = prefix_range_end(full_prefix)
+        next_rev = 0
+        delay = 0.1
+        while True:
+            try:
+                async for resp in watch_svc.watch(full_prefix, range_end=range_end, start_revision=next_rev):
+                    if resp.created:
+                        if next_rev == 0:  # no history requested: nothing before header.revision is owed
+                            next_rev = resp.header.revision + 1
+                        if not created.done():
+                            created.set_result(None)
+                    if resp.canceled:
+                        if resp.compact_revision > 0:
+                            _log.warning(
+                                "etcd %s: watch on %s fell behind compaction; lost changes before rev %d",
+                                self._url, full_prefix, resp.compact_revision,
+                            )  # fmt: skip
+                            next_rev = resp.compact_revision
+                        else:
+                            _log.warning("etcd %s: watch on %s cancelled (%s); re-creating it",
+                                         self._url, full_prefix, resp.cancel_reason)  # fmt: skip
+                        break
+                    events = []
+                    for ev in resp.events:
+                        next_rev = max(next_rev, ev.kv.mod_revision + 1)
+                        event = self._to_event(ev)
+                        if event is not None:
+                            events.append(event)
+                    if events:
+                        for event in events:
+                            self._events.put(event)
+                        self._wake()
+                    delay = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                _log.warning("etcd %s: watch on %s failed (%s); re-creating it in %.1f s",
+                             self._url, full_prefix, _describe(exc), delay)  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _wake(self) -> None:
+        """Tell the hub there are events; its callback failing must not kill the watch."""
+        if self._on_event is None:
+            return
+        try:
+            self._on_event()
+        except Exception:
+            _log.exception("on_event callback raised; events stay queued")
+
+    def _to_event(self, ev: Any) -> Event | None:
+        """Convert a protobuf watch event; a put whose value is not JSON is logged and skipped."""
+        key = self._relative(ev.kv.key)
+        if ev.type == _EVENT_DELETE:
+            return Event("delete", key, None)
+        if ev.type == _EVENT_PUT:
+            try:
+                return Event("put", key, self._decode(ev.kv.key, ev.kv.value))
+            except ProtocolError as exc:
+                _log.warning("%s; event skipped", exc)
+        return None
+
+    def _relative(self, raw_key: bytes) -> str:
+        """Strip the job prefix from a raw etcd key."""
+        return raw_key.decode("utf-8", errors="replace")[len(self._prefix) :]
+
+    def _decode(self, raw_key: bytes, raw: bytes) -> dict:
+        """Decode a JSON value; anything else under our prefix was not written by Litz."""
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            key = raw_key.decode("utf-8", errors="replace")
+            raise ProtocolError(f"etcd {self._url}: value of {key} is not UTF-8 JSON ({exc})") from exc

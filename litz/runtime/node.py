@@ -1,0 +1,192 @@
+"""What every worker and server process shares: its endpoint, its etcd registration, its loop.
+
+A process registers ``procs/<role>/<id>`` under the job's etcd prefix with a kept-alive
+lease, learns its peers' addresses from the same prefix, and leaves when the master's
+registration disappears (so a dead master never leaves orphans). etcd events arrive on the
+membership thread and wake the loop through a pipe; nothing here blocks on etcd.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from litz.runtime.membership import Event, Membership
+from litz.runtime.protocol import Message
+from litz.runtime.transport import Endpoint
+
+log = logging.getLogger(__name__)
+
+PROCS = "procs/"
+_PR_SET_PDEATHSIG = 1
+
+
+def proc_key(role: str, ident: str) -> str:
+    return f"{PROCS}{role}/{ident}"
+
+
+class Node:
+    """Base of worker and server processes: endpoint + membership + a poll loop calling ``handle``."""
+
+    role = "node"
+
+    def __init__(self, ident: str, job: str, etcd: str, host: str = "127.0.0.1") -> None:
+        self.ident = ident
+        self.job = job
+        self.host = host
+        self.endpoint = Endpoint(ident, host)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.membership = Membership(etcd, job, on_event=self._wake)
+        self.master: str | None = None
+        self.stopping = False
+        self.exit_code = 0
+        self.poller = zmq.Poller()
+        self.poller.register(self.endpoint.router, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def start(self) -> None:
+        self.membership.start()
+        self.membership.watch_prefix(PROCS)
+        for key, value in self.membership.get_prefix(PROCS).items():
+            self._learn(key, value)
+        self.membership.register(proc_key(self.role, self.ident), {
+            "role": self.role, "id": self.ident, "host": socket.gethostname(), "addr": self.endpoint.address,
+            "pid": os.getpid(), "started": time.time(),
+        })
+
+    def _learn(self, key: str, value: dict | None) -> None:
+        if value and "addr" in value and "id" in value:
+            self.endpoint.connect(value["id"], value["addr"])
+
+    def _membership_events(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        for ev in self.membership.poll_events():
+            self.on_event(ev)
+
+    def on_event(self, ev: Event) -> None:
+        if ev.kind == "put":
+            self._learn(ev.key, ev.value)
+        elif ev.kind == "delete" and ev.key.startswith(proc_key("master", "")):
+            log.error("%s: the master is gone (%s); leaving", self.ident, ev.key)
+            self.exit_code = 3
+            self.stopping = True
+
+    def drain(self) -> None:
+        """Handle every message waiting on the mailbox without blocking."""
+        while True:
+            try:
+                msg = self.endpoint.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg is not None:
+                self.dispatch(msg)
+
+    def dispatch(self, msg: Message) -> None:
+        handler = getattr(self, f"on_{msg.type}", None)
+        if handler is None:
+            log.warning("%s: unexpected %r message from %s; ignored", self.ident, msg.type, msg.sender)
+            self.reply_error(msg, f"{self.role} does not handle {msg.type!r} messages")
+            return
+        try:
+            handler(msg)
+        except Exception as exc:  # a bad request must never kill the process
+            log.exception("%s: failed to handle %r from %s", self.ident, msg.type, msg.sender)
+            self.reply_error(msg, f"{type(exc).__name__}: {exc}")
+
+    def reply_error(self, msg: Message, reason: str) -> None:
+        fields: dict[str, Any] = {"reason": reason, "about": msg.type}
+        if isinstance(msg.fields.get("rid"), int):
+            fields["rid"] = msg.fields["rid"]
+        try:
+            self.endpoint.send(msg.sender, "error", **fields)
+        except Exception:  # unknown sender: nothing to answer
+            log.warning("%s: cannot answer %r", self.ident, msg.sender)
+
+    def poll(self, timeout_ms: int) -> None:
+        events = dict(self.poller.poll(timeout_ms))
+        if self._wake_r in events:
+            self._membership_events()
+        if self.endpoint.router in events:
+            self.drain()
+
+    def stats(self) -> dict[str, Any]:
+        return {"id": self.ident, "role": self.role, **self.endpoint.counters()}
+
+    def on_stats_request(self, msg: Message) -> None:
+        self.endpoint.send(msg.sender, "stats", rid=msg["rid"], stats=self.stats())
+
+    def on_shutdown(self, msg: Message) -> None:
+        self.before_exit()
+        self.endpoint.send(msg.sender, "bye", stats=self.stats())
+        self.stopping = True
+
+    def before_exit(self) -> None:
+        """Hook: finish what must be finished before saying bye."""
+
+    def loop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        try:
+            self.membership.close()
+        finally:
+            self.endpoint.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when the launcher that started it dies (no orphans)."""
+    parent = os.environ.get("LITZ_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os._exit(3)
+
+
+def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
+    """Entry point of a worker or server process: ``--id --job --etcd [--host]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"litz-{node_cls.role}")
+    parser.add_argument("--id", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--etcd", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--log-level", default=os.environ.get("LITZ_LOG_LEVEL", "WARNING"))
+    args = parser.parse_args(argv)
+    die_with_parent()
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {args.id} %(levelname)s %(name)s: %(message)s")
+    node = node_cls(args.id, args.job, args.etcd, args.host)
+    try:
+        node.start()
+        node.loop()
+    except KeyboardInterrupt:
+        node.exit_code = 130
+    finally:
+        node.close()
+    return node.exit_code

@@ -1,0 +1,193 @@
+"""Every message Litz processes exchange, declared once, and their wire encoding.
+
+A message travels as ZeroMQ frames: frame 0 is a msgpack header ``[type, {field: value}]``;
+every numpy array inside the fields is replaced in the header by a small msgpack extension
+(dtype, shape, frame index) and its bytes travel as a frame of their own, sent and received
+without a copy. Nothing on the hot path is pickled; only values that are neither msgpack
+types nor arrays (rare: a user's odd task argument) fall back to cloudpickle.
+
+``decode`` validates the type and the fields, so a malformed or unknown message raises
+``ProtocolError`` with a reason, which receivers log and drop; they never die of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import msgpack
+import numpy as np
+
+from litz.errors import ProtocolError
+
+_EXT_ARRAY = 1
+_EXT_PICKLE = 2
+_EXT_TUPLE = 3
+
+# A field's expected kind: a tuple of accepted Python types ("any" accepts anything).
+_KINDS: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "str": (str,),
+    "bytes": (bytes,),
+    "list": (list, tuple),
+    "dict": (dict,),
+    "array": (np.ndarray,),
+    "bool": (bool,),
+    "float": (float, int),
+    "any": (object,),
+}
+
+
+@dataclass(frozen=True)
+class MessageType:
+    """A message type: its name and its fields (name -> kind); fields ending in '?' are optional."""
+
+    name: str
+    fields: dict[str, str]
+
+    def required(self) -> list[str]:
+        return [f for f in self.fields if not f.endswith("?")]
+
+
+@dataclass
+class Message:
+    """A decoded message: its type name, its fields, and the id of the peer that sent it."""
+
+    type: str
+    fields: dict[str, Any]
+    sender: str = ""
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+def _declare(*types: MessageType) -> dict[str, MessageType]:
+    return {t.name: t for t in types}
+
+
+#: The protocol. Adding a message means adding it here, and nowhere else.
+MESSAGES: dict[str, MessageType] = _declare(
+    # master -> server: the tables and the logical shards it hosts
+    MessageType("init_server", {"tables": "bytes", "shards": "list", "num_shards": "int", "master": "str"}),
+    # master -> worker: the application, the executors it hosts, the shard map and its peers
+    MessageType(
+        "init_worker",
+        {
+            "app": "bytes",
+            "tables": "bytes",
+            "executors": "list",
+            "num_executors": "int",
+            "num_shards": "int",
+            "shard_map": "list",
+            "peers": "dict",
+            "options": "dict",
+            "master": "str",
+        },
+    ),
+    # any process -> master: initialised (or failed to with "error")
+    MessageType("ready", {"role": "str", "error?": "str"}),
+    # master -> worker: micro-tasks, each [task_id, executor_id, version, args]
+    MessageType("tasks", {"tasks": "list"}),
+    # worker -> master: finished tasks [task_id, result] and failed ones [task_id, traceback]
+    MessageType("done", {"completed": "list", "failed": "list"}),
+    # worker/master -> server: read rows; items are [table, keys]
+    MessageType("get", {"rid": "int", "items": "list"}),
+    # server -> requester: one stacked array per item, or an error per item
+    MessageType("get_reply", {"rid": "int", "values": "list", "errors": "list"}),
+    # worker -> server: apply updates; items are [table, keys, stacked deltas]
+    MessageType("update", {"rid": "int", "items": "list"}),
+    # server -> worker: updates applied (errors name the item that was refused)
+    MessageType("update_ack", {"rid": "int", "errors": "list"}),
+    # a receiver could not process a message: the reason, and the request id if it had one
+    MessageType("error", {"reason": "str", "rid?": "int", "about?": "str"}),
+    # master -> any: finish; reply "bye" with counters
+    MessageType("shutdown", {"reason": "str"}),
+    MessageType("bye", {"stats": "dict"}),
+    # master -> any: send your counters now (benchmarks)
+    MessageType("stats_request", {"rid": "int"}),
+    MessageType("stats", {"rid": "int", "stats": "dict"}),
+)
+
+
+class _Packer:
+    """Collects the array frames of one message while msgpack walks its fields."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+
+    def default(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+            self.frames.append(arr)
+            meta = msgpack.packb([arr.dtype.str, list(arr.shape), len(self.frames)])
+            return msgpack.ExtType(_EXT_ARRAY, meta)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default))
+        return msgpack.ExtType(_EXT_PICKLE, cloudpickle.dumps(obj))
+
+
+def encode(type_name: str, **fields: Any) -> list[Any]:
+    """Encode a message into frames ready for ``send_multipart(copy=False)``."""
+    mtype = MESSAGES.get(type_name)
+    if mtype is None:
+        raise ProtocolError(f"cannot send unknown message type {type_name!r}")
+    missing = [f for f in mtype.required() if f not in fields]
+    if missing:
+        raise ProtocolError(f"message {type_name!r} lacks field(s) {missing}")
+    packer = _Packer()
+    header = msgpack.packb([type_name, fields], default=packer.default, strict_types=True)
+    return [header, *packer.frames]
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def decode(frames: list[Any], sender: str = "") -> Message:
+    """Decode and validate frames (zmq Frames or bytes) into a Message; raise ProtocolError if bad."""
+    if not frames:
+        raise ProtocolError("empty message")
+    buffers = [_buffer(f) for f in frames]
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == _EXT_ARRAY:
+            dtype, shape, idx = msgpack.unpackb(data)
+            if not (isinstance(idx, int) and 0 < idx < len(buffers)):
+                raise ProtocolError(f"array refers to missing frame {idx!r}")
+            arr = np.frombuffer(buffers[idx], dtype=np.dtype(dtype))
+            return arr.reshape(shape)
+        if code == _EXT_TUPLE:
+            return tuple(msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False))
+        if code == _EXT_PICKLE:
+            return cloudpickle.loads(data)
+        raise ProtocolError(f"unknown extension type {code}")
+
+    try:
+        decoded = msgpack.unpackb(buffers[0], ext_hook=ext_hook, strict_map_key=False)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types for garbage input
+        raise ProtocolError(f"undecodable header ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(decoded, list) and len(decoded) == 2 and isinstance(decoded[1], dict)):
+        raise ProtocolError("header is not [type, fields]")
+    type_name, fields = decoded
+    mtype = MESSAGES.get(type_name) if isinstance(type_name, str) else None
+    if mtype is None:
+        raise ProtocolError(f"unknown message type {type_name!r}")
+    for name, kind in mtype.fields.items():
+        key = name.rstrip("?")
+        if key not in fields:
+            if not name.endswith("?"):
+                raise ProtocolError(f"message {type_name!r} lacks field {key!r}")
+            continue
+        if not isinstance(fields[key], _KINDS[kind]) or (kind == "int" and isinstance(fields[key], bool)):
+            raise ProtocolError(
+                f"message {type_name!r} field {key!r} should be {kind}, got {type(fields[key]).__name__}"
+            )
+    return Message(type_name, fields, sender)

@@ -1,0 +1,391 @@
+"""Worker process: hosts executors, runs their micro-tasks in greenlets, owns cache and update log.
+
+The hub (the process's main greenlet) owns the sockets. Each micro-task runs in a greenlet;
+``ps.get`` on a miss registers with the cache and switches back to the hub, which batches
+the fetches of all tasks per server into one message, and resumes a task once every key it
+waits for has arrived. An executor runs its tasks one at a time, in dispatch order.
+
+Completions are buffered and sent to the master only after every update sent before them
+has been acknowledged by the servers (DESIGN.md §2, rule 1). Updates are sent in flushes
+of the update log: when nothing is runnable, when the log is large, or when a completion
+has waited longer than the flush interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import greenlet
+import numpy as np
+
+from litz.api import Executor, ParameterServer
+from litz.errors import LitzError, TableError
+from litz.ps.cache import ProcessCache
+from litz.ps.tables import Table, lookup, shard_of, table_index
+from litz.ps.update_log import UpdateLog
+from litz.runtime.node import Node, main
+from litz.runtime.protocol import Message
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "cache": True,  # use the version-tagged process cache
+    "update_log": True,  # merge updates in the log (False: one message per ps.update)
+    "flush_bytes": 8 << 20,  # flush the log when it holds this much
+    "flush_interval": 0.005,  # ... or when a completion has waited this long (seconds)
+}
+
+
+@dataclass
+class Task:
+    task_id: int
+    executor_id: int
+    version: int
+    args: Any
+
+
+@dataclass
+class Slot:
+    """An executor hosted here, with its queue of dispatched tasks."""
+
+    executor: Executor
+    queue: deque[Task] = field(default_factory=deque)
+    running: bool = False
+
+
+class _Wait:
+    """A task blocked in get_many: which keys it still waits for and what arrived."""
+
+    __slots__ = ("glet", "task", "pending", "values", "error", "resumed")
+
+    def __init__(self, glet: greenlet.greenlet, task: Task) -> None:
+        self.glet = glet
+        self.task = task
+        self.pending: set[Hashable] = set()
+        self.values: dict[Hashable, np.ndarray] = {}
+        self.error: str | None = None
+        self.resumed = False
+
+
+class ExecutorPS(ParameterServer):
+    """``self.ps`` of an executor: reads through the process cache, writes into the update log."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._w = worker
+
+    def get(self, table: str, key: Hashable) -> np.ndarray:
+        return self._w.ps_get(table, [key])[0]
+
+    def get_many(self, table: str, keys: Iterable[Hashable]) -> np.ndarray:
+        rows = self._w.ps_get(table, keys)
+        t = self._w.tables[table]
+        out = np.empty((len(rows), *t.shape), t.dtype)
+        for i, row in enumerate(rows):
+            out[i] = row
+        return out
+
+    def update(self, table: str, key: Hashable, delta: Any) -> None:
+        t = self._w.table(table)
+        self._w.ps_update(t, [t.check_key(key)], t.check_delta(delta)[None])
+
+    def update_many(self, table: str, keys: Iterable[Hashable], deltas: Any) -> None:
+        t = self._w.table(table)
+        keys = t.check_keys(keys)
+        self._w.ps_update(t, keys, t.check_delta(deltas, n=len(keys)))
+
+
+class Worker(Node):
+    role = "worker"
+
+    def __init__(self, ident: str, job: str, etcd: str, host: str = "127.0.0.1") -> None:
+        super().__init__(ident, job, etcd, host)
+        self.hub = greenlet.getcurrent()
+        self.tables: dict[str, Table] = {}
+        self.slots: dict[int, Slot] = {}
+        self.options = dict(DEFAULT_OPTIONS)
+        self.cache = ProcessCache()
+        self.log = UpdateLog()
+        self.num_shards = 1
+        self.shard_map: list[str] = []
+        self.runnable: deque[tuple[greenlet.greenlet, Task]] = deque()
+        self.current: Task | None = None
+        self._rid = 0
+        # fetches to send: server -> table -> {key: version}
+        self._to_fetch: dict[str, dict[str, dict[Hashable, int]]] = {}
+        self._fetching: dict[int, list[tuple[str, list[Hashable], list[int]]]] = {}
+        # completion barrier: update rids not yet acknowledged, and completions waiting on them
+        self._unacked: set[int] = set()
+        self._last_update_rid = 0
+        self._waiting_flush: list[tuple[str, list[Any]]] = []  # completions whose updates are in the log
+        self._waiting_ack: deque[tuple[int, str, list[Any]]] = deque()  # (barrier rid, kind, item)
+        self._oldest_unsent: float | None = None
+        self.tasks_run = 0
+        self.tasks_failed = 0
+        self.update_errors: list[str] = []
+
+    # -- set-up -------------------------------------------------------------------------
+    def on_init_worker(self, msg: Message) -> None:
+        self.master = msg["master"]
+        try:
+            for peer, addr in msg["peers"].items():
+                self.endpoint.connect(peer, addr)
+            self.options.update(msg["options"])
+            self.cache = ProcessCache(enabled=bool(self.options["cache"]))
+            self.tables = table_index(cloudpickle.loads(msg["tables"]))
+            self.num_shards = msg["num_shards"]
+            self.shard_map = list(msg["shard_map"])
+            app = cloudpickle.loads(msg["app"])
+            for eid in msg["executors"]:
+                self.slots[eid] = Slot(self._make_executor(app["executor"], eid, msg["num_executors"],
+                                                           app["config"]))
+        except Exception:
+            err = f"worker {self.ident} failed to initialise:\n{traceback.format_exc()}"
+            log.error(err)
+            self.endpoint.send(msg.sender, "ready", role=self.role, error=err)
+            return
+        self.endpoint.send(msg.sender, "ready", role=self.role)
+
+    def _make_executor(self, cls: type[Executor], eid: int, n: int, config: dict[str, Any]) -> Executor:
+        ex = cls()
+        ex.executor_id = eid
+        ex.num_executors = n
+        ex.config = config
+        ex.ps = ExecutorPS(self)
+        ex.input = ex.load_input()
+        ex.state = ex.init_state()
+        return ex
+
+    def table(self, name: str) -> Table:
+        return lookup(self.tables, name)
+
+    # -- tasks --------------------------------------------------------------------------
+    def on_tasks(self, msg: Message) -> None:
+        for item in msg["tasks"]:
+            task_id, eid, version, args = item
+            slot = self.slots.get(eid)
+            if slot is None:
+                self._record("failed", [task_id, f"executor {eid} is not hosted by worker {self.ident}"])
+                continue
+            slot.queue.append(Task(task_id, eid, version, args))
+            if not slot.running:
+                self._start_next(slot)
+
+    def _start_next(self, slot: Slot) -> None:
+        task = slot.queue.popleft()
+        slot.running = True
+        glet = greenlet.greenlet(self._task_body, parent=self.hub)
+        self.runnable.append((glet, task))
+
+    def _task_body(self, task: Task) -> None:
+        slot = self.slots[task.executor_id]
+        try:
+            value = slot.executor.run_task(task.args)
+        except Exception:
+            self.tasks_failed += 1
+            tb = traceback.format_exc()
+            log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, tb)
+            self._record("failed", [task.task_id, tb])
+        else:
+            self.tasks_run += 1
+            self._record("completed", [task.task_id, value])
+        slot.running = False
+        if slot.queue:
+            self._start_next(slot)
+
+    def _record(self, kind: str, item: list[Any]) -> None:
+        """Buffer a completion until the updates made before it are acknowledged."""
+        if self._oldest_unsent is None:
+            self._oldest_unsent = time.monotonic()
+        if self.log:
+            self._waiting_flush.append((kind, item))
+        else:
+            self._waiting_ack.append((self._last_update_rid, kind, item))
+
+    # -- ps from inside a task --------------------------------------------------------
+    def ps_get(self, table_name: str, keys: Iterable[Hashable]) -> list[np.ndarray]:
+        table = self.table(table_name)
+        keys = table.check_keys(keys)
+        task = self.current
+        if task is None:
+            raise LitzError("ps.get called outside a micro-task")
+        version = task.version
+        out: list[Any] = [None] * len(keys)
+        wait: _Wait | None = None
+        for i, key in enumerate(keys):
+            value = self.cache.lookup(table.name, key, version)
+            if value is not None:
+                out[i] = value
+                continue
+            if wait is None:
+                wait = _Wait(greenlet.getcurrent(), task)
+            if key not in wait.pending:
+                wait.pending.add(key)
+                if self.cache.request(table.name, key, version, wait):
+                    server = self.shard_map[shard_of(key, self.num_shards)]
+                    self._to_fetch.setdefault(server, {}).setdefault(table.name, {})[key] = version
+        if wait is None:
+            return out
+        self.hub.switch()  # the hub resumes us once every key arrived or a fetch failed
+        if wait.error is not None:
+            raise TableError(wait.error)
+        for i, key in enumerate(keys):
+            if out[i] is None:
+                out[i] = wait.values[key]
+        return out
+
+    def ps_update(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
+        if self.options["update_log"]:
+            self.log.add_many(table, keys, deltas)
+            if self.log.nbytes >= self.options["flush_bytes"]:
+                self.flush()
+        else:
+            self._send_updates({table.name: (keys, list(deltas))})
+
+    # -- hub: fetches ---------------------------------------------------------------------
+    def _send_fetches(self) -> None:
+        for server, by_table in self._to_fetch.items():
+            self._rid += 1
+            record = []
+            items = []
+            for name, keyver in by_table.items():
+                keys = list(keyver.keys())
+                record.append((name, keys, list(keyver.values())))
+                items.append([name, keys])
+            self._fetching[self._rid] = record
+            self.endpoint.send(server, "get", rid=self._rid, items=items)
+        self._to_fetch.clear()
+
+    def on_get_reply(self, msg: Message) -> None:
+        record = self._fetching.pop(msg["rid"], None)
+        if record is None:
+            log.warning("%s: get_reply for unknown request %r", self.ident, msg["rid"])
+            return
+        for (name, keys, versions), values, error in zip(record, msg["values"], msg["errors"], strict=True):
+            for j, key in enumerate(keys):
+                if error is not None:
+                    for wait in self.cache.fail(name, key):
+                        wait.error = f"fetch of table {name!r} key {key!r} failed: {error}"
+                        self._resume(wait)
+                    continue
+                for wait, value in self.cache.fill(name, key, values[j], versions[j]):
+                    wait.values[key] = value
+                    wait.pending.discard(key)
+                    if not wait.pending:
+                        self._resume(wait)
+
+    def _resume(self, wait: _Wait) -> None:
+        """Make a blocked task runnable again (once, however many keys fail)."""
+        if not wait.resumed:
+            wait.resumed = True
+            self.runnable.append((wait.glet, wait.task))
+
+    # -- hub: updates and completions -----------------------------------------------------
+    def _send_updates(self, drained: dict[str, tuple[list[Hashable], list[np.ndarray]]]) -> None:
+        by_server: dict[str, list[Any]] = {}
+        for name, (keys, rows) in drained.items():
+            groups: dict[str, tuple[list[Hashable], list[np.ndarray]]] = {}
+            for key, row in zip(keys, rows, strict=True):
+                g = groups.setdefault(self.shard_map[shard_of(key, self.num_shards)], ([], []))
+                g[0].append(key)
+                g[1].append(row)
+            for server, (gkeys, grows) in groups.items():
+                by_server.setdefault(server, []).append([name, gkeys, np.stack(grows)])
+        for server, items in by_server.items():
+            self._rid += 1
+            self._unacked.add(self._rid)
+            self._last_update_rid = self._rid
+            self.endpoint.send(server, "update", rid=self._rid, items=items)
+
+    def flush(self) -> None:
+        """Send the update log; completions recorded so far wait for its acknowledgement."""
+        if self.log:
+            self._send_updates(self.log.drain())
+        for kind, item in self._waiting_flush:
+            self._waiting_ack.append((self._last_update_rid, kind, item))
+        self._waiting_flush.clear()
+        self._release()
+
+    def on_update_ack(self, msg: Message) -> None:
+        self._unacked.discard(msg["rid"])
+        for err in msg["errors"]:
+            if err is not None:
+                self.update_errors.append(err)
+                log.error("%s: a server refused an update: %s", self.ident, err)
+                if self.master:
+                    self.endpoint.send(self.master, "error", reason=f"update refused: {err}", about="update")
+        self._release()
+
+    def _release(self) -> None:
+        low = min(self._unacked) if self._unacked else self._rid + 1
+        completed: list[Any] = []
+        failed: list[Any] = []
+        while self._waiting_ack and self._waiting_ack[0][0] < low:
+            _, kind, item = self._waiting_ack.popleft()
+            (completed if kind == "completed" else failed).append(item)
+        if completed or failed:
+            assert self.master is not None
+            self.endpoint.send(self.master, "done", completed=completed, failed=failed)
+        if not self._waiting_ack and not self._waiting_flush:
+            self._oldest_unsent = None
+
+    def on_error(self, msg: Message) -> None:
+        rid = msg.get("rid")
+        record = self._fetching.pop(rid, None) if isinstance(rid, int) else None
+        if record is not None:
+            for name, keys, _ in record:
+                for key in keys:
+                    for wait in self.cache.fail(name, key):
+                        wait.error = f"fetch of table {name!r} key {key!r} failed: {msg['reason']}"
+                        self._resume(wait)
+        elif isinstance(rid, int) and rid in self._unacked:
+            self._unacked.discard(rid)
+            self.update_errors.append(msg["reason"])
+            self._release()
+        log.error("%s: error from %s: %s", self.ident, msg.sender, msg["reason"])
+
+    # -- the hub loop -----------------------------------------------------------------------
+    def _run_runnable(self) -> None:
+        interval = self.options["flush_interval"]
+        while self.runnable:
+            glet, task = self.runnable.popleft()
+            if glet.dead:
+                continue
+            self.current = task
+            if glet:  # started: resume it where it blocked in ps_get
+                glet.switch()
+            else:
+                glet.switch(task)
+            self.current = None
+            if self._oldest_unsent is not None and time.monotonic() - self._oldest_unsent > interval:
+                self.flush()
+        self._send_fetches()
+
+    def loop(self) -> None:
+        while not self.stopping:
+            self._run_runnable()
+            if not self.runnable and (self.log or self._waiting_flush or self._waiting_ack):
+                self.flush()
+            self.poll(0 if self.runnable else 200)
+
+    def before_exit(self) -> None:
+        self.flush()
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(self.cache.counters())
+        out.update(tasks_run=self.tasks_run, tasks_failed=self.tasks_failed,
+                   updates_logged=self.log.updates_in, update_rows_sent=self.log.rows_out,
+                   update_errors=len(self.update_errors))
+        return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(Worker))

@@ -1,0 +1,194 @@
+"""Scheduling helpers built only on the public API: stale-synchronous and block-rotation drivers.
+
+``SSPDriver``: iteration ``i`` of every executor is dispatched once iteration ``i - s - 1``
+has fully completed (``s = 0`` is bulk-synchronous). Executors run their tasks in order,
+so iterations complete in order.
+
+``BlockRotation``: model scheduling (as LDA uses). ``B >= E`` parameter blocks rotate over
+``E`` executors; in round ``r`` executor ``e`` works on block ``(e + r) % B``. A block is
+used by one executor at a time and in round order, and an executor starts its next round as
+soon as the block it needs is released: there is no global barrier between rounds.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from litz.api import Driver, TaskResult
+from litz.errors import ConfigError
+
+
+class SSPDriver(Driver):
+    """A driver that runs ``iterations`` iterations of one task per executor with staleness ``staleness``.
+
+    Set ``iterations`` and ``staleness`` as attributes (or config keys of those names) and
+    override ``task_args``, ``on_iteration_end`` and ``result``.
+    """
+
+    iterations: int | None = None
+    staleness: int | None = None
+
+    def task_args(self, executor_id: int, iteration: int) -> Any:
+        """The arguments of ``executor_id``'s task for ``iteration`` (default: the iteration)."""
+        return {"iteration": iteration}
+
+    def on_iteration_end(self, iteration: int, results: list[TaskResult]) -> None:
+        """Called once every executor completed ``iteration``; results are in executor order."""
+
+    def result(self) -> Any:
+        """The job's result, returned by ``litz.run`` after the last iteration."""
+        return None
+
+    def _settings(self) -> tuple[int, int]:
+        iters = self.iterations if self.iterations is not None else self.config.get("iterations")
+        stale = self.staleness if self.staleness is not None else self.config.get("staleness", 0)
+        if not isinstance(iters, int) or iters < 1:
+            raise ConfigError(f"SSPDriver needs a positive number of iterations, got {iters!r}")
+        if not isinstance(stale, int) or stale < 0:
+            raise ConfigError(f"SSPDriver needs a staleness >= 0, got {stale!r}")
+        return iters, stale
+
+    def _dispatch_iteration(self, iteration: int) -> None:
+        for e in range(self.num_executors):
+            tid = self.dispatch_task(e, self.task_args(e, iteration))
+            self._iteration_of[tid] = iteration
+
+    def dispatch_initial_tasks(self) -> None:
+        self._iters, self._stale = self._settings()
+        self._iteration_of: dict[int, int] = {}
+        self._results: dict[int, list[TaskResult]] = defaultdict(list)
+        for i in range(min(self._stale + 1, self._iters)):
+            self._dispatch_iteration(i)
+
+    def handle_task_completion(self, result: TaskResult) -> None:
+        it = self._iteration_of.pop(result.task_id)
+        done = self._results[it]
+        done.append(result)
+        if len(done) < self.num_executors:
+            return
+        del self._results[it]
+        done.sort(key=lambda r: r.executor_id)
+        self.on_iteration_end(it, done)
+        if self._finished:
+            return
+        nxt = it + self._stale + 1
+        if nxt < self._iters:
+            self._dispatch_iteration(nxt)
+        if it == self._iters - 1:
+            self.finish(self.result())
+
+
+class BlockRotation:
+    """Which executor may work on which block when: a state machine with no sockets.
+
+    ``start()`` gives the first assignments; ``complete(e, r)`` reports that executor ``e``
+    finished round ``r`` and returns the assignments ``(executor, round, block)`` that became
+    possible. At every moment a block has at most one user, and each block is visited in
+    round order.
+    """
+
+    def __init__(self, num_executors: int, num_blocks: int | None = None, num_rounds: int | None = None) -> None:
+        blocks = num_blocks or num_executors
+        if num_executors < 1 or blocks < num_executors:
+            raise ConfigError(f"block rotation needs at least as many blocks ({blocks}) as executors "
+                              f"({num_executors})")
+        self.E = num_executors
+        self.B = blocks
+        self.rounds = num_rounds
+        self._next_round = {b: self._next_use(b, 0) for b in range(blocks)}
+        self._executor_round = dict.fromkeys(range(num_executors), 0)
+        self._busy: set[int] = set()
+        self.active: dict[int, tuple[int, int]] = {}  # block -> (executor, round)
+
+    def block(self, executor: int, rnd: int) -> int:
+        return (executor + rnd) % self.B
+
+    def _next_use(self, block: int, rnd: int) -> int:
+        """The first round >= rnd in which some executor works on ``block``."""
+        r = rnd
+        while (block - r) % self.B >= self.E:
+            r += 1
+        return r
+
+    def _try(self, executor: int) -> list[tuple[int, int, int]]:
+        rnd = self._executor_round[executor]
+        if executor in self._busy or (self.rounds is not None and rnd >= self.rounds):
+            return []
+        b = self.block(executor, rnd)
+        if self._next_round[b] != rnd:
+            return []
+        self._busy.add(executor)
+        self.active[b] = (executor, rnd)
+        return [(executor, rnd, b)]
+
+    def start(self) -> list[tuple[int, int, int]]:
+        return [a for e in range(self.E) for a in self._try(e)]
+
+    def complete(self, executor: int, rnd: int) -> list[tuple[int, int, int]]:
+        b = self.block(executor, rnd)
+        if self.active.get(b) != (executor, rnd):
+            raise ConfigError(f"executor {executor} did not hold block {b} in round {rnd}")
+        del self.active[b]
+        self._busy.discard(executor)
+        self._executor_round[executor] = rnd + 1
+        self._next_round[b] = self._next_use(b, rnd + 1)
+        out = self._try(executor)
+        # the executor that needs block b next may now start
+        nxt = self._next_round[b]
+        user = (b - nxt) % self.B
+        if user != executor and self._executor_round.get(user) == nxt:
+            out += self._try(user)
+        return out
+
+    def finished(self) -> bool:
+        return self.rounds is not None and all(r >= self.rounds for r in self._executor_round.values())
+
+
+class BlockRotationDriver(Driver):
+    """A driver that rotates ``num_blocks`` blocks over the executors for ``rounds`` rounds.
+
+    Override ``task_args(executor, round, block)``, ``on_round_end`` and ``result``. A round
+    ends (``on_round_end(r, results)``) when every executor has finished it.
+    """
+
+    rounds: int | None = None
+    num_blocks: int | None = None
+
+    def task_args(self, executor_id: int, rnd: int, block: int) -> Any:
+        return {"round": rnd, "block": block}
+
+    def on_round_end(self, rnd: int, results: list[TaskResult]) -> None:
+        """Called once every executor finished round ``rnd``."""
+
+    def result(self) -> Any:
+        return None
+
+    def _dispatch(self, assignments: list[tuple[int, int, int]]) -> None:
+        for e, r, b in assignments:
+            tid = self.dispatch_task(e, self.task_args(e, r, b))
+            self._assignment[tid] = (e, r)
+
+    def dispatch_initial_tasks(self) -> None:
+        rounds = self.rounds if self.rounds is not None else self.config.get("rounds")
+        if not isinstance(rounds, int) or rounds < 1:
+            raise ConfigError(f"BlockRotationDriver needs a positive number of rounds, got {rounds!r}")
+        self._rotation = BlockRotation(self.num_executors, self.num_blocks or self.config.get("num_blocks"),
+                                       rounds)
+        self._assignment: dict[int, tuple[int, int]] = {}
+        self._round_results: dict[int, list[TaskResult]] = defaultdict(list)
+        self._dispatch(self._rotation.start())
+
+    def handle_task_completion(self, result: TaskResult) -> None:
+        e, r = self._assignment.pop(result.task_id)
+        done = self._round_results[r]
+        done.append(result)
+        if len(done) == self.num_executors:
+            del self._round_results[r]
+            done.sort(key=lambda x: x.executor_id)
+            self.on_round_end(r, done)
+        if self._finished:
+            return
+        self._dispatch(self._rotation.complete(e, r))
+        if self._rotation.finished() and not self._assignment:
+            self.finish(self.result())
