@@ -1,0 +1,131 @@
+"""The ``litz`` command.
+
+``litz launch APP.py [--workers N] [--servers M] [--executors E] [--job NAME] [--etcd URL] [app args]``
+runs an application file on an embedded local cluster (or on the etcd named by ``--etcd``).
+The application file defines ``make_app(argv) -> litz.App`` (its own options are parsed
+there, so ``litz launch APP.py --help`` shows them) or a module-level ``app``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import cloudpickle
+
+from litz.api import App
+from litz.errors import LitzError, TaskError
+
+
+def load_app_module(path: str) -> ModuleType:
+    """Import an application file so that worker processes can import it too.
+
+    A file inside a package (e.g. ``apps/mlr.py`` next to ``apps/__init__.py``) is imported
+    by its dotted name, with the package's root put on ``sys.path``, so that its classes
+    and Numba kernels are pickled by reference (and the kernels' cache is shared). A
+    stand-alone script is imported under its own name and shipped by value.
+    """
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise LitzError(f"no application file {path!r}")
+    parts = [file.stem]
+    root = file.parent
+    while (root / "__init__.py").is_file():
+        parts.insert(0, root.name)
+        root = root.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    name = ".".join(parts)
+    if len(parts) > 1:
+        return importlib.import_module(name)
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def app_from_module(module: ModuleType, argv: list[str]) -> App:
+    if hasattr(module, "make_app"):
+        app = module.make_app(argv)
+    elif hasattr(module, "app"):
+        if argv:
+            raise LitzError(f"{module.__name__} takes no options (it defines `app`, not `make_app(argv)`)")
+        app = module.app
+    else:
+        raise LitzError(f"{module.__name__} defines neither make_app(argv) nor app")
+    if not isinstance(app, App):
+        raise LitzError(f"{module.__name__}: make_app must return a litz.App, got {type(app).__name__}")
+    return app
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="litz launch", add_help=False,
+                                description="Run an application on an embedded local cluster.")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--servers", type=int, default=1, help="parameter-server processes (default 1)")
+    p.add_argument("--executors", type=int, default=None,
+                   help="logical executors (default: the app's, else 4 per worker)")
+    p.add_argument("--job", default=None, help="job name (default: generated)")
+    p.add_argument("--etcd", default=None, help="etcd URL; default: start a private one on loopback")
+    p.add_argument("--no-cache", action="store_true", help="disable the process cache (for comparison)")
+    p.add_argument("--no-update-log", action="store_true", help="send every ps.update at once (for comparison)")
+    p.add_argument("--log-level", default=None, help="log level of the Litz processes (default WARNING)")
+    return p
+
+
+def launch(argv: list[str]) -> int:
+    """``litz launch``: returns the exit code."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: litz launch APP.py [litz options] [app options]\n")
+        _launch_parser().print_help()
+        return 0
+    path, rest = argv[0], argv[1:]
+    opts, app_argv = _launch_parser().parse_known_args(rest)
+    if opts.log_level:
+        import os
+
+        os.environ["LITZ_LOG_LEVEL"] = opts.log_level
+    logging.basicConfig(level=(opts.log_level or "WARNING").upper(),
+                        format="%(asctime)s master %(levelname)s %(name)s: %(message)s")
+    from litz.runtime.launcher import run
+
+    try:
+        module = load_app_module(path)
+        app = app_from_module(module, app_argv)
+        options: dict[str, Any] = {"cache": not opts.no_cache, "update_log": not opts.no_update_log}
+        result = run(app, workers=opts.workers, servers=opts.servers, num_executors=opts.executors,
+                     job=opts.job, etcd=opts.etcd, options=options)
+    except TaskError as exc:
+        print(f"litz: job failed: {exc}", file=sys.stderr)
+        return 1
+    except LitzError as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("litz: interrupted", file=sys.stderr)
+        return 130
+    print(f"litz: job {result.job} finished in {result.elapsed:.1f} s, "
+          f"{result.tasks_completed} micro-tasks", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"launch": launch}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: litz COMMAND ...\n\ncommands:\n  launch   run an application (litz launch --help)")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Shared fixtures: a private etcd per module and a check that jobs leave no process behind."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from litz.runtime.etcd_server import LocalEtcd
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (to find leftovers of a job)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(int(pid))
+    return out
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    server = LocalEtcd()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

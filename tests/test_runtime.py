@@ -1,0 +1,93 @@
+"""Multi-process tests of the core runtime: real etcd, real processes, real sockets."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import litz
+from tests import testapps
+from tests.conftest import processes_mentioning
+
+
+def test_consistency_rule_across_processes_with_cache(etcd) -> None:
+    # Rule 1, many times over: a task dispatched after the driver saw another's completion
+    # reads that task's updates, though executors on two processes share cached rows.
+    app = testapps.causal_app(keys=6, tasks=800, inflight=8, executors=8)
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url)
+    out = res.value
+    assert out["violations"] == []
+    assert sum(out["completed"]) == 800
+    # every increment applied exactly once
+    assert out["final"] == [2.0 * 0 + c for c in out["completed"]]
+    assert res.total("tasks_run", "worker") >= 800
+
+
+def test_cache_is_used_when_allowed(etcd) -> None:
+    app = litz.App(testapps.RoundsDriver, testapps.RoundsExecutor,
+                   tables=[litz.Table("w", (16,), "float32", num_rows=4)], num_executors=16,
+                   config={"rounds": 10})
+    res = litz.run(app, workers=2, servers=1, etcd=etcd.url)
+    reads = res.value["reads"]
+    assert reads == 10 * 16 * 8
+    fetched = res.total("fetches", "worker")
+    hits = res.total("cache_hits", "worker")
+    # 16 executors of one version on 2 processes: about 2 fetches per key per round,
+    # concurrent misses coalesced, and every second read a hit
+    assert fetched < reads / 6, (fetched, reads)
+    assert hits >= reads / 2
+    assert res.total("coalesced", "worker") > 0
+    # with the cache off every read is a fetch
+    off = litz.run(app, workers=2, servers=1, etcd=etcd.url, options={"cache": False})
+    assert off.total("fetches", "worker") == reads
+    assert off.total("cache_hits", "worker") == 0
+
+
+@pytest.mark.parametrize("update_log", [True, False])
+def test_update_sums_exact(etcd, update_log: bool) -> None:
+    app = testapps.sum_app(rows=20, tasks=300, executors=6)
+    res = litz.run(app, workers=2, servers=3, etcd=etcd.url, options={"update_log": update_log})
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    assert res.total("update_errors", "worker") == 0
+    if update_log:  # the log merged updates: fewer rows left the workers than were logged
+        assert res.total("update_rows_sent", "worker") < res.total("updates_logged", "worker")
+
+
+def test_crashing_run_task_stops_job_cleanly(etcd) -> None:
+    app = litz.App(testapps.CrashDriver, testapps.CrashExecutor, num_executors=4, config={"crash_on": 2},
+                   tables=[litz.Table("t", (1,))])
+    job = f"crash-{time.time_ns()}"
+    with pytest.raises(litz.TaskError) as info:
+        litz.run(app, workers=2, servers=1, etcd=etcd.url, job=job)
+    err = info.value
+    assert err.executor_id == 2
+    assert err.args_ == {"n": 2, "crash": True}
+    assert "ZeroDivisionError: boom in run_task" in err.traceback
+    assert "executor 2" in str(err)
+    assert processes_mentioning(job) == []
+
+
+def test_bad_update_is_refused_and_nothing_applied_is_lost(etcd) -> None:
+    app = testapps.sum_app(rows=10, tasks=60, executors=4, bad=(7, 33))
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url)
+    failures = res.value["failures"]
+    assert sorted(f[1]["seed"] for f in failures) == [7, 33]
+    assert all("table 's': update has shape (7,), expected (3,)" in f[2] for f in failures)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+
+
+def test_unknown_table_is_a_precise_task_error(etcd) -> None:
+    app = litz.App(testapps.CrashDriver, testapps.UnknownTableExecutor, num_executors=1,
+                   config={"crash_on": -1}, tables=[litz.Table("t", (1,))])
+    with pytest.raises(litz.TaskError) as info:
+        litz.run(app, workers=1, servers=1, etcd=etcd.url)
+    assert "unknown table 'no_such_table'" in info.value.traceback
+
+
+def test_embedded_cluster_starts_and_stops_its_own_etcd() -> None:
+    job = f"embedded-{time.time_ns()}"
+    res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, job=job)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    assert processes_mentioning(job) == []

@@ -1,0 +1,171 @@
+"""Small applications that the multi-process tests run (importable by the worker processes)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+import litz
+
+
+class CausalDriver(litz.Driver):
+    """Chains read-then-increment tasks over random executors and keys, checking rule 1.
+
+    At dispatch, it records how many increments of the key had *completed*; the task must
+    read at least that many. Several tasks are kept in flight so the cache is exercised.
+    """
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        self.rng = random.Random(cfg.get("seed", 0))
+        self.keys = cfg["keys"]
+        self.total = cfg["tasks"]
+        self.completed = [0] * self.keys
+        self.required: dict[int, tuple[int, int]] = {}
+        self.violations: list[tuple[int, int, float, int]] = []
+        self.dispatched = 0
+        self.done = 0
+        for _ in range(cfg["inflight"]):
+            self._next()
+
+    def _next(self) -> None:
+        if self.dispatched >= self.total:
+            return
+        key = self.rng.randrange(self.keys)
+        e = self.rng.randrange(self.num_executors)
+        tid = self.dispatch_task(e, {"key": key})
+        self.required[tid] = (key, self.completed[key])
+        self.dispatched += 1
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        key, need = self.required.pop(result.task_id)
+        if result.value < need:
+            self.violations.append((result.task_id, key, result.value, need))
+        self.completed[key] += 1
+        self.done += 1
+        if self.done == self.total:
+            final = self.ps.get_many("c", range(self.keys))[:, 0]
+            self.finish({"violations": self.violations, "completed": self.completed, "final": final.tolist()})
+            return
+        self._next()
+
+
+class CausalExecutor(litz.Executor):
+    def run_task(self, args: dict) -> float:
+        key = args["key"]
+        value = float(self.ps.get("c", key)[0])
+        self.ps.update("c", key, np.ones(2))
+        return value
+
+
+def causal_app(keys: int = 8, tasks: int = 600, inflight: int = 6, executors: int = 8, seed: int = 0) -> litz.App:
+    return litz.App(CausalDriver, CausalExecutor, tables=[litz.Table("c", (2,), "float64", num_rows=keys)],
+                    num_executors=executors,
+                    config={"keys": keys, "tasks": tasks, "inflight": inflight, "seed": seed})
+
+
+class RoundsDriver(litz.Driver):
+    """Rounds of one task per executor, all dispatched at once (same version): exercises the cache."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.round = 0
+        self.left = 0
+        self.reads = 0
+        self._round()
+
+    def _round(self) -> None:
+        self.left = self.num_executors
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {"round": self.round})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.reads += result.value
+        self.left -= 1
+        if self.left == 0:
+            self.round += 1
+            if self.round == self.config["rounds"]:
+                self.finish({"reads": self.reads})
+            else:
+                self._round()
+
+
+class RoundsExecutor(litz.Executor):
+    def run_task(self, args: dict) -> int:
+        rows = self.ps.get_many("w", range(4))
+        again = self.ps.get_many("w", range(4))  # same version: must come from the cache
+        assert rows.shape == again.shape == (4, 16)
+        return 8
+
+
+class SumDriver(litz.Driver):
+    """Random integer-valued updates (exact in float64) from many tasks; the driver keeps the truth."""
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        self.truth = np.zeros((cfg["rows"], 3))
+        self.left = cfg["tasks"]
+        self.failures: list[litz.TaskFailure] = []
+        for i in range(cfg["tasks"]):
+            self.dispatch_task(i % self.num_executors, {"seed": i, "bad": i in cfg.get("bad", ())})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        keys, deltas = result.value
+        np.add.at(self.truth, np.asarray(keys), np.asarray(deltas))
+        self._one_done()
+
+    def handle_task_failure(self, failure: litz.TaskFailure) -> None:
+        # the failed task's valid updates, made before it raised, were applied: count them
+        keys, deltas = task_updates(failure.args["seed"], self.config["rows"])
+        np.add.at(self.truth, np.asarray(keys), deltas)
+        self.failures.append(failure)
+        self._one_done()
+
+    def _one_done(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            final = self.ps.get_many("s", range(self.config["rows"]))
+            self.finish({"truth": self.truth, "final": final,
+                         "failures": [(f.executor_id, f.args, f.traceback) for f in self.failures]})
+
+
+def task_updates(seed: int, rows: int) -> tuple[list[int], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, rows, size=5).tolist()
+    return keys, rng.integers(-50, 50, size=(5, 3)).astype(np.float64)
+
+
+class SumExecutor(litz.Executor):
+    def run_task(self, args: dict) -> tuple[list[int], np.ndarray]:
+        keys, deltas = task_updates(args["seed"], self.config["rows"])
+        self.ps.update_many("s", keys, deltas)
+        if args["bad"]:
+            self.ps.update("s", 0, np.ones(7))  # wrong shape: refused before anything is sent
+        return keys, deltas
+
+
+def sum_app(rows: int = 20, tasks: int = 400, executors: int = 6, bad: tuple[int, ...] = ()) -> litz.App:
+    return litz.App(SumDriver, SumExecutor, tables=[litz.Table("s", (3,), "float64", num_rows=rows)],
+                    num_executors=executors, config={"rows": rows, "tasks": tasks, "bad": list(bad)})
+
+
+class CrashDriver(litz.Driver):
+    def dispatch_initial_tasks(self) -> None:
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {"n": e, "crash": e == self.config["crash_on"]})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        pass
+
+
+class CrashExecutor(litz.Executor):
+    def run_task(self, args: dict) -> None:
+        if args["crash"]:
+            raise ZeroDivisionError("boom in run_task")
+        time.sleep(0.01)
+
+
+class UnknownTableExecutor(litz.Executor):
+    def run_task(self, args: dict) -> None:
+        self.ps.get("no_such_table", 0)
