@@ -1,0 +1,159 @@
+"""Multinomial logistic regression on Fashion-MNIST, trained by stale-synchronous SGD on Litz.
+
+Each executor owns a partition of the 60,000 training rows. A micro-task fetches the weight
+matrix (a PS table split into row blocks), runs a few mini-batch SGD steps on a local copy
+over 1/T of the executor's rows, and pushes the difference, which the servers add. The
+driver is an ``SSPDriver``: clock ``i`` is dispatched once clock ``i - s - 1`` has completed
+everywhere. After each epoch it reads the weights and evaluates them on the 10,000 test rows.
+
+Run it:  ``litz launch apps/mlr.py [--workers 2] [--executors 16] [--epochs 10]``
+Last line printed: ``test accuracy 0.8xx``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import litz
+from apps.datasets import load_fashion_mnist, partition_rows
+from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
+
+NUM_CLASSES = 10
+
+
+def _block_rows(dim: int, blocks: int) -> int:
+    return -(-(dim + 1) // blocks)
+
+
+class MLRDriver(litz.SSPDriver):
+    """Dispatches SSP clocks, reports progress per epoch, evaluates on the test set."""
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        self.T = int(cfg["tasks_per_epoch"])
+        self.iterations = int(cfg["epochs"]) * self.T
+        self.staleness = int(cfg["staleness"])
+        self.X_test, self.y_test = load_fashion_mnist("test")
+        self.history: list[dict[str, float]] = []
+        self._epoch_loss = 0.0
+        self._epoch_correct = 0
+        self._epoch_rows = 0
+        self._epoch_start = self._start = time.perf_counter()
+        self.test_accuracy = float("nan")
+        super().dispatch_initial_tasks()
+
+    def task_args(self, executor_id: int, iteration: int) -> Any:
+        cfg = self.config
+        return {"iteration": iteration, "lr": lr_at(iteration // self.T, cfg["lr0"], cfg["lr_decay"])}
+
+    def weights(self) -> np.ndarray:
+        """The current weight matrix (d+1, K), read from the parameter servers."""
+        cfg = self.config
+        blocks = self.ps.get_many("W", range(cfg["blocks"]))
+        return np.ascontiguousarray(blocks.reshape(-1, NUM_CLASSES)[: cfg["dim"] + 1])
+
+    def on_iteration_end(self, iteration: int, results: list[litz.TaskResult]) -> None:
+        for r in results:
+            loss, correct, rows = r.value
+            self._epoch_loss += loss
+            self._epoch_correct += correct
+            self._epoch_rows += rows
+        if (iteration + 1) % self.T:
+            return
+        now = time.perf_counter()
+        seconds = now - self._epoch_start
+        test_loss, self.test_accuracy = evaluate(self.weights(), self.X_test, self.y_test)
+        epoch = (iteration + 1) // self.T
+        stats = {"epoch": epoch, "seconds": seconds, "train_loss": self._epoch_loss / self._epoch_rows,
+                 "train_accuracy": self._epoch_correct / self._epoch_rows, "test_loss": test_loss,
+                 "test_accuracy": self.test_accuracy}
+        self.history.append(stats)
+        if not self.config.get("quiet"):
+            print(f"epoch {epoch:3d}/{self.config['epochs']}  loss {stats['train_loss']:.4f}  "
+                  f"train acc {stats['train_accuracy']:.4f}  test acc {self.test_accuracy:.4f}  "
+                  f"{self._epoch_rows / seconds / 1e3:8.1f}k samples/s  {seconds:.3f} s/epoch", flush=True)
+        self._epoch_loss, self._epoch_correct, self._epoch_rows = 0.0, 0, 0
+        self._epoch_start = time.perf_counter()
+
+    def result(self) -> dict[str, Any]:
+        if not self.config.get("quiet"):
+            print(f"test accuracy {self.test_accuracy:.4f}", flush=True)
+        return {"test_accuracy": self.test_accuracy, "history": self.history,
+                "seconds": time.perf_counter() - self._start}
+
+
+class MLRExecutor(litz.Executor):
+    """Owns a partition of the training rows (reloadable: indices into the shared memory-mapped set)."""
+
+    def load_input(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        X, y = load_fashion_mnist("train")
+        n = min(int(self.config.get("train_rows") or len(y)), len(y))
+        rows = partition_rows(n, self.num_executors, self.executor_id, seed=self.config["seed"])
+        warmup()
+        return X, y, rows
+
+    def run_task(self, args: dict[str, Any]) -> list[float]:
+        cfg = self.config
+        X, y, rows = self.input
+        T = cfg["tasks_per_epoch"]
+        it = args["iteration"]
+        epoch, clock = divmod(it, T)
+        order = self._order(epoch)
+        chunk = order[clock * len(order) // T: (clock + 1) * len(order) // T]
+        blocks = cfg["blocks"]
+        full = self.ps.get_many("W", range(blocks)).reshape(-1, NUM_CLASSES)
+        before = full.copy()
+        loss, correct = sgd_steps(full[: cfg["dim"] + 1], X, y, chunk, cfg["batch_size"], args["lr"], cfg["l2"])
+        delta = (full - before).reshape(blocks, -1, NUM_CLASSES)
+        self.ps.update_many("W", range(blocks), delta)
+        return [loss, correct, len(chunk)]
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """This epoch's visiting order of the executor's rows (deterministic: seed, executor, epoch)."""
+        cached = getattr(self, "_order_cache", None)
+        if cached is None or cached[0] != epoch:
+            rng = np.random.default_rng([self.config["seed"], self.executor_id, epoch])
+            cached = (epoch, rng.permutation(self.input[2]).astype(np.int64))
+            self._order_cache = cached
+        return cached[1]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="litz launch apps/mlr.py",
+                                description="Softmax regression on Fashion-MNIST with SSP SGD on Litz.")
+    p.add_argument("--epochs", type=int, default=int(DEFAULTS["epochs"]))
+    p.add_argument("--staleness", type=int, default=1, help="SSP staleness in clocks (0 = BSP)")
+    p.add_argument("--tasks-per-epoch", type=int, default=int(DEFAULTS["tasks_per_epoch"]),
+                   help="clocks per epoch: each task covers 1/T of an executor's rows")
+    p.add_argument("--batch-size", type=int, default=int(DEFAULTS["batch_size"]))
+    p.add_argument("--lr", type=float, default=float(DEFAULTS["lr0"]), help="initial learning rate")
+    p.add_argument("--lr-decay", type=float, default=float(DEFAULTS["lr_decay"]))
+    p.add_argument("--l2", type=float, default=float(DEFAULTS["l2"]))
+    p.add_argument("--blocks", type=int, default=8, help="row blocks of the weight table")
+    p.add_argument("--train-rows", type=int, default=0, help="use only the first N training rows (0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def make_app(argv: list[str]) -> litz.App:
+    args = parser().parse_args(argv)
+    dim = 784
+    table = litz.Table("W", shape=(_block_rows(dim, args.blocks), NUM_CLASSES), dtype="float32",
+                       num_rows=args.blocks)
+    config = {"epochs": args.epochs, "staleness": args.staleness, "tasks_per_epoch": args.tasks_per_epoch,
+              "batch_size": args.batch_size, "lr0": args.lr, "lr_decay": args.lr_decay, "l2": args.l2,
+              "blocks": args.blocks, "dim": dim, "train_rows": args.train_rows, "seed": args.seed,
+              "quiet": args.quiet}
+    return litz.App(MLRDriver, MLRExecutor, tables=[table], config=config, name="mlr")
+
+
+if __name__ == "__main__":
+    from litz.cli import launch
+
+    sys.exit(launch([__file__, *sys.argv[1:]]))
