@@ -1,0 +1,231 @@
+"""Socket-free tests of the protocol, tables, cache, update log, shard store, master and schedulers."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from litz.errors import ConfigError, LitzError, ProtocolError, TableError
+from litz.ps.cache import ProcessCache
+from litz.ps.server import ShardStore
+from litz.ps.tables import Combiner, Table, shard_of, table_index
+from litz.ps.update_log import UpdateLog
+from litz.runtime import protocol
+from litz.runtime.master import MasterState
+from litz.schedulers import BlockRotation
+
+# -- protocol -------------------------------------------------------------------------------------
+
+
+def test_protocol_round_trip_with_zero_copy_arrays() -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.arange(5, dtype=np.int64)[::2]  # not contiguous: sent as a copy
+    frames = protocol.encode("update", rid=7, items=[["W", [1, "k"], a], ["V", (1, 2), b]])
+    assert len(frames) == 3 and frames[1] is a  # the array itself is a frame: no copy
+    msg = protocol.decode([bytes(memoryview(f)) for f in frames], sender="w0")
+    assert msg.type == "update" and msg.sender == "w0" and msg["rid"] == 7
+    (t1, k1, v1), (t2, k2, v2) = msg["items"]
+    assert (t1, k1, t2, k2) == ("W", [1, "k"], "V", (1, 2))
+    np.testing.assert_array_equal(v1, a)
+    np.testing.assert_array_equal(v2, [0, 2, 4])
+    assert v1.dtype == np.float32 and v2.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    "frames, reason",
+    [
+        ([b"\xc1garbage"], "undecodable header"),
+        ([msgpack.packb(["nope", {}])], "unknown message type 'nope'"),
+        ([msgpack.packb(["get", {"rid": 1}])], "lacks field 'items'"),
+        ([msgpack.packb(["get", {"rid": "x", "items": []}])], "field 'rid' should be int"),
+        ([msgpack.packb([1, 2, 3])], "header is not [type, fields]"),
+        ([], "empty message"),
+        ([msgpack.packb(["get", {"rid": 1, "items": msgpack.ExtType(1, msgpack.packb(["<f4", [2], 5]))}])],
+         "missing frame"),
+    ],
+)
+def test_malformed_messages_are_rejected_with_a_reason(frames: list[bytes], reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        protocol.decode(frames)
+
+
+def test_encoding_checks_declared_fields() -> None:
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        protocol.encode("no_such_message")
+    with pytest.raises(ProtocolError, match="lacks field"):
+        protocol.encode("get", rid=1)
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+
+def test_table_checks_keys_shapes_and_dtypes() -> None:
+    t = Table("W", (2, 3), "float32", num_rows=4)
+    assert t.check_keys(range(4)) == [0, 1, 2, 3]
+    with pytest.raises(TableError, match="key 4 out of range"):
+        t.check_key(4)
+    with pytest.raises(TableError, match="bad key 'a'"):
+        t.check_key("a")
+    with pytest.raises(TableError, match=r"shape \(3, 2\), expected \(2, 3\)"):
+        t.check_delta(np.zeros((3, 2)))
+    with pytest.raises(TableError, match="dtype complex128"):
+        t.check_delta(np.zeros((2, 3), complex))
+    assert t.check_delta(np.ones((2, 3))).dtype == np.float32  # float64 -> float32 is the same kind
+    with pytest.raises(TableError, match="declared twice"):
+        table_index([t, Table("W", (1,))])
+
+
+def test_initializers_are_pure_functions_of_the_key() -> None:
+    t = Table("E", (5,), init=("normal", 0.1), seed=3)
+    np.testing.assert_array_equal(t.initial_row(7), t.initial_row(7))
+    assert not np.array_equal(t.initial_row(7), t.initial_row(8))
+    assert Table("F", (2,), init=("full", 2.5)).initial_row("x").tolist() == [2.5, 2.5]
+
+
+def test_shards_are_stable() -> None:
+    assert shard_of(130, 64) == 2
+    assert shard_of("word", 64) == shard_of("word", 64)
+
+
+# -- cache ----------------------------------------------------------------------------------------
+
+
+def test_cache_uses_entries_only_for_versions_it_covers() -> None:
+    c = ProcessCache()
+    assert c.lookup("t", 1, version=3) is None
+    assert c.request("t", 1, 3, "task-a") is True  # first need: fetch
+    assert c.request("t", 1, 2, "task-b") is False  # covered by the fetch in flight: coalesced
+    assert c.request("t", 1, 5, "task-c") is True  # a newer version needs its own fetch
+    woken = c.fill("t", 1, np.array([1.0]), version=3)
+    assert sorted(tok for tok, _ in woken) == ["task-a", "task-b"]  # not task-c (needs version 5)
+    assert c.lookup("t", 1, 3) is not None and c.lookup("t", 1, 4) is None
+    assert [tok for tok, _ in c.fill("t", 1, np.array([2.0]), version=5)] == ["task-c"]
+    assert c.lookup("t", 1, 5)[0] == 2.0
+    # a late reply of an older fetch never replaces a newer entry
+    c.fill("t", 1, np.array([0.0]), version=4)
+    assert c.lookup("t", 1, 5)[0] == 2.0
+    assert c.fetches == 2 and c.coalesced == 1
+
+
+def test_disabled_cache_fetches_every_time() -> None:
+    c = ProcessCache(enabled=False)
+    assert c.request("t", 1, 0, "a") and c.request("t", 1, 0, "b")
+    c.fill("t", 1, np.zeros(1), 0)
+    assert c.lookup("t", 1, 0) is None
+
+
+def test_cache_fail_wakes_all_waiters() -> None:
+    c = ProcessCache()
+    c.request("t", 1, 0, "a")
+    c.request("t", 1, 0, "b")
+    assert c.fail("t", 1) == ["a", "b"]
+    assert c.request("t", 1, 0, "c") is True  # the failed fetch is forgotten
+
+
+# -- update log -----------------------------------------------------------------------------------
+
+
+def test_update_log_merges_exactly_with_each_combiner() -> None:
+    add = Table("a", (2,), "int64")
+    mn = Table("m", (2,), "float64", combiner="min")
+    top = Table("k", (3,), "float64", combiner=Combiner.of(lambda a, b: np.sort(np.concatenate([a, b]))[:3]))
+    log = UpdateLog()
+    rng = np.random.default_rng(0)
+    truth = np.zeros((5, 2), np.int64)
+    for _ in range(200):
+        k = int(rng.integers(5))
+        d = rng.integers(-9, 9, 2)
+        truth[k] += d
+        log.add(add, k, d)
+    log.add(mn, "x", np.array([3.0, 1.0]))
+    log.add(mn, "x", np.array([2.0, 5.0]))
+    log.add(top, 0, np.array([5.0, 6.0, 7.0]))
+    log.add(top, 0, np.array([1.0, 6.5, 9.0]))
+    assert log.updates_in == 204
+    out = log.drain()
+    assert not log and log.nbytes == 0
+    keys, rows = out["a"]
+    got = np.zeros((5, 2), np.int64)
+    for k, r in zip(keys, rows, strict=True):
+        got[k] = r
+    np.testing.assert_array_equal(got, truth)
+    assert out["m"][1][0].tolist() == [2.0, 1.0]
+    assert out["k"][1][0].tolist() == [1.0, 5.0, 6.0]
+
+
+def test_update_log_copies_the_callers_array() -> None:
+    t = Table("a", (2,))
+    log = UpdateLog()
+    d = np.ones(2, np.float32)
+    log.add(t, 0, d)
+    d[:] = 100
+    log.add(t, 0, np.ones(2))
+    assert log.drain()["a"][1][0].tolist() == [2.0, 2.0]
+
+
+# -- shard store ----------------------------------------------------------------------------------
+
+
+def test_shard_store_refuses_bad_items_and_keeps_the_rest() -> None:
+    tables = table_index([Table("s", (2,), "float64")])
+    store = ShardStore(tables, shards=[0, 1], num_shards=4)
+    errors = store.handle_update([
+        ["s", [0, 1], np.ones((2, 2))],
+        ["nope", [0], np.ones((1, 2))],
+        ["s", [0], np.ones((1, 3))],
+        ["s", [2], np.ones((1, 2))],  # shard 2 lives elsewhere
+        ["s", [4, 0], np.full((2, 2), 2.0)],  # an item applies whole: key 4 is shard 0 here
+    ])
+    assert errors[0] is None and errors[4] is None
+    assert "unknown table 'nope'" in errors[1]
+    assert "shape (1, 3), expected (1, 2)" in errors[2]
+    assert "shard 2 is not on this server" in errors[3]
+    values, errs = store.handle_get([["s", [0, 1, 4]], ["s", [3]]])
+    assert errs[0] is None and values[0].tolist() == [[3, 3], [1, 1], [2, 2]]
+    assert "shard 3" in errs[1]
+
+
+# -- master bookkeeping ---------------------------------------------------------------------------
+
+
+def test_master_state_versions_and_placement() -> None:
+    st = MasterState(5, ["w0", "w1"], ["s0", "s1", "s2"], num_shards=6)
+    assert st.executors_of("w0") == [0, 1, 2] and st.executors_of("w1") == [3, 4]
+    assert st.shards_of("s1") == [1, 4]
+    a = st.dispatch(0, "a")
+    b = st.dispatch(4, "b")
+    assert st.take_outbox() == {"w0": [[a, 0, 0, "a"]], "w1": [[b, 4, 0, "b"]]}
+    st.complete(a)
+    c = st.dispatch(1, "c")  # dispatched after a's completion: a higher version
+    assert st.inflight[c].version == 1 > st.inflight[b].version
+    with pytest.raises(LitzError, match="no executor 9"):
+        st.dispatch(9, None)
+
+
+# -- block rotation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("E, B", [(4, 4), (3, 5), (1, 2), (6, 6)])
+def test_block_rotation_never_shares_a_block_and_keeps_round_order(E: int, B: int) -> None:
+    rounds = 7
+    rot = BlockRotation(E, B, rounds)
+    rng = np.random.default_rng(E * 10 + B)
+    running = rot.start()
+    visits: dict[int, list[int]] = {b: [] for b in range(B)}
+    done = 0
+    while running:
+        held = [b for _, _, b in running]
+        assert len(held) == len(set(held))  # one user per block at any moment
+        e, r, b = running.pop(int(rng.integers(len(running))))
+        visits[b].append(r)
+        running += rot.complete(e, r)
+        done += 1
+    assert done == E * rounds and rot.finished()
+    for b, rs in visits.items():
+        assert rs == sorted(rs), (b, rs)  # each block visited in round order
+
+
+def test_block_rotation_needs_enough_blocks() -> None:
+    with pytest.raises(ConfigError):
+        BlockRotation(4, 3)
