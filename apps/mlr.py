@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import litz
-from apps.datasets import load_fashion_mnist, partition_rows
+from apps.datasets import load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
 from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
 
 NUM_CLASSES = 10
@@ -30,15 +30,32 @@ def _block_rows(dim: int, blocks: int) -> int:
     return -(-(dim + 1) // blocks)
 
 
+def load_data(rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Train and test sets; with ``rank > 0`` on spectrally preconditioned features.
+
+    The summed, stale deltas of one SSP clock act as one large step; on raw pixels the mean-image
+    direction is so stiff that such steps diverge unless the learning rate is tiny. Flattening
+    the top principal directions (fitted on the training split, cached on disk) makes the
+    sequential-SGD learning rate stable for any number of executors (see apps/mlr_kernels.py).
+    """
+    if rank > 0:
+        return load_fashion_mnist_preconditioned(rank)[:4]
+    return (*load_fashion_mnist("train"), *load_fashion_mnist("test"))
+
+
 class MLRDriver(litz.SSPDriver):
     """Dispatches SSP clocks, reports progress per epoch, evaluates on the test set."""
 
     def dispatch_initial_tasks(self) -> None:
         cfg = self.config
-        self.T = int(cfg["tasks_per_epoch"])
+        if cfg.get("rows_per_task"):  # fixed work per task: more executors means fewer clocks per epoch
+            rows = cfg["train_rows"] or 60_000
+            self.T = max(1, round(rows / (self.num_executors * cfg["rows_per_task"])))
+        else:
+            self.T = int(cfg["tasks_per_epoch"])
         self.iterations = int(cfg["epochs"]) * self.T
         self.staleness = int(cfg["staleness"])
-        self.X_test, self.y_test = load_fashion_mnist("test")
+        self.X_test, self.y_test = load_data(cfg["precondition_rank"])[2:]
         self.history: list[dict[str, float]] = []
         self._epoch_loss = 0.0
         self._epoch_correct = 0
@@ -49,7 +66,8 @@ class MLRDriver(litz.SSPDriver):
 
     def task_args(self, executor_id: int, iteration: int) -> Any:
         cfg = self.config
-        return {"iteration": iteration, "lr": lr_at(iteration // self.T, cfg["lr0"], cfg["lr_decay"])}
+        return {"iteration": iteration, "T": self.T,
+                "lr": lr_at(iteration // self.T, cfg["lr0"], cfg["lr_decay"])}
 
     def weights(self) -> np.ndarray:
         """The current weight matrix (d+1, K), read from the parameter servers."""
@@ -91,7 +109,7 @@ class MLRExecutor(litz.Executor):
     """Owns a partition of the training rows (reloadable: indices into the shared memory-mapped set)."""
 
     def load_input(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        X, y = load_fashion_mnist("train")
+        X, y = load_data(self.config["precondition_rank"])[:2]
         n = min(int(self.config.get("train_rows") or len(y)), len(y))
         rows = partition_rows(n, self.num_executors, self.executor_id, seed=self.config["seed"])
         warmup()
@@ -100,7 +118,7 @@ class MLRExecutor(litz.Executor):
     def run_task(self, args: dict[str, Any]) -> list[float]:
         cfg = self.config
         X, y, rows = self.input
-        T = cfg["tasks_per_epoch"]
+        T = args["T"]
         it = args["iteration"]
         epoch, clock = divmod(it, T)
         order = self._order(epoch)
@@ -130,10 +148,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--staleness", type=int, default=1, help="SSP staleness in clocks (0 = BSP)")
     p.add_argument("--tasks-per-epoch", type=int, default=int(DEFAULTS["tasks_per_epoch"]),
                    help="clocks per epoch: each task covers 1/T of an executor's rows")
+    p.add_argument("--rows-per-task", type=int, default=0,
+                   help="fix the rows per task instead (clocks per epoch = rows / (executors * this))")
     p.add_argument("--batch-size", type=int, default=int(DEFAULTS["batch_size"]))
     p.add_argument("--lr", type=float, default=float(DEFAULTS["lr0"]), help="initial learning rate")
     p.add_argument("--lr-decay", type=float, default=float(DEFAULTS["lr_decay"]))
     p.add_argument("--l2", type=float, default=float(DEFAULTS["l2"]))
+    p.add_argument("--precondition-rank", type=int, default=int(DEFAULTS["precondition_rank"]),
+                   help="principal directions flattened before training (0 = raw pixels)")
     p.add_argument("--blocks", type=int, default=8, help="row blocks of the weight table")
     p.add_argument("--train-rows", type=int, default=0, help="use only the first N training rows (0 = all)")
     p.add_argument("--seed", type=int, default=0)
@@ -147,8 +169,10 @@ def make_app(argv: list[str]) -> litz.App:
     table = litz.Table("W", shape=(_block_rows(dim, args.blocks), NUM_CLASSES), dtype="float32",
                        num_rows=args.blocks)
     config = {"epochs": args.epochs, "staleness": args.staleness, "tasks_per_epoch": args.tasks_per_epoch,
+              "rows_per_task": args.rows_per_task,
               "batch_size": args.batch_size, "lr0": args.lr, "lr_decay": args.lr_decay, "l2": args.l2,
-              "blocks": args.blocks, "dim": dim, "train_rows": args.train_rows, "seed": args.seed,
+              "blocks": args.blocks, "dim": dim, "precondition_rank": args.precondition_rank,
+              "train_rows": args.train_rows, "seed": args.seed,
               "quiet": args.quiet}
     return litz.App(MLRDriver, MLRExecutor, tables=[table], config=config, name="mlr")
 
