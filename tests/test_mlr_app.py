@@ -1,0 +1,59 @@
+"""The MLR application end to end: multi-process training converges; the CLI runs it cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import litz
+from apps import mlr
+from tests.conftest import processes_mentioning
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_DATA = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists() or bool(
+    os.environ.get("LITZ_FASHION_MNIST"))
+needs_data = pytest.mark.skipif(not HAVE_DATA, reason="Fashion-MNIST not installed (Debian dataset-fashion-mnist)")
+
+
+@needs_data
+def test_mlr_converges_on_a_slice_across_processes(etcd) -> None:
+    app = mlr.make_app(["--train-rows", "12000", "--epochs", "3", "--quiet"])
+    res = litz.run(app, workers=2, servers=2, num_executors=6, etcd=etcd.url)
+    acc = res.value["test_accuracy"]
+    assert acc >= 0.79, acc
+    hist = res.value["history"]
+    assert len(hist) == 3 and hist[-1]["train_loss"] < hist[0]["train_loss"]
+    # the update log merged the executors' deltas before they left each worker
+    assert res.total("update_rows_sent", "worker") < res.total("updates_logged", "worker")
+
+
+def _litz(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "litz.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@needs_data
+def test_litz_launch_main_example_reaches_accuracy_and_leaves_nothing() -> None:
+    job = f"cli-mlr-{time.time_ns()}"
+    proc = _litz("launch", "apps/mlr.py", "--workers", "2", "--job", job)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert any(line.startswith("epoch   1/") and "samples/s" in line for line in lines)
+    last = lines[-1]
+    assert last.startswith("test accuracy ")
+    assert float(last.split()[-1]) >= 0.84
+    assert processes_mentioning(job) == []
+
+
+def test_litz_launch_app_help_and_bad_etcd() -> None:
+    proc = _litz("launch", "apps/mlr.py", "--help")
+    assert proc.returncode == 0 and "--staleness" in proc.stdout
+    proc = _litz("launch", "apps/mlr.py", "--etcd", "http://127.0.0.1:9", "--epochs", "1", timeout=60)
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "cannot reach etcd" in err[0] and "127.0.0.1:9" in err[0], proc.stderr
