@@ -91,3 +91,51 @@ def test_embedded_cluster_starts_and_stops_its_own_etcd() -> None:
     res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, job=job)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
     assert processes_mentioning(job) == []
+
+
+def test_server_survives_malformed_and_bad_messages(etcd) -> None:
+    import cloudpickle
+    import zmq
+
+    from litz.runtime.launcher import LocalCluster
+    from litz.runtime.membership import Membership
+    from litz.runtime.node import proc_key
+    from litz.runtime.transport import Endpoint
+
+    job = f"garbage-{time.time_ns()}"
+    with LocalCluster(job, workers=1, servers=1, etcd=etcd.url) as cluster, Membership(etcd.url, job) as mem:
+        me = Endpoint("tester")
+        mem.register(proc_key("tester", "tester"), {"id": "tester", "addr": me.address, "role": "tester"})
+        deadline = time.monotonic() + 20
+        while "procs/server/s0" not in mem.get_prefix("procs/"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        addr = mem.get("procs/server/s0")["addr"]
+        me.connect("s0", addr)
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(addr)
+        for junk in ([b"\x00\xff garbage"], [b"\x92\xa3get\x80"], [b"\x92\xa4nope\x80", b"x"]):
+            raw.send_multipart(junk)
+
+        def reply() -> object:
+            assert me.router.poll(10_000), "the server stopped answering"
+            return me.recv()
+
+        tables = cloudpickle.dumps([litz.Table("s", (2,), "float64")])
+        me.send("s0", "init_server", tables=tables, shards=list(range(4)), num_shards=4, master="tester")
+        assert reply().type == "ready"
+        me.send("s0", "update", rid=1, items=[["s", [1], np.ones((1, 2))], ["zz", [1], np.ones((1, 2))],
+                                             ["s", [2], np.ones((1, 5))]])
+        ack = reply()
+        assert ack["errors"][0] is None
+        assert "unknown table 'zz'" in ack["errors"][1] and "shape (1, 5)" in ack["errors"][2]
+        me.send("s0", "get", rid=2, items=[["s", [1, 2]]])
+        got = reply()
+        assert got["values"][0].tolist() == [[1.0, 1.0], [0.0, 0.0]]  # the good update, and only it
+        me.send("s0", "stats_request", rid=3)
+        assert reply()["stats"]["bad_messages"] == 3
+        cluster.check()  # still alive
+        me.send("s0", "shutdown", reason="test over")
+        assert reply().type == "bye"
+        me.close()
+        raw.close(0)

@@ -111,7 +111,8 @@ def test_cache_uses_entries_only_for_versions_it_covers() -> None:
 def test_disabled_cache_fetches_every_time() -> None:
     c = ProcessCache(enabled=False)
     assert c.request("t", 1, 0, "a") and c.request("t", 1, 0, "b")
-    c.fill("t", 1, np.zeros(1), 0)
+    assert [tok for tok, _ in c.fill("t", 1, np.zeros(1), 0)] == ["a"]  # each reply serves one request
+    assert [tok for tok, _ in c.fill("t", 1, np.ones(1), 0)] == ["b"]
     assert c.lookup("t", 1, 0) is None
 
 

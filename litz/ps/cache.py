@@ -64,8 +64,13 @@ class ProcessCache:
         waiting = self._waiters.get(ck)
         if not waiting:
             return []
-        woken = [(tok, value) for v, tok in waiting if v <= version]
-        rest = [(v, tok) for v, tok in waiting if v > version]
+        if self.enabled:
+            woken = [(tok, value) for v, tok in waiting if v <= version]
+            rest = [(v, tok) for v, tok in waiting if v > version]
+        else:  # every request sent its own fetch: a reply serves its own requester only (FIFO)
+            first = next(i for i, (v, _) in enumerate(waiting) if v <= version)
+            woken = [(waiting[first][1], value)]
+            rest = waiting[:first] + waiting[first + 1:]
         if rest:
             self._waiters[ck] = rest
         else:

@@ -118,8 +118,8 @@ class Worker(Node):
         self.runnable: deque[tuple[greenlet.greenlet, Task]] = deque()
         self.current: Task | None = None
         self._rid = 0
-        # fetches to send: server -> table -> {key: version}
-        self._to_fetch: dict[str, dict[str, dict[Hashable, int]]] = {}
+        # fetches to send: server -> table -> [(key, version)]
+        self._to_fetch: dict[str, dict[str, list[tuple[Hashable, int]]]] = {}
         self._fetching: dict[int, list[tuple[str, list[Hashable], list[int]]]] = {}
         # completion barrier: update rids not yet acknowledged, and completions waiting on them
         self._unacked: set[int] = set()
@@ -230,7 +230,7 @@ class Worker(Node):
                 wait.pending.add(key)
                 if self.cache.request(table.name, key, version, wait):
                     server = self.shard_map[shard_of(key, self.num_shards)]
-                    self._to_fetch.setdefault(server, {}).setdefault(table.name, {})[key] = version
+                    self._to_fetch.setdefault(server, {}).setdefault(table.name, []).append((key, version))
         if wait is None:
             return out
         self.hub.switch()  # the hub resumes us once every key arrived or a fetch failed
@@ -256,8 +256,8 @@ class Worker(Node):
             record = []
             items = []
             for name, keyver in by_table.items():
-                keys = list(keyver.keys())
-                record.append((name, keys, list(keyver.values())))
+                keys = [k for k, _ in keyver]
+                record.append((name, keys, [v for _, v in keyver]))
                 items.append([name, keys])
             self._fetching[self._rid] = record
             self.endpoint.send(server, "get", rid=self._rid, items=items)
