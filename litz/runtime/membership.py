@@ -124,6 +124,31 @@ def _is_lease_not_found(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
 
 
+_SHARED_LOCK = threading.Lock()
+_SHARED: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
+
+
+def _shared_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """The process's one etcd thread and asyncio loop, started on first use and never closed.
+
+    gRPC's asyncio layer attaches to one event loop per process; a second loop, or closing the
+    first while another client lives, makes gRPC's poller fail ("Event loop is closed").
+    """
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None or not _SHARED[1].is_alive():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=_run_loop, args=(loop,), name="litz-etcd", daemon=True)
+            thread.start()
+            _SHARED = (loop, thread)
+        return _SHARED
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+
+
 class Membership:
     """Registration, key/value access and watches under ``/litz/<job>/``, driven from any thread.
 
@@ -202,12 +227,7 @@ class Membership:
             raise LitzError("Membership.start() called after close()")
         if self._loop is not None:
             return
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(
-            target=self._run_loop, args=(loop,), name=f"litz-etcd-{self._job}", daemon=True
-        )
-        self._loop, self._thread = loop, thread
-        thread.start()
+        self._loop, self._thread = _shared_loop()
         try:
             self._call("connect", self._connect())
         except BaseException:
@@ -314,15 +334,6 @@ class Membership:
 
     # -- plumbing between the caller's thread and the etcd thread ---------------------------------------
 
-    @staticmethod
-    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-        """Body of the etcd thread: run the loop until ``_stop_thread`` stops it, then close it."""
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
-
     def _check_thread(self, what: str) -> None:
         """Refuse calls from the etcd thread (e.g. inside ``on_event``): they would wait on themselves."""
         if self._thread is not None and threading.current_thread() is self._thread:
@@ -365,37 +376,33 @@ class Membership:
             raise self._error(what, exc) from exc
 
     def _stop_thread(self) -> None:
-        """Cancel every task, close the gRPC channel, stop the loop and join the thread."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+        """Cancel this instance's tasks and close its gRPC channel (the shared loop keeps running)."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
             return
-        if thread.is_alive():
-            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-            try:
-                fut.result(5.0)
-            except Exception as exc:  # shutdown must complete even if the channel misbehaves
-                _log.warning("etcd client shutdown for %s failed: %s", self._url, _describe(exc))
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(5.0)
-            if thread.is_alive():
-                _log.warning("etcd thread for %s did not stop within 5 s; leaving it (daemon)", self._url)
+        fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+        try:
+            fut.result(5.0)
+        except Exception as exc:  # shutdown must complete even if the channel misbehaves
+            _log.warning("etcd client shutdown for %s failed: %s", self._url, _describe(exc))
 
     async def _shutdown(self) -> None:
-        """Runs on the etcd thread: cancel our tasks and gRPC's, then close the channel."""
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        """Runs on the etcd thread: cancel our keep-alive and watches, then close the channel.
+
+        Only this instance's tasks are cancelled: the loop is shared by every Membership of the
+        process (gRPC's asyncio layer binds to one loop; closing loops under it breaks later clients).
+        Closing the channel ends gRPC's own request-feeding tasks of our streams.
+        """
+        tasks = [t for t in (self._keepalive_task, *self._watch_tasks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._keepalive_task = None
         if self._client is not None:
             await self._client.close()
             self._client = None
-        # Closing the channel cancels gRPC's own request-feeding tasks; reap them so that none is destroyed
-        # while pending (which asyncio reports as an error at interpreter exit).
-        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in rest:
-            task.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
-        await asyncio.get_running_loop().shutdown_asyncgens()
+        for _ in range(3):  # let the cancelled gRPC tasks finish
+            await asyncio.sleep(0)
 
     # -- coroutines (etcd thread only) ------------------------------------------------------------------
 
