@@ -139,3 +139,12 @@ def test_server_survives_malformed_and_bad_messages(etcd) -> None:
         assert reply().type == "bye"
         me.close()
         raw.close(0)
+
+
+def test_unsendable_result_fails_only_its_task(etcd) -> None:
+    app = litz.App(testapps.CountingDriver, testapps.UnsendableExecutor, num_executors=4, config={"crash_on": 1},
+                   tables=[litz.Table("t", (1,))])
+    res = litz.run(app, workers=1, servers=1, etcd=etcd.url)
+    assert res.value["values"] == [0, 2, 3]
+    [(eid, reason)] = res.value["failures"]
+    assert eid == 1 and "cannot be sent to the driver" in reason

@@ -169,3 +169,37 @@ class CrashExecutor(litz.Executor):
 class UnknownTableExecutor(litz.Executor):
     def run_task(self, args: dict) -> None:
         self.ps.get("no_such_table", 0)
+
+
+class UnsendableExecutor(litz.Executor):
+    def run_task(self, args: dict) -> object:
+        if args["crash"]:
+            import threading
+
+            return threading.Lock()  # cannot be pickled: this task fails, the others complete
+        return args["n"]
+
+
+class CountingDriver(litz.Driver):
+    """One task per executor; failures are recorded instead of stopping the job."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.left = self.num_executors
+        self.values: list[object] = []
+        self.failures: list[litz.TaskFailure] = []
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {"n": e, "crash": e == self.config["crash_on"]})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.values.append(result.value)
+        self._done()
+
+    def handle_task_failure(self, failure: litz.TaskFailure) -> None:
+        self.failures.append(failure)
+        self._done()
+
+    def _done(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.finish({"values": sorted(self.values), "failures": [(f.executor_id, f.traceback)
+                                                                      for f in self.failures]})

@@ -182,9 +182,15 @@ def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.id} %(levelname)s %(name)s: %(message)s")
     node = node_cls(args.id, args.job, args.etcd, args.host)
+    profile_dir = os.environ.get("LITZ_PROFILE")  # developers: cProfile each process into this folder
     try:
         node.start()
-        node.loop()
+        if profile_dir:
+            import cProfile
+
+            cProfile.runctx("node.loop()", globals(), {"node": node}, f"{profile_dir}/{args.id}.prof")
+        else:
+            node.loop()
     except KeyboardInterrupt:
         node.exit_code = 130
     finally:

@@ -188,7 +188,9 @@ class Worker(Node):
         slot = self.slots[task.executor_id]
         try:
             value = slot.executor.run_task(task.args)
-        except Exception:
+        except greenlet.GreenletExit:
+            raise
+        except BaseException:  # SystemExit from user code is a task failure too, not the worker's end
             self.tasks_failed += 1
             tb = traceback.format_exc()
             log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, tb)
@@ -332,9 +334,24 @@ class Worker(Node):
             (completed if kind == "completed" else failed).append(item)
         if completed or failed:
             assert self.master is not None
-            self.endpoint.send(self.master, "done", completed=completed, failed=failed)
+            try:
+                self.endpoint.send(self.master, "done", completed=completed, failed=failed)
+            except Exception:  # a result that cannot be serialized fails its own task, not the batch
+                self._send_done_one_by_one(completed, failed)
         if not self._waiting_ack and not self._waiting_flush:
             self._oldest_unsent = None
+
+    def _send_done_one_by_one(self, completed: list[Any], failed: list[Any]) -> None:
+        assert self.master is not None
+        for task_id, value in completed:
+            try:
+                self.endpoint.send(self.master, "done", completed=[[task_id, value]], failed=[])
+            except Exception as exc:
+                reason = (f"the result of task {task_id} cannot be sent to the driver "
+                          f"({type(exc).__name__}: {exc}); return msgpack values, arrays or picklable objects")
+                log.error("%s: %s", self.ident, reason)
+                failed.append([task_id, reason])
+        self.endpoint.send(self.master, "done", completed=[], failed=failed)
 
     def on_error(self, msg: Message) -> None:
         rid = msg.get("rid")
