@@ -25,19 +25,43 @@ class ParameterServer:
 
     Values returned by ``get`` are read-only views shared through the process cache:
     copy before modifying. ``get_many`` returns a fresh stacked array ``(n, *row_shape)``.
+    Every call checks the table, the keys and the deltas' dtype and shape first, and raises
+    ``TableError`` naming the table and the key, before anything is sent.
     """
 
-    def get(self, table: str, key: Hashable) -> np.ndarray:
+    # -- what an implementation provides -----------------------------------------------------------
+    def _table(self, name: str) -> Table:
         raise NotImplementedError
+
+    def _read(self, table: Table, keys: list[Hashable]) -> list[np.ndarray]:
+        """The rows of already-checked keys, in order."""
+        raise NotImplementedError
+
+    def _write(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
+        """Apply already-checked stacked deltas."""
+        raise NotImplementedError
+
+    # -- the API ----------------------------------------------------------------------------------------
+    def get(self, table: str, key: Hashable) -> np.ndarray:
+        t = self._table(table)
+        return self._read(t, [t.check_key(key)])[0]
 
     def get_many(self, table: str, keys: Iterable[Hashable]) -> np.ndarray:
-        raise NotImplementedError
+        t = self._table(table)
+        rows = self._read(t, t.check_keys(keys))
+        out = np.empty((len(rows), *t.shape), t.dtype)
+        for i, row in enumerate(rows):
+            out[i] = row
+        return out
 
     def update(self, table: str, key: Hashable, delta: Any) -> None:
-        raise NotImplementedError
+        t = self._table(table)
+        self._write(t, [t.check_key(key)], t.check_delta(delta)[None])
 
     def update_many(self, table: str, keys: Iterable[Hashable], deltas: Any) -> None:
-        raise NotImplementedError
+        t = self._table(table)
+        keys = t.check_keys(keys)
+        self._write(t, keys, t.check_delta(deltas, n=len(keys)))
 
 
 @dataclass(frozen=True)

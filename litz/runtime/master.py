@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,22 +104,9 @@ class DriverPS(ParameterServer):
     """The driver's synchronous view of the parameters (reads bypass every cache)."""
 
     def __init__(self, master: Master) -> None:
-        self._m = master
-
-    def get(self, table: str, key: Hashable) -> np.ndarray:
-        return self.get_many(table, [key])[0]
-
-    def get_many(self, table: str, keys: Iterable[Hashable]) -> np.ndarray:
-        return self._m.read(table, keys)
-
-    def update(self, table: str, key: Hashable, delta: Any) -> None:
-        t = self._m.table(table)
-        self._m.write(t, [t.check_key(key)], t.check_delta(delta)[None])
-
-    def update_many(self, table: str, keys: Iterable[Hashable], deltas: Any) -> None:
-        t = self._m.table(table)
-        keys = t.check_keys(keys)
-        self._m.write(t, keys, t.check_delta(deltas, n=len(keys)))
+        self._table = master.table
+        self._read = master.read
+        self._write = master.write
 
 
 class Master:
@@ -273,11 +260,9 @@ class Master:
                 raise LitzError(f"{what} failed on {r.sender}: {r['reason']}")
         return replies
 
-    def read(self, table_name: str, keys: Iterable[Hashable]) -> np.ndarray:
-        """Read rows straight from the servers (used by the driver)."""
+    def read(self, table: Table, keys: list[Hashable]) -> np.ndarray:
+        """Read rows of checked keys straight from the servers (used by the driver)."""
         assert self.state is not None
-        table = self.table(table_name)
-        keys = table.check_keys(keys)
         groups: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(self.state.shard_map[shard_of(key, self.num_shards)], []).append(i)

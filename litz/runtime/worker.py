@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,27 +79,9 @@ class ExecutorPS(ParameterServer):
     """``self.ps`` of an executor: reads through the process cache, writes into the update log."""
 
     def __init__(self, worker: Worker) -> None:
-        self._w = worker
-
-    def get(self, table: str, key: Hashable) -> np.ndarray:
-        return self._w.ps_get(table, [key])[0]
-
-    def get_many(self, table: str, keys: Iterable[Hashable]) -> np.ndarray:
-        rows = self._w.ps_get(table, keys)
-        t = self._w.tables[table]
-        out = np.empty((len(rows), *t.shape), t.dtype)
-        for i, row in enumerate(rows):
-            out[i] = row
-        return out
-
-    def update(self, table: str, key: Hashable, delta: Any) -> None:
-        t = self._w.table(table)
-        self._w.ps_update(t, [t.check_key(key)], t.check_delta(delta)[None])
-
-    def update_many(self, table: str, keys: Iterable[Hashable], deltas: Any) -> None:
-        t = self._w.table(table)
-        keys = t.check_keys(keys)
-        self._w.ps_update(t, keys, t.check_delta(deltas, n=len(keys)))
+        self._table = worker.table
+        self._read = worker.ps_get
+        self._write = worker.ps_update
 
 
 class Worker(Node):
@@ -212,9 +194,8 @@ class Worker(Node):
             self._waiting_ack.append((self._last_update_rid, kind, item))
 
     # -- ps from inside a task --------------------------------------------------------
-    def ps_get(self, table_name: str, keys: Iterable[Hashable]) -> list[np.ndarray]:
-        table = self.table(table_name)
-        keys = table.check_keys(keys)
+    def ps_get(self, table: Table, keys: list[Hashable]) -> list[np.ndarray]:
+        """Rows for checked keys: cached ones at once, the rest after one batched fetch."""
         task = self.current
         if task is None:
             raise LitzError("ps.get called outside a micro-task")
