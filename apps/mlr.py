@@ -98,6 +98,13 @@ class MLRDriver(litz.SSPDriver):
         self._epoch_loss, self._epoch_correct, self._epoch_rows = 0.0, 0, 0
         self._epoch_start = time.perf_counter()
 
+    def progress(self) -> str:
+        if not getattr(self, "history", None):
+            return f"epoch 0/{self.config['epochs']}"
+        h = self.history[-1]
+        return (f"epoch {h['epoch']}/{self.config['epochs']}, test accuracy {h['test_accuracy']:.4f}, "
+                f"{h['seconds']:.3f} s/epoch")
+
     def result(self) -> dict[str, Any]:
         if not self.config.get("quiet"):
             print(f"test accuracy {self.test_accuracy:.4f}", flush=True)

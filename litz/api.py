@@ -165,6 +165,10 @@ class Driver:
         self._finished = True
         self._result = result
 
+    def progress(self) -> str:
+        """A one-line description of the job's progress, shown by ``litz status`` (override)."""
+        return ""
+
     # -- application side -----------------------------------------------------------
     def dispatch_initial_tasks(self) -> None:
         raise NotImplementedError

@@ -118,11 +118,82 @@ def launch(argv: list[str]) -> int:
     return 0
 
 
+def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
+    """The status of a running job, read from etcd: its processes and the master's summary."""
+    from litz.runtime import jobs
+    from litz.runtime.master import STATUS_KEY
+    from litz.runtime.membership import Membership
+    from litz.runtime.node import PROCS
+
+    url = etcd or jobs.lookup(job)["etcd"]
+    with Membership(url, job) as mem:
+        procs = mem.get_prefix(PROCS)
+        status = mem.get(STATUS_KEY) or {}
+    executors = status.get("executors", {})
+    shards = status.get("shards", {})
+    processes = []
+    for value in sorted(procs.values(), key=lambda v: (v.get("role", ""), v.get("id", ""))):
+        entry = {"role": value.get("role"), "id": value.get("id"), "host": value.get("host"),
+                 "pid": value.get("pid"), "addr": value.get("addr")}
+        if entry["role"] == "worker":
+            entry["executors"] = executors.get(entry["id"], [])
+        elif entry["role"] == "server":
+            entry["shards"] = shards.get(entry["id"], [])
+        processes.append(entry)
+    summary = {k: v for k, v in status.items() if k not in ("executors", "shards")}
+    return {"job": job, "etcd": url, "master": summary, "processes": processes}
+
+
+def _ranges(ids: list[int]) -> str:
+    """Compact integer list: [0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def status(argv: list[str]) -> int:
+    """``litz status --job NAME [--etcd URL] [--json]``."""
+    import json
+
+    p = argparse.ArgumentParser(prog="litz status", description="Show a running job's processes and progress.")
+    p.add_argument("--job", required=True)
+    p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
+    args = p.parse_args(argv)
+    try:
+        st = job_status(args.job, args.etcd)
+    except LitzError as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return 0
+    m = st["master"]
+    print(f"job {st['job']}  (etcd {st['etcd']})  {m.get('phase', 'unknown')}  version {m.get('version', '-')}  "
+          f"tasks completed {m.get('completed', '-')}  in flight {m.get('inflight', '-')}")
+    if m.get("progress"):
+        print(f"progress: {m['progress']}")
+    for proc in st["processes"]:
+        extra = ""
+        if "executors" in proc:
+            extra = f"executors {_ranges(proc['executors'])} ({len(proc['executors'])})"
+        elif "shards" in proc:
+            extra = f"shards {_ranges(proc['shards'])} ({len(proc['shards'])})"
+        print(f"  {proc['role']:<7} {proc['id']:<16} host {proc['host']:<16} pid {proc['pid']:<8} {extra}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"launch": launch}
+    commands = {"launch": launch, "status": status}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: litz COMMAND ...\n\ncommands:\n  launch   run an application (litz launch --help)")
+        print("usage: litz COMMAND ...\n\ncommands:\n  launch   run an application (litz launch --help)\n"
+              "  status   show a running job (litz status --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

@@ -40,6 +40,10 @@ class SSPDriver(Driver):
         """The job's result, returned by ``litz.run`` after the last iteration."""
         return None
 
+    def progress(self) -> str:
+        done = getattr(self, "_completed_iterations", 0)
+        return f"iteration {done}/{getattr(self, '_iters', '?')} (staleness {getattr(self, '_stale', '?')})"
+
     def _settings(self) -> tuple[int, int]:
         iters = self.iterations if self.iterations is not None else self.config.get("iterations")
         stale = self.staleness if self.staleness is not None else self.config.get("staleness", 0)
@@ -69,6 +73,7 @@ class SSPDriver(Driver):
             return
         del self._results[it]
         done.sort(key=lambda r: r.executor_id)
+        self._completed_iterations = it + 1
         self.on_iteration_end(it, done)
         if self._finished:
             return

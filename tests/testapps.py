@@ -203,3 +203,26 @@ class CountingDriver(litz.Driver):
         if self.left == 0:
             self.finish({"values": sorted(self.values), "failures": [(f.executor_id, f.traceback)
                                                                       for f in self.failures]})
+
+
+class SlowDriver(litz.Driver):
+    """Keeps every executor busy with short sleeping tasks until ``stop_after`` seconds have passed."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.t0 = time.monotonic()
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {"sleep": 0.02})
+
+    def progress(self) -> str:
+        return f"slow job, {time.monotonic() - self.t0:.1f} s"
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        if time.monotonic() - self.t0 > self.config["stop_after"]:
+            self.finish("done")
+        else:
+            self.dispatch_task(result.executor_id, {"sleep": 0.02})
+
+
+class SleepExecutor(litz.Executor):
+    def run_task(self, args: dict) -> None:
+        time.sleep(args["sleep"])

@@ -21,6 +21,7 @@ from typing import Any
 
 from litz.api import App, JobResult
 from litz.errors import ConfigError, ProcessLost
+from litz.runtime import jobs
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import Master
 from litz.runtime.membership import Membership
@@ -71,6 +72,7 @@ class LocalCluster:
             self.etcd_url = self._etcd.url
         self._agent = Membership(self.etcd_url, self.job)
         self._agent.start()
+        jobs.record(self.job, self.etcd_url)
         for i in range(self.servers):
             self._spawn("litz.ps.server", f"s{i}")
         for i in range(self.workers):
@@ -126,6 +128,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        jobs.forget(self.job)
         if self._agent is not None:
             try:
                 self._agent.close()

@@ -35,6 +35,8 @@ from litz.runtime.transport import Endpoint
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_SHARDS = 64
+STATUS_KEY = "status"
+STATUS_PERIOD = 0.5  # seconds between status updates in etcd
 
 
 @dataclass
@@ -137,6 +139,8 @@ class Master:
         self._byes: dict[str, dict[str, Any]] = {}
         self._stats: dict[int, dict[str, Any]] = {}
         self._last_health = 0.0
+        self._last_status = 0.0
+        self.driver: Driver | None = None
         self.errors: list[str] = []
 
     def table(self, name: str) -> Table:
@@ -158,7 +162,26 @@ class Master:
         if now - self._last_health > 0.2:
             self._last_health = now
             self._check_health()
+        if now - self._last_status > STATUS_PERIOD:
+            self._last_status = now
+            self.publish_status("running" if self.driver is not None else "starting")
         return out
+
+    def publish_status(self, phase: str) -> None:
+        """Write the job's status to etcd (``status`` under the job prefix) for ``litz status``."""
+        st = self.state
+        status: dict[str, Any] = {"phase": phase, "job": self.job, "updated": time.time()}
+        if st is not None:
+            status.update(version=st.version, completed=st.completed, inflight=len(st.inflight),
+                          num_executors=st.num_executors, num_shards=st.num_shards,
+                          executors={w: st.executors_of(w) for w in st.workers},
+                          shards={s: st.shards_of(s) for s in st.servers})
+        if self.driver is not None:
+            status["progress"] = self.driver.progress()
+        try:
+            self.membership.put(STATUS_KEY, status)
+        except LitzError as exc:  # status is informative: never stop the job for it
+            log.warning("could not publish the job status: %s", exc)
 
     def _check_health(self) -> None:
         if self.health_check is not None:
@@ -329,8 +352,10 @@ class Master:
         })
         stats: dict[str, dict[str, Any]] = {}
         try:
+            self.publish_status("starting")
             workers, servers = self._wait_for_processes()
             self._initialise(workers, servers)
+            self.driver = driver
             driver._bind(self, self.num_executors, self.app.config)
             driver.dispatch_initial_tasks()
             self._send_outbox()
@@ -350,6 +375,10 @@ class Master:
                 self._send_outbox()
             if self.options.get("collect_stats", True):
                 stats = self.collect_stats()
+            self.publish_status("finished")
+        except BaseException:
+            self.publish_status("failed")
+            raise
         finally:
             self.shutdown(stats)
         assert self.state is not None

@@ -1,0 +1,59 @@
+"""``litz status`` on a running local job: found by name, processes with roles, pids, executors, shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import litz
+from tests import testapps
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"status-{time.time_ns()}"
+    app = litz.App(testapps.SlowDriver, testapps.SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=5,
+                   config={"stop_after": 6.0})
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=2, servers=2, job=job)))
+    runner.start()
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            proc = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job, "--json"], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=30)
+            if proc.returncode == 0:
+                st = json.loads(proc.stdout)
+                if st["master"].get("phase") == "running":
+                    break
+            assert time.monotonic() < deadline, proc.stderr
+            time.sleep(0.3)
+        roles = sorted(p["role"] for p in st["processes"])
+        assert roles == ["agent", "master", "server", "server", "worker", "worker"]
+        workers = {p["id"]: p for p in st["processes"] if p["role"] == "worker"}
+        assert sorted(e for p in workers.values() for e in p["executors"]) == [0, 1, 2, 3, 4]
+        servers = [p for p in st["processes"] if p["role"] == "server"]
+        assert sorted(s for p in servers for s in p["shards"]) == list(range(64))
+        for p in st["processes"]:
+            assert isinstance(p["pid"], int) and p["host"]
+            if p["role"] in ("worker", "server"):
+                assert Path(f"/proc/{p['pid']}").exists()
+        assert st["master"]["version"] >= 0 and st["master"]["progress"].startswith("slow job")
+        text = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=30).stdout
+        assert "executors 0-2 (3)" in text or "executors 0-1 (2)" in text
+    finally:
+        runner.join(60)
+    assert out["res"].value == "done"
+    # the record is gone with the job: status now says so
+    proc = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and f"no local job named {job!r}" in proc.stderr
