@@ -230,3 +230,41 @@ def test_block_rotation_never_shares_a_block_and_keeps_round_order(E: int, B: in
 def test_block_rotation_needs_enough_blocks() -> None:
     with pytest.raises(ConfigError):
         BlockRotation(4, 3)
+
+
+def test_master_state_migration_holds_tasks_until_arrival() -> None:
+    st = MasterState(4, ["w0", "w1"], ["s0"], num_shards=4)
+    st.take_outbox()
+    [(mid, source, eids)] = st.start_migration([0, 1, 3], "w1")  # 3 is already on w1
+    assert (source, eids) == ("w0", [0, 1])
+    assert st.start_migration([0], "w1") == []  # already moving
+    t = st.dispatch(0, "during")  # held: not sent to the old worker
+    assert st.take_outbox() == {}
+    st.finish_migration(mid)
+    assert st.placement[0] == "w1" and st.inflight[t].worker == "w1"
+    assert st.take_outbox() == {"w1": [[t, 0, 0, "during"]]}
+    with pytest.raises(LitzError, match="not a worker"):
+        st.start_migration([0], "w9")
+
+
+@pytest.mark.parametrize("n, workers, targets", [(12, ["a", "b"], ["a", "b", "c", "d"]), (10, ["a", "b", "c"], ["a"]),
+                                                 (7, ["a", "b"], ["a", "b", "c"])])
+def test_balance_is_even_with_few_moves(n: int, workers: list[str], targets: list[str]) -> None:
+    st = MasterState(n, workers, ["s0"])
+    for w in targets:
+        if w not in st.workers:
+            st.workers.append(w)
+    before = dict(st.placement)
+    moves = st.plan_balance(targets)
+    after = dict(before)
+    for dest, eids in moves.items():
+        for e in eids:
+            after[e] = dest
+    counts = [sum(1 for w in after.values() if w == t) for t in targets]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == n
+    assert set(after.values()) <= set(targets)
+    moved = sum(len(e) for e in moves.values())
+    # the fewest moves: only what must leave removed workers or exceed its quota
+    must = sum(1 for w in before.values() if w not in targets)
+    excess = sum(max(0, sum(1 for w in before.values() if w == t) - -(-n // len(targets))) for t in targets)
+    assert moved <= must + excess + len(targets)

@@ -226,3 +226,72 @@ class SlowDriver(litz.Driver):
 class SleepExecutor(litz.Executor):
     def run_task(self, args: dict) -> None:
         time.sleep(args["sleep"])
+
+
+class MigratingDriver(litz.Driver):
+    """Keeps two tasks per executor in flight and moves random executors between workers all the time.
+
+    Each executor counts its tasks in its (migrating) state; task k of an executor must see count k,
+    so a task lost, run twice or run on stale state shows up as a wrong count.
+    """
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        self.rng = random.Random(cfg["seed"])
+        self.truth = np.zeros((cfg["rows"], 3))
+        self.next_seq = [0] * self.num_executors
+        self.done_seq: list[list[int]] = [[] for _ in range(self.num_executors)]
+        self.moves = 0
+        self.left = cfg["tasks"]
+        for e in range(self.num_executors):
+            for _ in range(2):
+                self._send(e)
+
+    def _send(self, e: int) -> None:
+        if sum(self.next_seq) >= self.config["tasks"]:
+            return  # exactly `tasks` tasks: at the end none is in flight, so the sums are final
+        seq = self.next_seq[e]
+        self.next_seq[e] += 1
+        self.dispatch_task(e, {"seq": seq, "seed": e * 100_000 + seq})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        seen, keys, deltas = result.value
+        np.add.at(self.truth, np.asarray(keys), np.asarray(deltas))
+        self.done_seq[result.executor_id].append(seen)
+        self.left -= 1
+        if self.left == 0:
+            final = self.ps.get_many("s", range(self.config["rows"]))
+            self.finish({"truth": self.truth, "final": final, "done_seq": self.done_seq, "moves": self.moves})
+            return
+        self._send(result.executor_id)
+        if self.rng.random() < self.config["move_prob"]:
+            master = self._master  # test-only: elasticity is driven by the framework, not by apps
+            workers = master.state.workers
+            e = self.rng.randrange(self.num_executors)
+            if master.move_executors([e], self.rng.choice(workers), ship_input=self.rng.random() < 0.5):
+                self.moves += 1
+
+
+class CountingStateExecutor(litz.Executor):
+    def load_input(self) -> np.ndarray:
+        return np.full(3, self.executor_id, np.float64)  # reloadable: derived from the id
+
+    def init_state(self) -> dict:
+        return {"count": 0, "trail": np.zeros(4)}
+
+    def run_task(self, args: dict) -> tuple[int, list[int], np.ndarray]:
+        seen = self.state["count"]
+        self.state["count"] += 1
+        self.state["trail"] += 1  # mutable arrays in state must stay writable after a move
+        assert self.input[0] == self.executor_id
+        keys, deltas = task_updates(args["seed"], self.config["rows"])
+        self.ps.update_many("s", keys, deltas)
+        if args["seq"] % 3 == 0:
+            time.sleep(0.001)
+        return seen, keys, deltas
+
+
+def migrating_app(tasks: int = 1500, executors: int = 12, move_prob: float = 0.25, seed: int = 0) -> litz.App:
+    return litz.App(MigratingDriver, CountingStateExecutor, tables=[litz.Table("s", (3,), "float64", num_rows=16)],
+                    num_executors=executors,
+                    config={"rows": 16, "tasks": tasks, "move_prob": move_prob, "seed": seed})

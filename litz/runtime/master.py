@@ -69,6 +69,12 @@ class MasterState:
         self.outbox: dict[str, list[list[Any]]] = {}
         self._next_id = 0
         self.completed = 0
+        # executor migrations under way: mid -> (executors, source, dest); tasks dispatched to a
+        # moving executor are held here and sent to its new worker once it has arrived
+        self.migrations: dict[int, tuple[list[int], str, str]] = {}
+        self.moving: dict[int, int] = {}  # executor -> mid
+        self.held: dict[int, list[list[Any]]] = {}
+        self._next_mid = 0
 
     def executors_of(self, worker: str) -> list[int]:
         return [e for e, w in self.placement.items() if w == worker]
@@ -84,7 +90,11 @@ class MasterState:
         self._next_id += 1
         rec = TaskRecord(self._next_id, executor_id, self.version, args, worker)
         self.inflight[rec.task_id] = rec
-        self.outbox.setdefault(worker, []).append([rec.task_id, executor_id, rec.version, args])
+        item = [rec.task_id, executor_id, rec.version, args]
+        if executor_id in self.moving:
+            self.held.setdefault(executor_id, []).append(item)
+        else:
+            self.outbox.setdefault(worker, []).append(item)
         return rec.task_id
 
     def complete(self, task_id: int) -> TaskRecord:
@@ -96,6 +106,74 @@ class MasterState:
 
     def fail(self, task_id: int) -> TaskRecord:
         return self.inflight.pop(task_id)
+
+    def start_migration(self, executors: list[int], dest: str) -> list[tuple[int, str, list[int]]]:
+        """Plan moving ``executors`` to worker ``dest``: one migration per source worker.
+
+        Executors already on ``dest`` or already moving are left out. Returns
+        ``(mid, source, executors)`` for each migrate_out message to send.
+        """
+        if dest not in self.workers:
+            raise LitzError(f"cannot move executors to {dest!r}: not a worker of this job")
+        by_source: dict[str, list[int]] = {}
+        for e in executors:
+            if e not in self.placement:
+                raise LitzError(f"cannot move executor {e!r}: no such executor")
+            if self.placement[e] != dest and e not in self.moving:
+                by_source.setdefault(self.placement[e], []).append(e)
+        out = []
+        for source, eids in by_source.items():
+            self._next_mid += 1
+            self.migrations[self._next_mid] = (eids, source, dest)
+            for e in eids:
+                self.moving[e] = self._next_mid
+            out.append((self._next_mid, source, eids))
+        return out
+
+    def finish_migration(self, mid: int) -> None:
+        """The executors of ``mid`` run on their new worker: route to it, release held tasks."""
+        eids, _, dest = self.migrations.pop(mid)
+        for e in eids:
+            del self.moving[e]
+            self.placement[e] = dest
+            held = self.held.pop(e, [])
+            if held:
+                self.outbox.setdefault(dest, []).extend(held)
+            for item in held:
+                self.inflight[item[0]].worker = dest
+
+    def plan_balance(self, workers: list[str] | None = None) -> dict[str, list[int]]:
+        """Moves that spread the executors evenly over ``workers`` (default: all), with few moves.
+
+        Executors on workers outside the list all move; otherwise only the excess of the most
+        loaded workers moves to the least loaded. Returns dest -> executors.
+        """
+        targets = list(workers if workers is not None else self.workers)
+        if not targets:
+            raise LitzError("cannot balance executors over zero workers")
+        load: dict[str, list[int]] = {w: [] for w in targets}
+        homeless: list[int] = []
+        for e in sorted(self.placement):
+            w = self.moving_dest(e)
+            (load[w] if w in load else homeless).append(e)
+        n, k = self.num_executors, len(targets)
+        by_load = sorted(targets, key=lambda w: -len(load[w]))  # the most loaded keep the spare ones
+        quota = {w: n // k + (1 if i < n % k else 0) for i, w in enumerate(by_load)}
+        for w in targets:
+            while len(load[w]) > quota[w]:
+                homeless.append(load[w].pop())
+        moves: dict[str, list[int]] = {}
+        for w in targets:
+            while len(load[w]) < quota[w] and homeless:
+                e = homeless.pop()
+                load[w].append(e)
+                moves.setdefault(w, []).append(e)
+        return moves
+
+    def moving_dest(self, executor: int) -> str:
+        """Where an executor is, or is going."""
+        mid = self.moving.get(executor)
+        return self.migrations[mid][2] if mid is not None else self.placement[executor]
 
     def take_outbox(self) -> dict[str, list[list[Any]]]:
         out, self.outbox = self.outbox, {}
@@ -142,6 +220,7 @@ class Master:
         self._last_status = 0.0
         self.driver: Driver | None = None
         self.errors: list[str] = []
+        self.migrations_done = 0
 
     def table(self, name: str) -> Table:
         return lookup(self.tables, name)
@@ -211,6 +290,8 @@ class Master:
             self._replies[msg["rid"]] = msg
         elif msg.type == "bye":
             self._byes[msg.sender] = msg["stats"]
+        elif msg.type == "migrated":
+            self.on_migrated(msg)
         elif msg.type == "error":
             self._report_error(msg)
         else:
@@ -325,6 +406,34 @@ class Master:
     def dispatch(self, executor_id: int, args: Any) -> int:
         assert self.state is not None
         return self.state.dispatch(executor_id, args)
+
+    def move_executors(self, executors: list[int], dest: str, ship_input: bool = True) -> list[int]:
+        """Start migrating executors to worker ``dest`` (asynchronous); returns the migration ids.
+
+        ``ship_input``: send the input partition from memory (scale-out: the new process starts
+        fast) or let the destination reload it from shared storage (scale-in: the leaving host
+        is freed fast).
+        """
+        assert self.state is not None
+        mids = []
+        for mid, source, eids in self.state.start_migration(list(executors), dest):
+            self.endpoint.send(source, "migrate_out", mid=mid, executors=eids, dest=dest, ship_input=ship_input)
+            mids.append(mid)
+        return mids
+
+    def rebalance(self, workers: list[str] | None = None, ship_input: bool = True) -> list[int]:
+        """Spread executors evenly over ``workers`` (default: all) with few moves."""
+        assert self.state is not None
+        return [mid for dest, eids in self.state.plan_balance(workers).items()
+                for mid in self.move_executors(eids, dest, ship_input)]
+
+    def on_migrated(self, msg: Message) -> None:
+        assert self.state is not None
+        if msg["mid"] not in self.state.migrations:
+            log.warning("migrated message for unknown migration %r from %s", msg["mid"], msg.sender)
+            return
+        self.state.finish_migration(msg["mid"])
+        self.migrations_done += 1
 
     def _send_outbox(self) -> None:
         assert self.state is not None

@@ -110,7 +110,32 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> any: send your counters now (benchmarks)
     MessageType("stats_request", {"rid": "int"}),
     MessageType("stats", {"rid": "int", "stats": "dict"}),
+    # -- executor migration (DESIGN.md §4) --
+    # master -> source worker: finish these executors' running tasks, then ship them to dest
+    MessageType("migrate_out", {"mid": "int", "executors": "list", "dest": "str", "ship_input": "bool"}),
+    # source -> dest worker: [executor_id, state, input or None, queued tasks] per executor;
+    # state and input are [pickle bytes, out-of-band buffers]
+    MessageType("executor_state", {"mid": "int", "executors": "list", "source": "str"}),
+    # dest worker -> master: the executors of migration mid run here now
+    MessageType("migrated", {"mid": "int", "executors": "list"}),
 )
+
+
+def pack_object(obj: Any) -> list[Any]:
+    """Pickle an object (executor state or input) with its large buffers out of band.
+
+    Returns ``[pickle_bytes, [uint8 arrays]]``: numpy arrays inside ``obj`` travel as frames of
+    their own, without being copied into the pickle.
+    """
+    buffers: list[Any] = []
+    data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return [data, [np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers]]
+
+
+def unpack_object(packed: list[Any]) -> Any:
+    """Inverse of ``pack_object``; arrays come back writable (received frames are read-only: copied once)."""
+    data, buffers = packed
+    return cloudpickle.loads(data, buffers=[b if b.flags.writeable else b.copy() for b in buffers])
 
 
 class _Packer:

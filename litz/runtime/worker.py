@@ -32,7 +32,7 @@ from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
 from litz.runtime.node import Node, main
-from litz.runtime.protocol import Message
+from litz.runtime.protocol import Message, pack_object, unpack_object
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,17 @@ class Slot:
     executor: Executor
     queue: deque[Task] = field(default_factory=deque)
     running: bool = False
+    leaving: bool = False  # a migration is under way: start no new task, ship when idle
+
+
+@dataclass
+class Outgoing:
+    """A migration this worker is the source of (DESIGN.md §4)."""
+
+    mid: int
+    executors: list[int]
+    dest: str
+    ship_input: bool
 
 
 class _Wait:
@@ -109,6 +120,13 @@ class Worker(Node):
         self._waiting_flush: list[tuple[str, list[Any]]] = []  # completions whose updates are in the log
         self._waiting_ack: deque[tuple[int, str, list[Any]]] = deque()  # (barrier rid, kind, item)
         self._oldest_unsent: float | None = None
+        self.app: dict[str, Any] = {}
+        self.num_executors = 0
+        self.outgoing: list[Outgoing] = []
+        self.moved_to: dict[int, str] = {}  # executors shipped away: late tasks are forwarded there
+        self.migrations_out = 0
+        self.migrations_in = 0
+        self.tasks_forwarded = 0
         self.tasks_run = 0
         self.tasks_failed = 0
         self.update_errors: list[str] = []
@@ -124,10 +142,10 @@ class Worker(Node):
             self.tables = table_index(cloudpickle.loads(msg["tables"]))
             self.num_shards = msg["num_shards"]
             self.shard_map = list(msg["shard_map"])
-            app = cloudpickle.loads(msg["app"])
+            self.app = cloudpickle.loads(msg["app"])
+            self.num_executors = msg["num_executors"]
             for eid in msg["executors"]:
-                self.slots[eid] = Slot(self._make_executor(app["executor"], eid, msg["num_executors"],
-                                                           app["config"]))
+                self.slots[eid] = Slot(self._make_executor(eid))
         except Exception:
             err = f"worker {self.ident} failed to initialise:\n{traceback.format_exc()}"
             log.error(err)
@@ -135,14 +153,21 @@ class Worker(Node):
             return
         self.endpoint.send(msg.sender, "ready", role=self.role)
 
-    def _make_executor(self, cls: type[Executor], eid: int, n: int, config: dict[str, Any]) -> Executor:
-        ex = cls()
+    def _make_executor(self, eid: int, shipped: list[Any] | None = None) -> Executor:
+        """Create executor ``eid``: fresh, or from a migration's [state, input or None]."""
+        ex: Executor = self.app["executor"]()
         ex.executor_id = eid
-        ex.num_executors = n
-        ex.config = config
+        ex.num_executors = self.num_executors
+        ex.config = self.app["config"]
         ex.ps = ExecutorPS(self)
-        ex.input = ex.load_input()
-        ex.state = ex.init_state()
+        if shipped is None:
+            ex.input = ex.load_input()
+            ex.state = ex.init_state()
+        else:
+            state, inp = shipped
+            # input shipped from memory on scale-out; reloaded from shared storage on scale-in
+            ex.input = unpack_object(inp) if inp is not None else ex.load_input()
+            ex.set_state(unpack_object(state))
         return ex
 
     def table(self, name: str) -> Table:
@@ -153,12 +178,55 @@ class Worker(Node):
         for item in msg["tasks"]:
             task_id, eid, version, args = item
             slot = self.slots.get(eid)
+            if slot is None and eid in self.moved_to:  # a late task for an executor that left: forward it
+                self.tasks_forwarded += 1
+                self.endpoint.send(self.moved_to[eid], "tasks", tasks=[item])
+                continue
             if slot is None:
                 self._record("failed", [task_id, f"executor {eid} is not hosted by worker {self.ident}"])
                 continue
             slot.queue.append(Task(task_id, eid, version, args))
-            if not slot.running:
+            if not slot.running and not slot.leaving:
                 self._start_next(slot)
+
+    # -- migration ------------------------------------------------------------------------------
+    def on_migrate_out(self, msg: Message) -> None:
+        eids = [e for e in msg["executors"] if e in self.slots]
+        missing = [e for e in msg["executors"] if e not in self.slots]
+        if missing:
+            raise LitzError(f"worker {self.ident} cannot migrate executors {missing}: not hosted here")
+        for e in eids:
+            self.slots[e].leaving = True
+        self.outgoing.append(Outgoing(msg["mid"], eids, msg["dest"], msg["ship_input"]))
+        self._ship_ready()
+
+    def _ship_ready(self) -> None:
+        """Ship every outgoing migration whose executors have finished their running tasks."""
+        for mig in [m for m in self.outgoing if not any(self.slots[e].running for e in m.executors)]:
+            self.outgoing.remove(mig)
+            payload = []
+            for e in mig.executors:
+                slot = self.slots.pop(e)
+                ex = slot.executor
+                payload.append([e, pack_object(ex.get_state()),
+                                pack_object(ex.input) if mig.ship_input else None,
+                                [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]])
+                self.moved_to[e] = mig.dest
+            self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
+            self.migrations_out += 1
+
+    def on_executor_state(self, msg: Message) -> None:
+        arrived = []
+        for eid, state, inp, tasks in msg["executors"]:
+            self.moved_to.pop(eid, None)
+            slot = self.slots[eid] = Slot(self._make_executor(eid, [state, inp]))
+            slot.queue.extend(Task(*t) for t in tasks)
+            if slot.queue:
+                self._start_next(slot)
+            arrived.append(eid)
+        self.migrations_in += 1
+        assert self.master is not None
+        self.endpoint.send(self.master, "migrated", mid=msg["mid"], executors=arrived)
 
     def _start_next(self, slot: Slot) -> None:
         task = slot.queue.popleft()
@@ -181,7 +249,9 @@ class Worker(Node):
             self.tasks_run += 1
             self._record("completed", [task.task_id, value])
         slot.running = False
-        if slot.queue:
+        if slot.leaving:
+            self._ship_ready()
+        elif slot.queue:
             self._start_next(slot)
 
     def _record(self, kind: str, item: list[Any]) -> None:
@@ -379,6 +449,8 @@ class Worker(Node):
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out.update(self.cache.counters())
+        out.update(migrations_out=self.migrations_out, migrations_in=self.migrations_in,
+                   tasks_forwarded=self.tasks_forwarded, executors=sorted(self.slots))
         out.update(tasks_run=self.tasks_run, tasks_failed=self.tasks_failed,
                    updates_logged=self.log.updates_in, update_rows_sent=self.log.rows_out,
                    update_errors=len(self.update_errors))
