@@ -116,11 +116,14 @@ class MLRExecutor(litz.Executor):
     """Owns a partition of the training rows (reloadable: indices into the shared memory-mapped set)."""
 
     def load_input(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This executor's rows (a copy of its partition: what a scale-out ships from memory)."""
         X, y = load_data(self.config["precondition_rank"])[:2]
         n = min(int(self.config.get("train_rows") or len(y)), len(y))
         rows = partition_rows(n, self.num_executors, self.executor_id, seed=self.config["seed"])
-        warmup()
-        return X, y, rows
+        return np.ascontiguousarray(X[rows]), np.ascontiguousarray(y[rows]), np.arange(len(rows), dtype=np.int64)
+
+    def setup(self) -> None:
+        warmup()  # compile or load the Numba kernels before the first task, here or after a move
 
     def run_task(self, args: dict[str, Any]) -> list[float]:
         cfg = self.config

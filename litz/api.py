@@ -111,6 +111,11 @@ class Executor:
         """Create this executor's mutable state; the result is stored in ``self.state``."""
         return None
 
+    def setup(self) -> None:
+        """Called once the executor has its input and state in a process, whether it was created
+        there or arrived by migration: warm up kernels here (not in ``load_input``, which a
+        migration that ships the input from memory skips)."""
+
     def run_task(self, args: Any) -> Any:
         """Run one micro-task; returning is the completion signal, the value goes to the driver."""
         raise NotImplementedError

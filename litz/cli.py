@@ -79,6 +79,12 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="disable the process cache (for comparison)")
     p.add_argument("--no-update-log", action="store_true", help="send every ps.update at once (for comparison)")
     p.add_argument("--log-level", default=None, help="log level of the Litz processes (default WARNING)")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="job secret: authenticate and encrypt all traffic with ZeroMQ CURVE (default "
+                        "$LITZ_SECRET_FILE; create one with litz.runtime.security.generate_secret_file)")
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
+                   help="address the job's processes listen on (default 127.0.0.1); "
+                        "an address beyond loopback requires --secret-file")
     return p
 
 
@@ -103,7 +109,8 @@ def launch(argv: list[str]) -> int:
         app = app_from_module(module, app_argv)
         options: dict[str, Any] = {"cache": not opts.no_cache, "update_log": not opts.no_update_log}
         result = run(app, workers=opts.workers, servers=opts.servers, num_executors=opts.executors,
-                     job=opts.job, etcd=opts.etcd, options=options)
+                     job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
+                     host=opts.host)
     except TaskError as exc:
         print(f"litz: job failed: {exc}", file=sys.stderr)
         return 1
@@ -188,12 +195,62 @@ def status(argv: list[str]) -> int:
     return 0
 
 
+def scale(argv: list[str]) -> int:
+    """``litz scale --job NAME --workers N [--etcd URL] [--wait]``: resize a running job."""
+    import secrets as _secrets
+    import time
+
+    from litz.runtime import jobs
+    from litz.runtime.elastic import RESULTS, SCALE_KEY
+    from litz.runtime.master import STATUS_KEY
+    from litz.runtime.membership import Membership
+
+    p = argparse.ArgumentParser(prog="litz scale", description="Scale a running job in or out; it keeps training.")
+    p.add_argument("--job", required=True)
+    p.add_argument("--workers", type=int, required=True, help="the number of worker processes wanted")
+    p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
+    p.add_argument("--wait", action="store_true", help="return only when the job has reached the new size")
+    p.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    cid = _secrets.token_hex(4)
+    try:
+        url = args.etcd or jobs.lookup(args.job)["etcd"]
+        with Membership(url, args.job) as mem:
+            mem.put(SCALE_KEY, {"id": cid, "workers": args.workers, "time": time.time()})
+            deadline = time.monotonic() + args.timeout
+            while (result := mem.get(f"{RESULTS}{cid}")) is None:
+                if time.monotonic() > deadline:
+                    print(f"litz: the master did not answer scale command {cid} in {args.timeout:.0f} s",
+                          file=sys.stderr)
+                    return 1
+                time.sleep(0.05)
+            if not result["ok"]:
+                print(f"litz: scale refused: {result['reason']}", file=sys.stderr)
+                return 1
+            print(f"scale {cid}: {result['reason']}")
+            while args.wait:
+                st = mem.get(STATUS_KEY) or {}
+                if not st.get("scaling") and len(st.get("executors", {})) == args.workers:
+                    done = (st.get("scale_history") or [{}])[-1]
+                    print(f"scale {cid}: done in {done.get('seconds', float('nan')):.3f} s")
+                    break
+                if time.monotonic() > deadline:
+                    print(f"litz: job did not reach {args.workers} workers in {args.timeout:.0f} s", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+    except LitzError as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"launch": launch, "status": status}
+    commands = {"launch": launch, "status": status, "scale": scale}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: litz COMMAND ...\n\ncommands:\n  launch   run an application (litz launch --help)\n"
-              "  status   show a running job (litz status --help)")
+              "  status   show a running job (litz status --help)\n"
+              "  scale    resize a running job (litz scale --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

@@ -295,3 +295,29 @@ def migrating_app(tasks: int = 1500, executors: int = 12, move_prob: float = 0.2
     return litz.App(MigratingDriver, CountingStateExecutor, tables=[litz.Table("s", (3,), "float64", num_rows=16)],
                     num_executors=executors,
                     config={"rows": 16, "tasks": tasks, "move_prob": move_prob, "seed": seed})
+
+
+class TimedMigratingDriver(MigratingDriver):
+    """MigratingDriver that stops dispatching after ``stop_after`` seconds and finishes when all are done."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.t0 = time.monotonic()
+        self.inflight = 0
+        super().dispatch_initial_tasks()
+
+    def _send(self, e: int) -> None:
+        if time.monotonic() - self.t0 > self.config["stop_after"]:
+            return
+        self.inflight += 1
+        super()._send(e)
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.inflight -= 1
+        seen, keys, deltas = result.value
+        np.add.at(self.truth, np.asarray(keys), np.asarray(deltas))
+        self.done_seq[result.executor_id].append(seen)
+        if self.inflight == 0 and time.monotonic() - self.t0 > self.config["stop_after"]:
+            final = self.ps.get_many("s", range(self.config["rows"]))
+            self.finish({"truth": self.truth, "final": final, "done_seq": self.done_seq, "moves": self.moves})
+            return
+        self._send(result.executor_id)

@@ -3,6 +3,10 @@
 ``LocalCluster`` plays the node agent of this host: it starts the host's worker and server
 processes, registers itself in etcd, watches its children, and stops them all (and the
 private etcd it started) on the way out, whatever happened, so no process is left behind.
+
+Security: a job binds to loopback unless given another ``host``, which requires a job secret
+(``secret_file``, or ``$LITZ_SECRET_FILE``). With a secret, every process of the job, the
+master included, uses ZeroMQ CURVE (see ``litz.runtime.security``).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from typing import Any
 
 from litz.api import App, JobResult
 from litz.errors import ConfigError, ProcessLost
-from litz.runtime import jobs
+from litz.runtime import jobs, security
+from litz.runtime.elastic import AGENTS
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import Master
 from litz.runtime.membership import Membership
 from litz.runtime.node import proc_key
+from litz.runtime.transport import check_bind_host
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +44,14 @@ class LocalCluster:
     """This host's processes for one job, with a private etcd unless ``etcd`` names one."""
 
     def __init__(self, job: str, *, workers: int, servers: int, etcd: str | None = None,
-                 host: str = "127.0.0.1", log_level: str | None = None) -> None:
+                 host: str = "127.0.0.1", log_level: str | None = None,
+                 secret_file: str | os.PathLike[str] | None = None) -> None:
         if workers < 1 or servers < 1:
             raise ConfigError(f"a job needs at least one worker and one server (got {workers} and {servers})")
+        # refuse a bad secret or an unsecured non-loopback host here, not in N children's logs
+        self.secret = security.load_secret(secret_file) if secret_file is not None else None
+        check_bind_host(host, self.secret)
+        self.secret_file = str(Path(secret_file).expanduser().resolve()) if secret_file is not None else None
         self.job = job
         self.workers = workers
         self.servers = servers
@@ -77,6 +88,7 @@ class LocalCluster:
             self._spawn("litz.ps.server", f"s{i}")
         for i in range(self.workers):
             self._spawn("litz.runtime.worker", f"w{i}")
+        self._agent.watch_prefix(f"{AGENTS}{socket.gethostname()}/")
         self._agent.register(proc_key("agent", socket.gethostname()), {
             "role": "agent", "id": f"agent-{socket.gethostname()}", "host": socket.gethostname(),
             "pid": os.getpid(), "children": {k: p.pid for k, p in self.children.items()},
@@ -87,9 +99,12 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["LITZ_PARENT_PID"] = str(os.getpid())  # the child dies with us (see node.die_with_parent)
+        env.pop("LITZ_SECRET_FILE", None)  # the child uses exactly the secret this cluster was given
         errlog = open(self.rundir / f"{ident}.log", "wb")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", module, "--id", ident, "--job", self.job, "--etcd", str(self.etcd_url),
                "--host", self.host, "--log-level", self.log_level]
+        if self.secret_file is not None:
+            cmd += ["--secret-file", self.secret_file]
         # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
         self.children[ident] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=errlog)
         errlog.close()
@@ -102,12 +117,22 @@ class LocalCluster:
         return "\n".join(text[-lines:])
 
     def check(self) -> None:
-        """Raise ProcessLost if a child died (called from the master's loop)."""
+        """Act on the master's requests to this agent; raise ProcessLost if a child failed.
+
+        Called from the master's loop. A child that exited with code 0 left on request
+        (scale-in or the end of the job) and is not a failure.
+        """
         if self._stopping:
             return
+        if self._agent is not None:
+            for ev in self._agent.poll_events():
+                if ev.kind == "put" and ev.key.endswith("/spawn") and ev.value:
+                    for ident in ev.value.get("workers", []):
+                        if ident not in self.children:
+                            self._spawn("litz.runtime.worker", ident)
         for ident, proc in self.children.items():
             code = proc.poll()
-            if code is not None:
+            if code:
                 tail = self.log_tail(ident)
                 raise ProcessLost(f"process {ident} (pid {proc.pid}) exited with code {code}"
                                   + (f"; its log ends with:\n{tail}" if tail else ""))
@@ -143,28 +168,37 @@ class LocalCluster:
 
 def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | None = None,
         job: str | None = None, etcd: str | None = None, options: dict[str, Any] | None = None,
-        startup_timeout: float = 60.0) -> JobResult:
+        startup_timeout: float = 60.0, secret_file: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1") -> JobResult:
     """Run a job to completion and return its result.
 
     With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
     ``servers`` server and ``workers`` worker processes) and stopped at the end.
     ``num_executors`` defaults to the app's, else 4 per worker. ``options`` tunes the runtime
     (``cache``, ``update_log``, ``flush_interval``, ``flush_bytes``, ``num_shards``).
+    ``secret_file`` (default ``$LITZ_SECRET_FILE``) turns on CURVE authentication and
+    encryption for every process; ``host``, the address every process binds to, must be
+    loopback unless a secret is given (``ConfigError`` otherwise, before anything starts).
     """
     job = job or new_job_name()
     n_exec = num_executors or app.num_executors or 4 * workers
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
+    if secret_file is None:
+        secret_file = os.environ.get("LITZ_SECRET_FILE") or None
     driver = app.driver()
-    with LocalCluster(job, workers=workers, servers=servers, etcd=etcd) as cluster:
+    with LocalCluster(job, workers=workers, servers=servers, etcd=etcd, host=host,
+                      secret_file=secret_file) as cluster:
         assert cluster.etcd_url is not None
         membership = Membership(cluster.etcd_url, job)
         membership.start()
         try:
-            master = Master(app, job, membership, workers=workers, servers=servers, num_executors=n_exec,
-                            options=options, health_check=cluster.check, startup_timeout=startup_timeout,
-                            num_shards=num_shards)
-            return master.run(driver)
+            # the master's endpoint is made inside Master: it takes the secret and host from here
+            with security.configured(cluster.secret, host=host):
+                master = Master(app, job, membership, workers=workers, servers=servers, num_executors=n_exec,
+                                options=options, health_check=cluster.check, startup_timeout=startup_timeout,
+                                num_shards=num_shards)
+                return master.run(driver)
         finally:
             cluster._stopping = True
             membership.close()

@@ -27,6 +27,7 @@ import zmq
 from litz.api import App, Driver, JobResult, ParameterServer, TaskFailure, TaskResult
 from litz.errors import LitzError, ProcessLost, TableError
 from litz.ps.tables import Table, lookup, shard_of, table_index
+from litz.runtime.elastic import COMMANDS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
 from litz.runtime.node import PROCS, proc_key
 from litz.runtime.protocol import Message
@@ -221,6 +222,9 @@ class Master:
         self.driver: Driver | None = None
         self.errors: list[str] = []
         self.migrations_done = 0
+        self.elastic = Elasticity(self)
+        self.retiring: set[str] = set()  # workers told to leave that have not said goodbye yet
+        self._init_blobs: tuple[bytes, bytes] | None = None
 
     def table(self, name: str) -> Table:
         return lookup(self.tables, name)
@@ -257,6 +261,8 @@ class Master:
                           shards={s: st.shards_of(s) for s in st.servers})
         if self.driver is not None:
             status["progress"] = self.driver.progress()
+        status["scaling"] = self.elastic.op is not None
+        status["scale_history"] = self.elastic.history[-5:]
         try:
             self.membership.put(STATUS_KEY, status)
         except LitzError as exc:  # status is informative: never stop the job for it
@@ -271,9 +277,12 @@ class Master:
                 if ident in self.state.workers or ident in self.state.servers:
                     if ident not in self._byes:
                         raise ProcessLost(f"process {ident} left the job (its etcd lease ended)")
-            elif ev.kind == "put" and ev.value and "addr" in ev.value:
+            elif ev.kind == "put" and ev.key.startswith(PROCS) and ev.value and "addr" in ev.value:
                 self.procs[ev.value["id"]] = ev.value
                 self.endpoint.connect(ev.value["id"], ev.value["addr"])
+                self.elastic.on_registered(ev.value["id"])
+            elif ev.kind == "put" and ev.key == SCALE_KEY and ev.value is not None:
+                self.elastic.on_command(ev.value)
 
     def _wait(self, done: Callable[[], bool], what: str, timeout: float,
               handle: Callable[[Message], None]) -> None:
@@ -290,8 +299,13 @@ class Master:
             self._replies[msg["rid"]] = msg
         elif msg.type == "bye":
             self._byes[msg.sender] = msg["stats"]
+            self.retiring.discard(msg.sender)
+            self.elastic.tick()
         elif msg.type == "migrated":
             self.on_migrated(msg)
+            self.elastic.tick()
+        elif msg.type == "ready":
+            self.elastic.on_ready(msg.sender, msg.get("error"))
         elif msg.type == "error":
             self._report_error(msg)
         else:
@@ -326,16 +340,13 @@ class Master:
     def _initialise(self, workers: list[str], servers: list[str]) -> None:
         state = self.state = MasterState(self.num_executors, workers, servers, self.num_shards)
         tables_blob = cloudpickle.dumps(list(self.tables.values()))
+        app_blob = cloudpickle.dumps({"executor": self.app.executor, "config": self.app.config})
+        self._init_blobs = (app_blob, tables_blob)
         for srv in servers:
             self.endpoint.send(srv, "init_server", tables=tables_blob, shards=state.shards_of(srv),
                                num_shards=state.num_shards, master="master")
-        app_blob = cloudpickle.dumps({"executor": self.app.executor, "config": self.app.config})
-        peers = {ident: p["addr"] for ident, p in self.procs.items()}
         for w in workers:
-            self.endpoint.send(w, "init_worker", app=app_blob, tables=tables_blob,
-                               executors=state.executors_of(w), num_executors=self.num_executors,
-                               num_shards=state.num_shards, shard_map=state.shard_map, peers=peers,
-                               options=self.options, master="master")
+            self.init_worker(w)
         ready: dict[str, Message] = {}
 
         def on_msg(msg: Message) -> None:
@@ -407,6 +418,29 @@ class Master:
         assert self.state is not None
         return self.state.dispatch(executor_id, args)
 
+    def init_worker(self, ident: str) -> None:
+        """Send a worker the application, its executors (none for one joining later) and the maps."""
+        assert self.state is not None and self._init_blobs is not None
+        app_blob, tables_blob = self._init_blobs
+        peers = {i: p["addr"] for i, p in self.procs.items()}
+        self.endpoint.send(ident, "init_worker", app=app_blob, tables=tables_blob,
+                           executors=self.state.executors_of(ident), num_executors=self.num_executors,
+                           num_shards=self.state.num_shards, shard_map=self.state.shard_map, peers=peers,
+                           options=self.options, master="master")
+
+    def retire(self, worker: str) -> None:
+        """Tell a worker without executors to leave (scale-in); its goodbye completes the retirement."""
+        self.retiring.add(worker)
+        self.endpoint.send(worker, "shutdown", reason="scale-in")
+
+    def said_goodbye(self, ident: str) -> bool:
+        return ident in self._byes
+
+    def local_agent(self) -> str | None:
+        """The id of a node agent that can start processes (the first registered)."""
+        agents = self.membership.get_prefix(proc_key("agent", ""))
+        return sorted(k.rsplit("/", 1)[-1] for k in agents)[0] if agents else None
+
     def move_executors(self, executors: list[int], dest: str, ship_input: bool = True) -> list[int]:
         """Start migrating executors to worker ``dest`` (asynchronous); returns the migration ids.
 
@@ -417,7 +451,8 @@ class Master:
         assert self.state is not None
         mids = []
         for mid, source, eids in self.state.start_migration(list(executors), dest):
-            self.endpoint.send(source, "migrate_out", mid=mid, executors=eids, dest=dest, ship_input=ship_input)
+            self.endpoint.send(source, "migrate_out", mid=mid, executors=eids, dest=dest, ship_input=ship_input,
+                               dest_addr=self.procs[dest]["addr"])
             mids.append(mid)
         return mids
 
@@ -455,6 +490,7 @@ class Master:
         """Run the job to the driver's ``finish``; always shuts the processes down."""
         started = time.monotonic()
         self.membership.watch_prefix(PROCS)
+        self.membership.watch_prefix(COMMANDS)
         self.membership.register(proc_key("master", "master"), {
             "role": "master", "id": "master", "host": socket.gethostname(), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
@@ -495,7 +531,8 @@ class Master:
 
     def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
         """Tell every process to leave and wait (briefly) for their goodbyes."""
-        targets = [p for p in self.procs if p != "master" and self.procs[p].get("role") in ("worker", "server")]
+        targets = [p for p in self.procs if p != "master" and p not in self._byes
+                   and self.procs[p].get("role") in ("worker", "server")]
         for p in targets:
             try:
                 self.endpoint.send(p, "shutdown", reason="job finished")

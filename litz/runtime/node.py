@@ -19,6 +19,8 @@ from typing import Any
 
 import zmq
 
+from litz.errors import ConfigError
+from litz.runtime import security
 from litz.runtime.membership import Event, Membership
 from litz.runtime.protocol import Message
 from litz.runtime.transport import Endpoint
@@ -42,7 +44,8 @@ class Node:
         self.ident = ident
         self.job = job
         self.host = host
-        self.endpoint = Endpoint(ident, host)
+        # the job secret comes from the process-wide settings (``main`` configures --secret-file)
+        self.endpoint = Endpoint(ident, host, secret=security.settings().secret)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
@@ -168,7 +171,12 @@ def die_with_parent() -> None:
 
 
 def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
-    """Entry point of a worker or server process: ``--id --job --etcd [--host]``."""
+    """Entry point of a worker or server process: ``--id --job --etcd [--host] [--secret-file]``.
+
+    ``--secret-file`` (default: ``$LITZ_SECRET_FILE``) turns on CURVE for every socket of the
+    process; a host outside loopback requires it. A bad secret file is a configuration error:
+    exit code 2 with a one-line reason in the log, before anything listens.
+    """
     import argparse
 
     parser = argparse.ArgumentParser(prog=f"litz-{node_cls.role}")
@@ -176,12 +184,19 @@ def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True)
     parser.add_argument("--etcd", required=True)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--secret-file", default=os.environ.get("LITZ_SECRET_FILE") or None,
+                        help="the job secret (CURVE); required outside loopback")
     parser.add_argument("--log-level", default=os.environ.get("LITZ_LOG_LEVEL", "WARNING"))
     args = parser.parse_args(argv)
     die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.id} %(levelname)s %(name)s: %(message)s")
-    node = node_cls(args.id, args.job, args.etcd, args.host)
+    try:
+        security.configure(args.secret_file, host=args.host)
+        node = node_cls(args.id, args.job, args.etcd, args.host)
+    except ConfigError as exc:
+        log.error("%s: %s", args.id, exc)
+        return 2
     profile_dir = os.environ.get("LITZ_PROFILE")  # developers: cProfile each process into this folder
     try:
         node.start()

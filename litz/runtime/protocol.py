@@ -112,7 +112,8 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("stats", {"rid": "int", "stats": "dict"}),
     # -- executor migration (DESIGN.md §4) --
     # master -> source worker: finish these executors' running tasks, then ship them to dest
-    MessageType("migrate_out", {"mid": "int", "executors": "list", "dest": "str", "ship_input": "bool"}),
+    MessageType("migrate_out", {"mid": "int", "executors": "list", "dest": "str", "ship_input": "bool",
+                                "dest_addr?": "str"}),
     # source -> dest worker: [executor_id, state, input or None, queued tasks] per executor;
     # state and input are [pickle bytes, out-of-band buffers]
     MessageType("executor_state", {"mid": "int", "executors": "list", "source": "str"}),

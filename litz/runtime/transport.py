@@ -3,7 +3,10 @@
 Each process owns one ``Endpoint``: a ROUTER socket bound to its address (its mailbox) and
 one DEALER per peer it talks to, whose identity is the process id, so a receiver always
 knows who sent a message. Because every socket is made by ``make_socket``, the security
-settings of a cluster (loopback-only binding here; authentication later) apply to all.
+settings of a job apply to all of them: without a job secret an endpoint only listens on
+loopback; with one, its ROUTER is a CURVE server and its DEALERs CURVE clients with the job's
+key pair, and the process's authenticator refuses (counts, logs) every other peer (see
+``litz.runtime.security``).
 
 The endpoint counts messages and bytes sent, which the benchmarks report.
 """
@@ -16,16 +19,22 @@ from typing import Any
 import zmq
 
 from litz.errors import ConfigError, ProtocolError
-from litz.runtime import protocol
+from litz.runtime import protocol, security
 from litz.runtime.protocol import Message
+from litz.runtime.security import CONFIGURED, LOOPBACK, JobSecret, Watch, is_loopback
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
+__all__ = ["LOOPBACK", "Endpoint", "check_bind_host", "make_socket"]
 
 
-def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> zmq.Socket:
-    """Create a socket with the job's settings (linger, high-water marks, identity)."""
+def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
+                secret: JobSecret | None = None) -> zmq.Socket:
+    """Create a socket with the job's settings (linger, high-water marks, identity, CURVE).
+
+    With a ``secret``, a ROUTER (which binds) is a CURVE server and any other socket a CURVE
+    client of the job's key pair; CURVE must be set before bind/connect to take effect.
+    """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 1000)
     # Never drop messages silently: updates and completions must not be lost.
@@ -35,25 +44,57 @@ def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> zmq
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if secret is not None:
+        security.apply_curve(sock, secret, server=kind == zmq.ROUTER)
     return sock
 
 
-def check_bind_host(host: str, cluster: bool) -> None:
-    """Refuse to listen beyond loopback unless a cluster was configured."""
-    if not cluster and not host.startswith("127.") and host not in ("localhost", "::1"):
-        raise ConfigError(f"refusing to listen on {host}: only loopback is allowed without a cluster config")
+def check_bind_host(host: str, secret: JobSecret | None, cluster: bool = False) -> None:
+    """Refuse to listen beyond loopback, or to form a cluster, without a job secret.
+
+    Executors run code they receive, so anything reachable from another machine must
+    authenticate its peers; only loopback (this machine's own processes) may go without.
+    """
+    if secret is not None:
+        return
+    if not is_loopback(host):
+        raise ConfigError(f"refusing to listen on {host} without a job secret: outside loopback a cluster "
+                          "must authenticate its processes (pass --secret-file PATH; create the file with: "
+                          f"{security.how_to_create()})")
+    if cluster:
+        raise ConfigError("a cluster requires a job secret (pass --secret-file PATH; create the file with: "
+                          f"{security.how_to_create()})")
 
 
 class Endpoint:
-    """A process's mailbox (ROUTER) plus outgoing DEALERs to peers, with traffic counters."""
+    """A process's mailbox (ROUTER) plus outgoing DEALERs to peers, with traffic counters.
 
-    def __init__(self, ident: str, host: str = LOOPBACK, ctx: zmq.Context | None = None,
-                 cluster: bool = False) -> None:
-        check_bind_host(host, cluster)
+    ``host`` and ``secret`` default to the process-wide settings (``security.configure``), so
+    that endpoints created inside the runtime follow the job's configuration; pass
+    ``secret=None`` for an explicitly unsecured (loopback-only) endpoint. ``cluster=True``
+    demands a secret even on loopback.
+    """
+
+    def __init__(self, ident: str, host: str | None = None, ctx: zmq.Context | None = None,
+                 cluster: bool = False, secret: JobSecret | None | security.Configured = CONFIGURED) -> None:
+        config = security.settings()
+        host = config.host if host is None else host
+        if secret is CONFIGURED:
+            secret = config.secret
+        assert not isinstance(secret, security.Configured)
+        check_bind_host(host, secret, cluster)
         self.ident = ident
+        self.secret: JobSecret | None = secret
         self.ctx = ctx or zmq.Context.instance()
-        self.router = make_socket(self.ctx, zmq.ROUTER)
-        port = self.router.bind_to_random_port(f"tcp://{host}")
+        self.router = make_socket(self.ctx, zmq.ROUTER, secret=secret)
+        self._watch: Watch | None = None
+        try:
+            if secret is not None:  # the authenticator must be ready before the first peer can knock
+                self._watch = security.guard(self.router, self.ctx, secret, label=ident)
+            port = self.router.bind_to_random_port(f"tcp://{host}")
+        except BaseException:
+            self._close_router()
+            raise
         self.address = f"tcp://{host}:{port}"
         self.peers: dict[str, str] = {}
         self._dealers: dict[str, zmq.Socket] = {}
@@ -77,7 +118,7 @@ class Endpoint:
             address = self.peers.get(peer)
             if address is None:
                 raise ProtocolError(f"{self.ident}: no address known for peer {peer!r}")
-            sock = make_socket(self.ctx, zmq.DEALER, identity=self.ident)
+            sock = make_socket(self.ctx, zmq.DEALER, identity=self.ident, secret=self.secret)
             sock.connect(address)
             self._dealers[peer] = sock
         return sock
@@ -102,15 +143,29 @@ class Endpoint:
             return None
 
     def counters(self) -> dict[str, int]:
+        """Traffic counters, plus ``secured`` (1 with CURVE) and ``auth_refused`` (handshakes refused)."""
         return {
             "messages_sent": self.messages_sent,
             "bytes_sent": self.bytes_sent,
             "messages_received": self.messages_received,
             "bad_messages": self.bad_messages,
+            "secured": int(self.secret is not None),
+            "auth_refused": self._watch.refused if self._watch is not None else 0,
         }
 
     def close(self) -> None:
         for sock in self._dealers.values():
             sock.close(linger=1000)
         self._dealers.clear()
+        self._close_router()
+
+    def _close_router(self) -> None:
+        if self.router.closed:
+            return
+        if self._watch is not None:
+            # stop the handshake monitor while the authenticator still reads it: libzmq sends
+            # monitor events blocking, so events with no reader would freeze its I/O thread
+            self.router.disable_monitor()
         self.router.close(linger=0)
+        if self._watch is not None:  # only now: a live CURVE ROUTER must never lack its ZAP handler
+            security.release(self.ctx, self._watch)

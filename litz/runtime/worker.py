@@ -168,6 +168,7 @@ class Worker(Node):
             # input shipped from memory on scale-out; reloaded from shared storage on scale-in
             ex.input = unpack_object(inp) if inp is not None else ex.load_input()
             ex.set_state(unpack_object(state))
+        ex.setup()
         return ex
 
     def table(self, name: str) -> Table:
@@ -195,6 +196,8 @@ class Worker(Node):
         missing = [e for e in msg["executors"] if e not in self.slots]
         if missing:
             raise LitzError(f"worker {self.ident} cannot migrate executors {missing}: not hosted here")
+        if msg.get("dest_addr"):  # the destination may have joined too recently for our etcd watch
+            self.endpoint.connect(msg["dest"], msg["dest_addr"])
         for e in eids:
             self.slots[e].leaving = True
         self.outgoing.append(Outgoing(msg["mid"], eids, msg["dest"], msg["ship_input"]))
@@ -213,7 +216,7 @@ class Worker(Node):
                                 [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]])
                 self.moved_to[e] = mig.dest
             self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
-            self.migrations_out += 1
+            self.migrations_out += len(mig.executors)
 
     def on_executor_state(self, msg: Message) -> None:
         arrived = []
@@ -224,7 +227,7 @@ class Worker(Node):
             if slot.queue:
                 self._start_next(slot)
             arrived.append(eid)
-        self.migrations_in += 1
+        self.migrations_in += len(arrived)
         assert self.master is not None
         self.endpoint.send(self.master, "migrated", mid=msg["mid"], executors=arrived)
 

@@ -1,0 +1,81 @@
+"""Elasticity of MLR: scale-out against the ideal, and scale-in latency (issue 3 benchmarks).
+
+* Scale-out: MLR from 2 to 4 workers at ~30% of training, against static 2 and static 4
+  workers, all in one run. Ideal = time until the command + static-4 time for the remaining
+  epochs. (On a 2-core machine 4 workers are not faster than 2: the ratio to ideal is what
+  measures the cost of the move.)
+* Scale-in latency: from the scale command (4 -> 2 workers) to the exit of the last leaving
+  process, and the master's own figure (command received -> goodbyes).
+
+Run: ``python bench/bench_scale.py [--epochs 40] [--executors 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import litz
+from apps import mlr
+from litz.cli import job_status, scale
+
+
+def run_static(workers: int, epochs: int, executors: int) -> float:
+    res = litz.run(mlr.make_app(["--epochs", str(epochs), "--quiet"]), workers=workers, num_executors=executors)
+    return res.value["seconds"]
+
+
+def run_dynamic(start: int, target: int, at_epoch: int, epochs: int, executors: int) -> dict:
+    job = f"bench-scale-{time.time_ns()}"
+    out: dict = {}
+    app = mlr.make_app(["--epochs", str(epochs), "--quiet"])
+    t = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=start, num_executors=executors,
+                                                                job=job)))
+    t.start()
+    while True:
+        try:
+            st = job_status(job)
+            progress = st["master"].get("progress", "")
+            if progress.startswith("epoch ") and int(progress.split()[1].split("/")[0]) >= at_epoch:
+                break
+        except litz.LitzError:
+            pass
+        time.sleep(0.01)
+    leaving = [p["pid"] for p in st["processes"] if p["role"] == "worker"][target:]
+    issued = time.monotonic()
+    scale(["--job", job, "--workers", str(target), "--wait", "--timeout", "60"])
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+              for pid in leaving):
+        time.sleep(0.002)
+    exited = time.monotonic() - issued
+    t.join()
+    res = out["res"].value
+    return {"total": res["seconds"], "exited": exited, "switch_epoch": at_epoch}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--executors", type=int, default=8)
+    args = ap.parse_args()
+    os.environ.setdefault("LITZ_JOBS_DIR", tempfile.mkdtemp(prefix="litz-jobs-"))
+    e = args.epochs
+    t2 = run_static(2, e, args.executors)
+    t4 = run_static(4, e, args.executors)
+    at = max(1, round(0.3 * e))
+    dyn = run_dynamic(2, 4, at, e, args.executors)
+    switch_time = t2 * at / e
+    ideal = switch_time + t4 * (e - at) / e
+    print(f"MLR {e} epochs, {args.executors} executors: static 2 workers {t2:.2f} s, static 4 workers {t4:.2f} s")
+    print(f"scale-out 2->4 at epoch {at}: {dyn['total']:.2f} s; ideal {ideal:.2f} s; ratio {dyn['total'] / ideal:.3f}")
+    sin = run_dynamic(4, 2, at, e, args.executors)
+    print(f"scale-in 4->2 at epoch {at}: command to exit of the last leaving process {sin['exited'] * 1e3:.0f} ms "
+          f"(job total {sin['total']:.2f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""What CURVE (authentication + encryption of every message) costs: the same jobs with and without a job secret.
+
+Runs side by side, alternating plain and secured runs so that drift (cache warm-up, CPU
+frequency, other load) hits both alike, and reports medians and the ratio secured / plain:
+
+* empty micro-tasks per second through master -> worker -> master (the per-message cost);
+* ``ps.get`` + ``ps.update`` pairs per second per worker (many small messages to a server);
+* MLR on Fashion-MNIST (``apps.mlr``): seconds per epoch after the first (bulk array traffic).
+
+Run: ``python bench/bench_security.py [--repeats 3] [--tasks 20000] [--epochs 4] [--workers 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # apps/ from a checkout
+
+import bench_microtasks as micro  # noqa: E402 - the bench folder is on sys.path when run as a script
+
+import litz  # noqa: E402
+from litz.runtime.etcd_server import LocalEtcd  # noqa: E402
+from litz.runtime.security import generate_secret_file  # noqa: E402
+
+
+def empty_rate(workers: int, tasks: int, etcd: str, secret: str | None) -> float:
+    app = litz.App(micro.EmptyDriver, micro.EmptyExecutor, tables=[litz.Table("p", (4,), "float32", num_rows=16)],
+                   num_executors=4 * workers, config={"tasks": tasks, "inflight": 16 * workers})
+    res = litz.run(app, workers=workers, servers=1, etcd=etcd, secret_file=secret)
+    return tasks / res.value
+
+
+def ps_rate(workers: int, tasks: int, ops: int, etcd: str, secret: str | None) -> float:
+    table = litz.Table("p", (4,), "float32", num_rows=100_000)
+    app = litz.App(micro.PSDriver, micro.PSExecutor, tables=[table], num_executors=4 * workers,
+                   config={"tasks": tasks, "inflight": 4 * workers, "ops": ops, "rows": 100_000})
+    res = litz.run(app, workers=workers, servers=1, etcd=etcd, secret_file=secret)
+    return tasks * ops / workers / res.value
+
+
+def mlr_epoch(workers: int, epochs: int, etcd: str, secret: str | None) -> float:
+    from apps.mlr import make_app
+
+    res = litz.run(make_app(["--epochs", str(epochs), "--quiet"]), workers=workers, servers=1, etcd=etcd,
+                   secret_file=secret)
+    seconds = [h["seconds"] for h in res.value["history"][1:]]  # the first epoch warms up (Numba, caches)
+    return statistics.median(seconds)
+
+
+def compare(name: str, unit: str, repeats: int, measure: Callable[[str | None], float], secret: str,
+            higher_is_better: bool) -> None:
+    plain: list[float] = []
+    secured: list[float] = []
+    for _ in range(repeats):
+        plain.append(measure(None))
+        secured.append(measure(secret))
+    p, s = statistics.median(plain), statistics.median(secured)
+    cost = (p / s - 1) if higher_is_better else (s / p - 1)
+    print(f"{name:<34} plain {p:12,.3f} {unit:<14} CURVE {s:12,.3f} {unit:<14} "
+          f"ratio CURVE/plain {s / p:5.3f}  ({cost:+.1%} cost)", flush=True)
+    print(f"{'':<34} runs plain {[round(x, 3) for x in plain]}  CURVE {[round(x, 3) for x in secured]}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tasks", type=int, default=20000, help="empty micro-tasks per run")
+    ap.add_argument("--ps-tasks", type=int, default=400)
+    ap.add_argument("--ops", type=int, default=50)
+    ap.add_argument("--epochs", type=int, default=4, help="MLR epochs per run (0 = skip MLR)")
+    args = ap.parse_args()
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, LocalEtcd() as etcd:
+        secret = str(generate_secret_file(Path(tmp) / "job.secret"))
+        w = args.workers
+        print(f"{w} workers, 1 server; medians of {args.repeats} alternating runs each", flush=True)
+        compare("empty micro-tasks", "tasks/s", args.repeats,
+                lambda s: empty_rate(w, args.tasks, etcd.url, s), secret, higher_is_better=True)
+        compare("ps.get+ps.update per worker", "pairs/s", args.repeats,
+                lambda s: ps_rate(w, args.ps_tasks, args.ops, etcd.url, s), secret, higher_is_better=True)
+        if args.epochs >= 2:
+            compare("MLR Fashion-MNIST epoch", "s/epoch", args.repeats,
+                    lambda s: mlr_epoch(w, args.epochs, etcd.url, s), secret, higher_is_better=False)
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

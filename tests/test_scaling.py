@@ -1,0 +1,104 @@
+"""Scale-out and scale-in while a job trains, through etcd scale commands (``litz scale``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import litz
+from litz.cli import job_status, scale
+from tests import testapps
+from tests.conftest import processes_mentioning
+from tests.test_mlr_app import needs_data
+
+
+def _run_in_thread(app: litz.App, **kw) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["res"] = litz.run(app, **kw)
+        except BaseException as exc:  # reported by the test
+            out["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t, out
+
+
+def _wait_running(job: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = job_status(job)
+            if st["master"].get("phase") == "running":
+                return st
+        except litz.LitzError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"job {job} did not start")
+
+
+def _workers(st: dict) -> dict[str, list[int]]:
+    return {p["id"]: p["executors"] for p in st["processes"] if p["role"] == "worker"}
+
+
+def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"scale-{time.time_ns()}"
+    app = testapps.migrating_app(tasks=100_000, executors=8, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config["stop_after"] = 8.0
+    t, out = _run_in_thread(app, workers=2, servers=1, job=job)
+    try:
+        _wait_running(job)
+        assert scale(["--job", job, "--workers", "4", "--wait", "--timeout", "30"]) == 0
+        st = job_status(job)
+        ws = _workers(st)
+        assert len(ws) == 4 and sorted(e for v in ws.values() for e in v) == list(range(8))
+        assert all(len(v) == 2 for v in ws.values())
+        retired_pids = [p["pid"] for p in st["processes"] if p["id"] in ("w1", "w2", "w3")]
+        assert scale(["--job", job, "--workers", "1", "--wait", "--timeout", "30"]) == 0, out
+        ws = _workers(job_status(job))
+        assert list(ws) == ["w0"] and sorted(ws["w0"]) == list(range(8))
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+                  for pid in retired_pids):
+            assert time.monotonic() < deadline, "retired workers did not exit"
+            time.sleep(0.05)
+        # refused commands say why
+        assert scale(["--job", job, "--workers", "0"]) == 1
+        assert scale(["--job", job, "--workers", "9"]) == 1
+    finally:
+        t.join(60)
+    assert "error" not in out, out.get("error")
+    res = out["res"].value
+    import numpy as np
+
+    np.testing.assert_array_equal(res["final"], res["truth"])
+    for seqs in res["done_seq"]:
+        assert sorted(seqs) == list(range(len(seqs)))
+    assert processes_mentioning(job) == []
+
+
+@needs_data
+def test_mlr_reaches_accuracy_while_scaling_2_4_1(tmp_path: Path, monkeypatch) -> None:
+    from apps import mlr
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"mlr-scale-{time.time_ns()}"
+    app = mlr.make_app(["--epochs", "80", "--quiet"])
+    t, out = _run_in_thread(app, workers=2, servers=1, num_executors=8, job=job)
+    try:
+        _wait_running(job)
+        assert scale(["--job", job, "--workers", "4", "--wait"]) == 0
+        assert scale(["--job", job, "--workers", "1", "--wait"]) == 0
+    finally:
+        t.join(120)
+    assert "error" not in out, out.get("error")
+    value = out["res"].value
+    assert value["test_accuracy"] >= 0.84
+    assert out["res"].total("migrations_in", "worker") >= 8  # 4 executors out, then 6 in
+
+

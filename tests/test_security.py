@@ -1,0 +1,269 @@
+"""Cluster security: job secrets, CURVE on every socket, refusal (and logging) of outsiders.
+
+Real sockets on loopback; an outsider must never get a message delivered, whether it has no
+secret, a different secret, or the job's server key but not its client key pair.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+import litz
+from litz.errors import ConfigError
+from litz.runtime import security
+from litz.runtime.security import JobSecret, generate_secret_file, load_secret
+from litz.runtime.transport import Endpoint, check_bind_host
+from tests import testapps
+from tests.conftest import processes_mentioning
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+
+NOTHING_FOR = 1000  # ms an outsider's message is waited for (it must never arrive)
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    return generate_secret_file(tmp_path / "job.secret")
+
+
+@pytest.fixture
+def secured(secret_file: Path) -> Iterator[Endpoint]:
+    # a label of its own: refusals are logged once per label and reason per interval
+    ep = Endpoint(f"guarded-{time.time_ns()}", secret=load_secret(secret_file))
+    try:
+        yield ep
+    finally:
+        ep.close()
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:  # noqa: ANN001 - a test helper
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# -- secret files -----------------------------------------------------------------------------
+
+def test_generated_secret_file_is_private_and_derives_the_same_keys(tmp_path: Path) -> None:
+    path = generate_secret_file(tmp_path / "s")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    a, b = load_secret(path), load_secret(path)
+    assert a == b and a.public_key == zmq.curve_public(a.secret_key)
+    assert a != load_secret(generate_secret_file(tmp_path / "other"))
+    assert a.secret_key.decode() not in repr(a) and path.read_text().strip() not in repr(a)
+    with pytest.raises(ConfigError, match="already exists"):
+        generate_secret_file(path)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660])
+def test_secret_file_readable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
+    path = generate_secret_file(tmp_path / "s")
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_secret(path)
+
+
+def test_missing_empty_or_short_secret_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no secret file"):
+        load_secret(tmp_path / "absent")
+    empty = tmp_path / "empty"
+    empty.write_bytes(b" \n")
+    empty.chmod(0o600)
+    with pytest.raises(ConfigError, match="empty"):
+        load_secret(empty)
+    short = tmp_path / "short"
+    short.write_bytes(b"abc\n")
+    short.chmod(0o600)
+    with pytest.raises(ConfigError, match="too short"):
+        load_secret(short)
+
+
+# -- the binding rule -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "*", "myhost.example"])
+def test_non_loopback_without_secret_is_refused_before_binding(host: str) -> None:
+    with pytest.raises(ConfigError, match="without a job secret"):
+        check_bind_host(host, None)
+    with pytest.raises(ConfigError, match="without a job secret"):
+        Endpoint("x", host=host, secret=None)
+
+
+def test_cluster_without_secret_is_refused_and_a_secret_allows_it(secret_file: Path) -> None:
+    with pytest.raises(ConfigError, match="requires a job secret"):
+        Endpoint("x", cluster=True, secret=None)
+    check_bind_host("0.0.0.0", load_secret(secret_file))  # allowed (not bound here)
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        check_bind_host(host, None)
+
+
+def test_run_refuses_a_public_host_without_secret_before_starting_anything() -> None:
+    job = f"nosecret-{time.time_ns()}"
+    with pytest.raises(ConfigError, match="without a job secret"):
+        litz.run(testapps.sum_app(rows=4, tasks=4, executors=2), workers=1, servers=1, job=job, host="0.0.0.0")
+    assert processes_mentioning(job) == []
+
+
+def test_launch_refuses_a_public_host_without_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from litz.cli import main
+
+    app_file = tmp_path / "tiny_app.py"
+    app_file.write_text("import litz\nfrom tests.testapps import sum_app\napp = sum_app(rows=4, tasks=4)\n")
+    assert main(["launch", str(app_file), "--host", "0.0.0.0"]) == 1
+    assert "without a job secret" in capsys.readouterr().err
+
+
+def test_configured_settings_reach_endpoints_made_without_arguments(secret_file: Path) -> None:
+    secret = load_secret(secret_file)
+    with security.configured(secret_file):
+        ep = Endpoint("master-like")
+        try:
+            assert ep.secret == secret and ep.counters()["secured"] == 1
+        finally:
+            ep.close()
+    ep = Endpoint("after")
+    try:
+        assert ep.secret is None and ep.counters()["secured"] == 0
+    finally:
+        ep.close()
+
+
+# -- outsiders are refused --------------------------------------------------------------------
+
+def test_a_member_is_heard(secured: Endpoint, secret_file: Path) -> None:
+    member = Endpoint("member", secret=load_secret(secret_file))
+    try:
+        member.connect("guarded", secured.address)
+        member.send("guarded", "stats_request", rid=1)
+        assert secured.router.poll(5000)
+        msg = secured.recv()
+        assert msg is not None and msg.sender == "member" and msg["rid"] == 1
+        assert secured.counters()["auth_refused"] == 0
+    finally:
+        member.close()
+
+
+@pytest.mark.parametrize("outsider", ["no secret", "different secret"])
+def test_outsider_endpoint_cannot_deliver_and_is_logged(secured: Endpoint, outsider: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="litz.runtime.security")
+    secret = None if outsider == "no secret" else JobSecret(os.urandom(32).hex().encode())
+    intruder = Endpoint("intruder", secret=secret)
+    try:
+        intruder.connect("guarded", secured.address)
+        intruder.send("guarded", "stats_request", rid=1)
+        assert not secured.router.poll(NOTHING_FOR), "an outsider delivered a message"
+        assert wait_for(lambda: secured.counters()["auth_refused"] >= 1)
+        assert wait_for(lambda: any(f"{secured.ident}: refused a connection from" in r.getMessage()
+                                    for r in caplog.records))
+        assert secured.counters()["messages_received"] == 0
+    finally:
+        intruder.close()
+
+
+def test_right_server_key_but_foreign_key_pair_is_refused_by_zap(secured: Endpoint,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Whoever learnt the job's public key still cannot join: ZAP wants the job's own client key."""
+    caplog.set_level(logging.WARNING, logger="litz.runtime.security")
+    public, private = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, secured.secret.public_key)  # type: ignore[union-attr]
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+    try:
+        sock.connect(secured.address)
+        sock.send_multipart([b"\x92\xadstats_request\x81\xa3rid\x01"])
+        assert not secured.router.poll(NOTHING_FOR), "a foreign key pair delivered a message"
+        assert wait_for(lambda: secured.counters()["auth_refused"] >= 1)
+        assert wait_for(lambda: any(f"{secured.ident}: refused a connection from 127.0.0.1" in r.getMessage()
+                                    and "CURVE key is not this job's" in r.getMessage() for r in caplog.records))
+    finally:
+        sock.close(linger=0)
+
+
+def test_closing_secured_endpoints_with_live_connections_never_stalls(secret_file: Path) -> None:
+    """Regression: monitor events sent after their reader left used to freeze libzmq's I/O thread."""
+    secret = load_secret(secret_file)
+    for i in range(60):
+        server, client = Endpoint("server", secret=secret), Endpoint("client", secret=secret)
+        try:
+            client.connect("server", server.address)
+            client.send("server", "stats_request", rid=i)
+            assert server.router.poll(5000), f"round {i}: a member's message did not arrive"
+            assert server.recv() is not None
+        finally:
+            server.close()  # while the client's connection is still up
+            client.close()
+
+
+def test_authenticator_stops_with_the_last_secured_endpoint(secret_file: Path) -> None:
+    secret = load_secret(secret_file)
+    ctx = zmq.Context()
+    try:
+        a, b = Endpoint("a", ctx=ctx, secret=secret), Endpoint("b", ctx=ctx, secret=secret)
+        assert ctx in security._authenticators
+        a.close()
+        assert ctx in security._authenticators  # b's ROUTER still needs it
+        b.close()
+        assert ctx not in security._authenticators
+        c = Endpoint("c", ctx=ctx, secret=secret)  # and a new one can start
+        c.close()
+    finally:
+        ctx.term()
+
+
+# -- whole jobs -------------------------------------------------------------------------------
+
+def test_job_runs_with_curve_and_sums_are_exact(etcd, secret_file: Path) -> None:
+    app = testapps.sum_app(rows=4, tasks=40, executors=2)
+    res = litz.run(app, workers=2, servers=1, etcd=etcd.url, secret_file=secret_file)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    assert res.total("secured") == len(res.stats) == 4  # master, server and both workers
+    assert res.total("auth_refused") == 0
+    assert security.settings().secret is None  # the launcher restored the process-wide settings
+
+
+def test_running_server_refuses_an_outsider_and_logs_it(etcd, secret_file: Path) -> None:
+    from litz.runtime.launcher import LocalCluster
+    from litz.runtime.membership import Membership
+    from litz.runtime.node import proc_key
+
+    job = f"secure-{time.time_ns()}"
+    member = Endpoint("tester", secret=load_secret(secret_file))
+    intruder = Endpoint("intruder", secret=JobSecret(os.urandom(32).hex().encode()))
+    try:
+        with LocalCluster(job, workers=1, servers=1, etcd=etcd.url, secret_file=secret_file) as cluster, \
+                Membership(etcd.url, job) as mem:
+            mem.register(proc_key("tester", "tester"), {"id": "tester", "addr": member.address, "role": "tester"})
+            assert wait_for(lambda: {"procs/server/s0", "procs/worker/w0"} <= set(mem.get_prefix("procs/")), 20)
+            addrs = {ident: mem.get(f"procs/{role}/{ident}")["addr"] for role, ident in
+                     (("server", "s0"), ("worker", "w0"))}
+            intruder.connect("s0", addrs["s0"])
+            intruder.send("s0", "stats_request", rid=1)
+            assert not intruder.router.poll(NOTHING_FOR), "the server answered an outsider"
+            member.connect("s0", addrs["s0"])
+            member.send("s0", "stats_request", rid=2)  # asked and answered over CURVE
+            assert member.router.poll(10_000), "the server did not answer a member:\n" + cluster.log_tail("s0", 50)
+            reply = member.recv()
+            assert reply is not None and reply["rid"] == 2
+            assert reply["stats"]["secured"] == 1 and reply["stats"]["auth_refused"] >= 1
+            assert "s0: refused a connection from" in cluster.log_tail("s0", 50)
+            for ident, addr in addrs.items():
+                member.connect(ident, addr)
+                member.send(ident, "shutdown", reason="test over")
+            assert wait_for(lambda: all(p.poll() is not None for p in cluster.children.values()), 10)
+    finally:
+        intruder.close()
+        member.close()
+    assert processes_mentioning(job) == []
