@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import litz
 from tests import testapps
@@ -19,3 +20,10 @@ def test_hundreds_of_random_executor_migrations_keep_sums_and_state_exact(etcd) 
     for seqs in out["done_seq"]:
         assert sorted(seqs) == list(range(len(seqs))), seqs
     assert sum(len(s) for s in out["done_seq"]) == 1500
+
+
+def test_failed_migration_stops_the_job_with_a_precise_error(etcd) -> None:
+    app = litz.App(testapps.MoveOnceDriver, testapps.OneLoadPerProcessExecutor, num_executors=2,
+                   tables=[litz.Table("t", (1,))])
+    with pytest.raises(litz.LitzError, match="(?s)executor migration failed on w.*shared storage unreachable"):
+        litz.run(app, workers=2, servers=1, etcd=etcd.url)

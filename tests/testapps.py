@@ -321,3 +321,32 @@ class TimedMigratingDriver(MigratingDriver):
             self.finish({"truth": self.truth, "final": final, "done_seq": self.done_seq, "moves": self.moves})
             return
         self._send(result.executor_id)
+
+
+_LOADS = [0]
+
+
+class OneLoadPerProcessExecutor(litz.Executor):
+    """Its input cannot be loaded twice in one process (simulates unreadable shared storage)."""
+
+    def load_input(self) -> None:
+        _LOADS[0] += 1
+        if _LOADS[0] > 1:
+            raise OSError("shared storage unreachable")
+
+    def run_task(self, args: dict) -> None:
+        time.sleep(0.01)
+
+
+class MoveOnceDriver(litz.Driver):
+    def dispatch_initial_tasks(self) -> None:
+        self.moved = False
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        if not self.moved:
+            self.moved = True
+            master = self._master  # test-only
+            master.move_executors([1], master.state.placement[0], ship_input=False)
+        self.dispatch_task(result.executor_id, {})

@@ -312,6 +312,8 @@ class Master:
             self._deferred.append(msg)
 
     def _report_error(self, msg: Message) -> None:
+        if msg.get("about") in ("executor_state", "migrate_out"):  # executors would be lost: stop cleanly
+            raise LitzError(f"executor migration failed on {msg.sender}: {msg['reason']}")
         text = f"{msg.sender}: {msg['reason']}"
         self.errors.append(text)
         log.error("error reported by %s", text)

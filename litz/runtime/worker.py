@@ -219,6 +219,16 @@ class Worker(Node):
             self.migrations_out += len(mig.executors)
 
     def on_executor_state(self, msg: Message) -> None:
+        try:
+            self._receive_executors(msg)
+        except Exception:  # the executors cannot run here: the master must know, or the job would hang
+            reason = f"worker {self.ident} could not take executors of migration {msg['mid']}:\n" \
+                     f"{traceback.format_exc()}"
+            log.error(reason)
+            assert self.master is not None
+            self.endpoint.send(self.master, "error", reason=reason, about="executor_state")
+
+    def _receive_executors(self, msg: Message) -> None:
         arrived = []
         for eid, state, inp, tasks in msg["executors"]:
             self.moved_to.pop(eid, None)
