@@ -5,7 +5,9 @@ frequency, other load) hits both alike, and reports medians and the ratio secure
 
 * empty micro-tasks per second through master -> worker -> master (the per-message cost);
 * ``ps.get`` + ``ps.update`` pairs per second per worker (many small messages to a server);
-* MLR on Fashion-MNIST (``apps.mlr``): seconds per epoch after the first (bulk array traffic).
+* MLR on Fashion-MNIST (``apps.mlr``): seconds per epoch after the first (bulk array traffic);
+* the transport alone, two endpoints in one process: small-message round trips per second and
+  one-way bandwidth of 4 MB array messages (what encryption costs per message and per byte).
 
 Run: ``python bench/bench_security.py [--repeats 3] [--tasks 20000] [--epochs 4] [--workers 2]``
 """
@@ -23,10 +25,54 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # apps/ from a checkout
 
 import bench_microtasks as micro  # noqa: E402 - the bench folder is on sys.path when run as a script
+import numpy as np  # noqa: E402
 
 import litz  # noqa: E402
 from litz.runtime.etcd_server import LocalEtcd  # noqa: E402
-from litz.runtime.security import generate_secret_file  # noqa: E402
+from litz.runtime.security import generate_secret_file, load_secret  # noqa: E402
+from litz.runtime.transport import Endpoint  # noqa: E402
+
+
+def _pair(secret: str | None) -> tuple[Endpoint, Endpoint]:
+    key = load_secret(secret) if secret else None
+    a, b = Endpoint("a", secret=key), Endpoint("b", secret=key)
+    a.connect("b", b.address)
+    b.connect("a", a.address)
+    return a, b
+
+
+def roundtrip_rate(n: int, secret: str | None) -> float:
+    a, b = _pair(secret)
+    try:
+        for rounds in (100, n):  # the first 100 connect and warm up
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                a.send("b", "stats_request", rid=i)
+                b.recv()
+                b.send("a", "stats_request", rid=i)
+                a.recv()
+        return n / (time.perf_counter() - t0)
+    finally:
+        a.close()
+        b.close()
+
+
+def bandwidth(n: int, secret: str | None) -> float:
+    """MB/s of 4 MB float32 arrays sent one way (a get_reply carrying one array)."""
+    a, b = _pair(secret)
+    array = np.random.default_rng(0).random((1024, 1024), dtype=np.float32)
+    try:
+        a.send("b", "get_reply", rid=0, values=[array], errors=[None])
+        b.recv()
+        t0 = time.perf_counter()
+        for i in range(n):
+            a.send("b", "get_reply", rid=i, values=[array], errors=[None])
+        for _ in range(n):
+            b.recv()
+        return n * array.nbytes / 1e6 / (time.perf_counter() - t0)
+    finally:
+        a.close()
+        b.close()
 
 
 def empty_rate(workers: int, tasks: int, etcd: str, secret: str | None) -> float:
@@ -86,6 +132,10 @@ def main() -> None:
                 lambda s: empty_rate(w, args.tasks, etcd.url, s), secret, higher_is_better=True)
         compare("ps.get+ps.update per worker", "pairs/s", args.repeats,
                 lambda s: ps_rate(w, args.ps_tasks, args.ops, etcd.url, s), secret, higher_is_better=True)
+        compare("transport round trips", "trips/s", args.repeats,
+                lambda s: roundtrip_rate(5000, s), secret, higher_is_better=True)
+        compare("transport 4 MB arrays one way", "MB/s", args.repeats,
+                lambda s: bandwidth(100, s), secret, higher_is_better=True)
         if args.epochs >= 2:
             compare("MLR Fashion-MNIST epoch", "s/epoch", args.repeats,
                     lambda s: mlr_epoch(w, args.epochs, etcd.url, s), secret, higher_is_better=False)
