@@ -244,13 +244,31 @@ def scale(argv: list[str]) -> int:
     return 0
 
 
+def secret(argv: list[str]) -> int:
+    """``litz secret PATH``: create a job secret file (32 random bytes, mode 600) for cluster mode."""
+    from litz.runtime.security import generate_secret_file
+
+    p = argparse.ArgumentParser(prog="litz secret", description="Create a job secret file for --secret-file.")
+    p.add_argument("path")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    args = p.parse_args(argv)
+    try:
+        generate_secret_file(args.path, overwrite=args.force)
+    except (LitzError, OSError) as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote a new job secret to {args.path} (mode 600); copy it to every host of the job")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"launch": launch, "status": status, "scale": scale}
+    commands = {"launch": launch, "status": status, "scale": scale, "secret": secret}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: litz COMMAND ...\n\ncommands:\n  launch   run an application (litz launch --help)\n"
               "  status   show a running job (litz status --help)\n"
-              "  scale    resize a running job (litz scale --help)")
+              "  scale    resize a running job (litz scale --help)\n"
+              "  secret   create a job secret file for cluster mode (litz secret PATH)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

@@ -62,8 +62,7 @@ LOG_EVERY_S = 10.0  # a peer that keeps reconnecting is logged once per interval
 
 def how_to_create(path: str | os.PathLike[str] = "PATH") -> str:
     """The shell command that writes a new secret file, for error messages and help texts."""
-    return (f"python -c \"from litz.runtime.security import generate_secret_file; "
-            f"generate_secret_file('{path}')\"")
+    return f"litz secret {path}"
 
 
 def _has_curve() -> bool:
