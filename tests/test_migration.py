@@ -27,3 +27,17 @@ def test_failed_migration_stops_the_job_with_a_precise_error(etcd) -> None:
                    tables=[litz.Table("t", (1,))])
     with pytest.raises(litz.LitzError, match="(?s)executor migration failed on w.*shared storage unreachable"):
         litz.run(app, workers=2, servers=1, etcd=etcd.url)
+
+
+def test_hundreds_of_shard_and_executor_migrations_lose_and_double_no_update(etcd) -> None:
+    # shards move between 3 servers while executors read and update them (requests that reach
+    # an old owner are forwarded, possibly over several hops) and executors move too
+    app = testapps.migrating_app(tasks=1500, executors=8, move_prob=0.1, shard_move_prob=0.3, seed=3)
+    res = litz.run(app, workers=2, servers=3, etcd=etcd.url)
+    out = res.value
+    assert out["shard_moves"] >= 200, out["shard_moves"]
+    assert res.total("shards_in", "server") >= 200
+    assert res.total("forwarded", "server") > 0  # some requests did reach an old owner
+    np.testing.assert_array_equal(out["final"], out["truth"])
+    for seqs in out["done_seq"]:
+        assert sorted(seqs) == list(range(len(seqs)))

@@ -268,3 +268,26 @@ def test_balance_is_even_with_few_moves(n: int, workers: list[str], targets: lis
     must = sum(1 for w in before.values() if w not in targets)
     excess = sum(max(0, sum(1 for w in before.values() if w == t) - -(-n // len(targets))) for t in targets)
     assert moved <= must + excess + len(targets)
+
+
+def test_shard_store_extract_forward_and_install() -> None:
+    tables = table_index([Table("s", (2,), "float64")])
+    a = ShardStore(tables, shards=[0, 1], num_shards=4)
+    b = ShardStore(tables, shards=[2, 3], num_shards=4)
+    a.update("s", [0, 1, 4], np.array([[1.0, 1], [2, 2], [3, 3]]))
+    data = a.extract([0], dest="b")
+    assert a.split([0, 1, 4, 5]) == ([1, 3], {"b": [0, 2]})  # shard 0 (keys 0 and 4) is forwarded
+    b.install([0], data)
+    assert b.get("s", [0, 4]).tolist() == [[1, 1], [3, 3]]
+    b.update("s", [0], np.ones((1, 2)))  # installed rows are writable copies
+    assert b.get("s", [0]).tolist() == [[2, 2]]
+    with pytest.raises(TableError, match="shard 0 is not on this server"):
+        a.get("s", [0])
+
+
+def test_master_state_shard_migration() -> None:
+    st = MasterState(2, ["w0"], ["s0", "s1"], num_shards=4)
+    [(mid, source, shards)] = st.start_shard_migration([0, 2, 1], "s1")  # 1 is already on s1
+    assert (source, shards) == ("s0", [0, 2]) and st.start_shard_migration([0], "s1") == []
+    st.finish_shard_migration(mid)
+    assert st.shard_map == ["s1", "s1", "s1", "s1"] and st.shards_of("s0") == []

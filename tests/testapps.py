@@ -242,6 +242,7 @@ class MigratingDriver(litz.Driver):
         self.next_seq = [0] * self.num_executors
         self.done_seq: list[list[int]] = [[] for _ in range(self.num_executors)]
         self.moves = 0
+        self.shard_moves = 0
         self.left = cfg["tasks"]
         for e in range(self.num_executors):
             for _ in range(2):
@@ -261,9 +262,15 @@ class MigratingDriver(litz.Driver):
         self.left -= 1
         if self.left == 0:
             final = self.ps.get_many("s", range(self.config["rows"]))
-            self.finish({"truth": self.truth, "final": final, "done_seq": self.done_seq, "moves": self.moves})
+            self.finish({"truth": self.truth, "final": final, "done_seq": self.done_seq, "moves": self.moves,
+                         "shard_moves": self.shard_moves})
             return
         self._send(result.executor_id)
+        if self.rng.random() < self.config.get("shard_move_prob", 0.0):
+            master = self._master  # test-only, as below
+            shard = self.rng.randrange(self.config["rows"])  # the shards that hold rows (key % 64)
+            if master.move_shards([shard], self.rng.choice(master.state.servers)):
+                self.shard_moves += 1
         if self.rng.random() < self.config["move_prob"]:
             master = self._master  # test-only: elasticity is driven by the framework, not by apps
             workers = master.state.workers
@@ -285,16 +292,20 @@ class CountingStateExecutor(litz.Executor):
         self.state["trail"] += 1  # mutable arrays in state must stay writable after a move
         assert self.input[0] == self.executor_id
         keys, deltas = task_updates(args["seed"], self.config["rows"])
+        rows = self.ps.get_many("s", keys)  # reads go through forwarding too
+        assert rows.shape == (len(keys), 3)
         self.ps.update_many("s", keys, deltas)
         if args["seq"] % 3 == 0:
             time.sleep(0.001)
         return seen, keys, deltas
 
 
-def migrating_app(tasks: int = 1500, executors: int = 12, move_prob: float = 0.25, seed: int = 0) -> litz.App:
+def migrating_app(tasks: int = 1500, executors: int = 12, move_prob: float = 0.25, seed: int = 0,
+                  shard_move_prob: float = 0.0) -> litz.App:
     return litz.App(MigratingDriver, CountingStateExecutor, tables=[litz.Table("s", (3,), "float64", num_rows=16)],
                     num_executors=executors,
-                    config={"rows": 16, "tasks": tasks, "move_prob": move_prob, "seed": seed})
+                    config={"rows": 16, "tasks": tasks, "move_prob": move_prob, "seed": seed,
+                            "shard_move_prob": shard_move_prob})
 
 
 class TimedMigratingDriver(MigratingDriver):

@@ -35,6 +35,46 @@ class ShardStore:
         }
         self.gets = 0
         self.updates = 0
+        self.forward: dict[int, str] = {}  # shards that moved away -> where they went
+
+    def split(self, keys: list[Hashable]) -> tuple[list[int], dict[str, list[int]]]:
+        """Positions of keys served here, and of keys whose shard moved (grouped by new server)."""
+        local: list[int] = []
+        remote: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            dest = self.forward.get(shard_of(key, self.num_shards))
+            if dest is None:
+                local.append(i)
+            else:
+                remote.setdefault(dest, []).append(i)
+        return local, remote
+
+    def extract(self, shards: list[int], dest: str) -> list[list[Any]]:
+        """Remove shards for migration: ``[table, shard, keys, stacked rows]`` per non-empty table.
+
+        From now on requests for them are forwarded to ``dest``.
+        """
+        out: list[list[Any]] = []
+        for shard in shards:
+            tables = self.shards.pop(shard, None)
+            if tables is None:
+                raise TableError(f"shard {shard} is not on this server")
+            for name, rows in tables.items():
+                if rows:
+                    out.append([name, shard, list(rows), np.stack(list(rows.values()))])
+            self.forward[shard] = dest
+        return out
+
+    def install(self, shards: list[int], data: list[list[Any]]) -> None:
+        """Take over migrated shards (copies: received frames are read-only)."""
+        for shard in shards:
+            self.forward.pop(shard, None)
+            self.shards.setdefault(shard, {name: {} for name in self.tables})
+        for name, shard, keys, rows in data:
+            table = lookup(self.tables, name)
+            target = self.shards[shard][table.name]
+            for key, row in zip(keys, rows, strict=True):
+                target[key] = np.array(row, dtype=table.dtype, copy=True)
 
     def _rows(self, table: Table, key: Hashable) -> dict[Hashable, np.ndarray]:
         shard = shard_of(key, self.num_shards)
@@ -109,11 +149,40 @@ class ShardStore:
         return out
 
 
+class _Pending:
+    """A request partly forwarded to the servers its shards moved to: its reply waits for theirs."""
+
+    __slots__ = ("requester", "rid", "kind", "values", "errors", "outstanding", "moved")
+
+    def __init__(self, requester: str, rid: int, kind: str, n: int) -> None:
+        self.requester = requester
+        self.rid = rid
+        self.kind = kind
+        self.values: list[Any] = [None] * n
+        self.errors: list[Any] = [None] * n
+        self.outstanding = 0
+        self.moved: dict[int, str] = {}
+
+
 class ServerNode(Node):
-    """A server process: hosts a ShardStore and answers get/update requests."""
+    """A server process: hosts a ShardStore, answers get/update requests, migrates shards.
+
+    A request for a shard that moved away is forwarded to where it went (which may forward
+    again), and the answer is sent back to the requester as one reply, with a hint of the
+    new location so that workers learn the new map lazily. Updates that reach the old owner
+    are forwarded in order behind the shard itself, so none is lost or applied twice.
+    """
 
     role = "server"
     store: ShardStore | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sub_rid = 0
+        self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]]]] = {}
+        self.forwarded = 0
+        self.shards_out = 0
+        self.shards_in = 0
 
     def on_init_server(self, msg: Message) -> None:
         try:
@@ -129,18 +198,116 @@ class ServerNode(Node):
             raise LitzError("server not initialised yet")
         return self.store
 
+    # -- requests ------------------------------------------------------------------------------
     def on_get(self, msg: Message) -> None:
-        values, errors = self._store().handle_get(msg["items"])
-        self.endpoint.send(msg.sender, "get_reply", rid=msg["rid"], values=values, errors=errors)
+        self._serve(msg, "get")
 
     def on_update(self, msg: Message) -> None:
-        errors = self._store().handle_update(msg["items"])
-        self.endpoint.send(msg.sender, "update_ack", rid=msg["rid"], errors=errors)
+        self._serve(msg, "update")
+
+    def _serve(self, msg: Message, kind: str) -> None:
+        store = self._store()
+        items = msg["items"]
+        pend = _Pending(msg.sender, msg["rid"], kind, len(items))
+        subs: dict[str, list[tuple[int, list[int], list[Any]]]] = {}
+        for i, item in enumerate(items):
+            try:
+                name, keys = item[0], item[1]
+                table = lookup(store.tables, name)
+                keys = table.check_keys(keys)
+                local, remote = store.split(keys)
+                if kind == "get":
+                    out = np.empty((len(keys), *table.shape), table.dtype)
+                    if local:
+                        out[local] = store.get(table.name, [keys[j] for j in local])
+                    pend.values[i] = out
+                else:
+                    deltas = item[2]
+                    if not isinstance(deltas, np.ndarray):
+                        raise TableError(f"table {table.name!r}: deltas must be an array")
+                    deltas = table.check_delta(deltas, n=len(keys), what="update")
+                    if local:
+                        store.update(table.name, [keys[j] for j in local], deltas[local])
+                for dest, idx in remote.items():
+                    sub = [table.name, [keys[j] for j in idx]]
+                    if kind == "update":
+                        sub.append(deltas[idx])
+                    subs.setdefault(dest, []).append((i, idx, sub))
+                    for j in idx:
+                        pend.moved[shard_of(keys[j], store.num_shards)] = dest
+            except (LitzError, TypeError, ValueError, IndexError) as exc:
+                pend.values[i] = None
+                pend.errors[i] = str(exc)
+                if kind == "update":
+                    log.warning("refused an update: %s", exc)
+        for dest, parts in subs.items():
+            self._sub_rid += 1
+            self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts])
+            pend.outstanding += 1
+            self.forwarded += 1
+            self.endpoint.send(dest, kind, rid=self._sub_rid, items=[sub for _, _, sub in parts])
+        if not pend.outstanding:
+            self._reply(pend)
+
+    def _reply(self, pend: _Pending) -> None:
+        extra: dict[str, Any] = {"moved": pend.moved} if pend.moved else {}
+        if pend.kind == "get":
+            self.endpoint.send(pend.requester, "get_reply", rid=pend.rid, values=pend.values, errors=pend.errors,
+                               **extra)
+        else:
+            self.endpoint.send(pend.requester, "update_ack", rid=pend.rid, errors=pend.errors, **extra)
+
+    def _sub_done(self, rid: int, values: list[Any] | None, errors: list[Any], moved: dict[int, str]) -> None:
+        entry = self._subs.pop(rid, None)
+        if entry is None:
+            log.warning("%s: reply to unknown forwarded request %r", self.ident, rid)
+            return
+        pend, parts = entry
+        for n, (i, idx) in enumerate(parts):
+            if errors[n] is not None:
+                pend.errors[i] = errors[n]
+                pend.values[i] = None
+            elif values is not None and pend.values[i] is not None:
+                pend.values[i][idx] = values[n]
+        pend.moved.update(moved)
+        pend.outstanding -= 1
+        if not pend.outstanding:
+            self._reply(pend)
+
+    def on_get_reply(self, msg: Message) -> None:
+        self._sub_done(msg["rid"], msg["values"], msg["errors"], msg.get("moved") or {})
+
+    def on_update_ack(self, msg: Message) -> None:
+        self._sub_done(msg["rid"], None, msg["errors"], msg.get("moved") or {})
+
+    def on_error(self, msg: Message) -> None:
+        rid = msg.get("rid")
+        entry = self._subs.get(rid) if isinstance(rid, int) else None
+        if entry is not None:
+            self._sub_done(rid, None, [msg["reason"]] * len(entry[1]), {})
+        else:
+            log.error("%s: error from %s: %s", self.ident, msg.sender, msg["reason"])
+
+    # -- shard migration ---------------------------------------------------------------------------
+    def on_migrate_shards(self, msg: Message) -> None:
+        if msg.get("dest_addr"):
+            self.endpoint.connect(msg["dest"], msg["dest_addr"])
+        data = self._store().extract(list(msg["shards"]), msg["dest"])
+        self.shards_out += len(msg["shards"])
+        self.endpoint.send(msg["dest"], "shard_data", mid=msg["mid"], shards=msg["shards"], data=data,
+                           source=self.ident)
+
+    def on_shard_data(self, msg: Message) -> None:
+        self._store().install(list(msg["shards"]), msg["data"])
+        self.shards_in += len(msg["shards"])
+        assert self.master is not None
+        self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         if self.store is not None:
-            out.update(rows_read=self.store.gets, rows_updated=self.store.updates)
+            out.update(rows_read=self.store.gets, rows_updated=self.store.updates, shards=sorted(self.store.shards))
+        out.update(forwarded=self.forwarded, shards_out=self.shards_out, shards_in=self.shards_in)
         return out
 
     def loop(self) -> None:

@@ -76,6 +76,9 @@ class MasterState:
         self.moving: dict[int, int] = {}  # executor -> mid
         self.held: dict[int, list[list[Any]]] = {}
         self._next_mid = 0
+        # shard migrations under way: mid -> (shards, source, dest)
+        self.shard_migrations: dict[int, tuple[list[int], str, str]] = {}
+        self.shards_moving: set[int] = set()
 
     def executors_of(self, worker: str) -> list[int]:
         return [e for e, w in self.placement.items() if w == worker]
@@ -130,6 +133,30 @@ class MasterState:
                 self.moving[e] = self._next_mid
             out.append((self._next_mid, source, eids))
         return out
+
+    def start_shard_migration(self, shards: list[int], dest: str) -> list[tuple[int, str, list[int]]]:
+        """Plan moving logical shards to server ``dest``; one migration per source server."""
+        if dest not in self.servers:
+            raise LitzError(f"cannot move shards to {dest!r}: not a server of this job")
+        by_source: dict[str, list[int]] = {}
+        for s in shards:
+            if not (isinstance(s, int) and 0 <= s < self.num_shards):
+                raise LitzError(f"cannot move shard {s!r}: shards are 0..{self.num_shards - 1}")
+            if self.shard_map[s] != dest and s not in self.shards_moving:
+                by_source.setdefault(self.shard_map[s], []).append(s)
+        out = []
+        for source, ss in by_source.items():
+            self._next_mid += 1
+            self.shard_migrations[self._next_mid] = (ss, source, dest)
+            self.shards_moving.update(ss)
+            out.append((self._next_mid, source, ss))
+        return out
+
+    def finish_shard_migration(self, mid: int) -> None:
+        shards, _, dest = self.shard_migrations.pop(mid)
+        for s in shards:
+            self.shard_map[s] = dest
+            self.shards_moving.discard(s)
 
     def finish_migration(self, mid: int) -> None:
         """The executors of ``mid`` run on their new worker: route to it, release held tasks."""
@@ -304,6 +331,10 @@ class Master:
         elif msg.type == "migrated":
             self.on_migrated(msg)
             self.elastic.tick()
+        elif msg.type == "shards_moved":
+            assert self.state is not None
+            if msg["mid"] in self.state.shard_migrations:
+                self.state.finish_shard_migration(msg["mid"])
         elif msg.type == "ready":
             self.elastic.on_ready(msg.sender, msg.get("error"))
         elif msg.type == "error":
@@ -454,6 +485,16 @@ class Master:
         mids = []
         for mid, source, eids in self.state.start_migration(list(executors), dest):
             self.endpoint.send(source, "migrate_out", mid=mid, executors=eids, dest=dest, ship_input=ship_input,
+                               dest_addr=self.procs[dest]["addr"])
+            mids.append(mid)
+        return mids
+
+    def move_shards(self, shards: list[int], dest: str) -> list[int]:
+        """Start migrating logical shards to server ``dest`` (asynchronous; executors never pause)."""
+        assert self.state is not None
+        mids = []
+        for mid, source, ss in self.state.start_shard_migration(list(shards), dest):
+            self.endpoint.send(source, "migrate_shards", mid=mid, shards=ss, dest=dest,
                                dest_addr=self.procs[dest]["addr"])
             mids.append(mid)
         return mids

@@ -97,11 +97,11 @@ MESSAGES: dict[str, MessageType] = _declare(
     # worker/master -> server: read rows; items are [table, keys]
     MessageType("get", {"rid": "int", "items": "list"}),
     # server -> requester: one stacked array per item, or an error per item
-    MessageType("get_reply", {"rid": "int", "values": "list", "errors": "list"}),
+    MessageType("get_reply", {"rid": "int", "values": "list", "errors": "list", "moved?": "dict"}),
     # worker -> server: apply updates; items are [table, keys, stacked deltas]
     MessageType("update", {"rid": "int", "items": "list"}),
     # server -> worker: updates applied (errors name the item that was refused)
-    MessageType("update_ack", {"rid": "int", "errors": "list"}),
+    MessageType("update_ack", {"rid": "int", "errors": "list", "moved?": "dict"}),
     # a receiver could not process a message: the reason, and the request id if it had one
     MessageType("error", {"reason": "str", "rid?": "int", "about?": "str"}),
     # master -> any: finish; reply "bye" with counters
@@ -119,6 +119,13 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("executor_state", {"mid": "int", "executors": "list", "source": "str"}),
     # dest worker -> master: the executors of migration mid run here now
     MessageType("migrated", {"mid": "int", "executors": "list"}),
+    # -- shard migration with forwarding --
+    # master -> source server: send these shards to dest, then forward their requests there
+    MessageType("migrate_shards", {"mid": "int", "shards": "list", "dest": "str", "dest_addr?": "str"}),
+    # source -> dest server: [table, shard, keys, stacked rows] per non-empty table of the shards
+    MessageType("shard_data", {"mid": "int", "shards": "list", "data": "list", "source": "str"}),
+    # dest server -> master: the shards of migration mid are served here now
+    MessageType("shards_moved", {"mid": "int", "shards": "list"}),
 )
 
 

@@ -329,7 +329,13 @@ class Worker(Node):
             self.endpoint.send(server, "get", rid=self._rid, items=items)
         self._to_fetch.clear()
 
+    def _learn_moves(self, msg: Message) -> None:
+        """A server forwarded part of our request: send the next ones straight to the new owner."""
+        for shard, server in (msg.get("moved") or {}).items():
+            self.shard_map[int(shard)] = server
+
     def on_get_reply(self, msg: Message) -> None:
+        self._learn_moves(msg)
         record = self._fetching.pop(msg["rid"], None)
         if record is None:
             log.warning("%s: get_reply for unknown request %r", self.ident, msg["rid"])
@@ -380,6 +386,7 @@ class Worker(Node):
         self._release()
 
     def on_update_ack(self, msg: Message) -> None:
+        self._learn_moves(msg)
         self._unacked.discard(msg["rid"])
         for err in msg["errors"]:
             if err is not None:
