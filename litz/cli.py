@@ -196,7 +196,7 @@ def status(argv: list[str]) -> int:
 
 
 def scale(argv: list[str]) -> int:
-    """``litz scale --job NAME --workers N [--etcd URL] [--wait]``: resize a running job."""
+    """``litz scale --job NAME (--workers N | --servers M) [--etcd URL] [--wait]``: resize a running job."""
     import secrets as _secrets
     import time
 
@@ -207,7 +207,9 @@ def scale(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="litz scale", description="Scale a running job in or out; it keeps training.")
     p.add_argument("--job", required=True)
-    p.add_argument("--workers", type=int, required=True, help="the number of worker processes wanted")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--workers", type=int, help="the number of worker processes wanted")
+    size.add_argument("--servers", type=int, help="the number of server processes wanted (scale-out only)")
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--wait", action="store_true", help="return only when the job has reached the new size")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -216,7 +218,8 @@ def scale(argv: list[str]) -> int:
     try:
         url = args.etcd or jobs.lookup(args.job)["etcd"]
         with Membership(url, args.job) as mem:
-            mem.put(SCALE_KEY, {"id": cid, "workers": args.workers, "time": time.time()})
+            kind, want = ("workers", args.workers) if args.workers is not None else ("servers", args.servers)
+            mem.put(SCALE_KEY, {"id": cid, kind: want, "time": time.time()})
             deadline = time.monotonic() + args.timeout
             while (result := mem.get(f"{RESULTS}{cid}")) is None:
                 if time.monotonic() > deadline:
@@ -230,12 +233,12 @@ def scale(argv: list[str]) -> int:
             print(f"scale {cid}: {result['reason']}")
             while args.wait:
                 st = mem.get(STATUS_KEY) or {}
-                if not st.get("scaling") and len(st.get("executors", {})) == args.workers:
+                if not st.get("scaling") and len(st.get("executors" if kind == "workers" else "shards", {})) == want:
                     done = (st.get("scale_history") or [{}])[-1]
                     print(f"scale {cid}: done in {done.get('seconds', float('nan')):.3f} s")
                     break
                 if time.monotonic() > deadline:
-                    print(f"litz: job did not reach {args.workers} workers in {args.timeout:.0f} s", file=sys.stderr)
+                    print(f"litz: job did not reach {want} {kind} in {args.timeout:.0f} s", file=sys.stderr)
                     return 1
                 time.sleep(0.1)
     except LitzError as exc:

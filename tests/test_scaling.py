@@ -49,7 +49,7 @@ def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path,
     job = f"scale-{time.time_ns()}"
     app = testapps.migrating_app(tasks=100_000, executors=8, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
-    app.config["stop_after"] = 8.0
+    app.config["stop_after"] = 12.0
     t, out = _run_in_thread(app, workers=2, servers=1, job=job)
     try:
         _wait_running(job)
@@ -67,9 +67,16 @@ def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path,
                   for pid in retired_pids):
             assert time.monotonic() < deadline, "retired workers did not exit"
             time.sleep(0.05)
+        # servers scale out: shards spread over the new ones while the job runs
+        assert scale(["--job", job, "--servers", "3", "--wait", "--timeout", "30"]) == 0
+        st = job_status(job)
+        servers = {p["id"]: p["shards"] for p in st["processes"] if p["role"] == "server"}
+        assert len(servers) == 3 and sorted(s for v in servers.values() for s in v) == list(range(64))
+        assert sorted(len(v) for v in servers.values()) == [21, 21, 22]
         # refused commands say why
         assert scale(["--job", job, "--workers", "0"]) == 1
         assert scale(["--job", job, "--workers", "9"]) == 1
+        assert scale(["--job", job, "--servers", "1"]) == 1
     finally:
         t.join(60)
     assert "error" not in out, out.get("error")

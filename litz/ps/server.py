@@ -307,7 +307,8 @@ class ServerNode(Node):
         out = super().stats()
         if self.store is not None:
             out.update(rows_read=self.store.gets, rows_updated=self.store.updates, shards=sorted(self.store.shards))
-        out.update(forwarded=self.forwarded, shards_out=self.shards_out, shards_in=self.shards_in)
+        out.update(forwarded=self.forwarded, shards_out=self.shards_out, shards_in=self.shards_in,
+                   pending_forwards=len(self._subs))
         return out
 
     def loop(self) -> None:

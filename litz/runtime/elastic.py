@@ -41,6 +41,10 @@ class ScaleOp:
     retiring: set[str] = field(default_factory=set)
 
 
+class _Refused(Exception):
+    """A scale command that cannot be met; the message says why."""
+
+
 class Elasticity:
     """Turns scale commands into process starts, executor migrations and retirements."""
 
@@ -48,7 +52,7 @@ class Elasticity:
         self.m = master
         self.op: ScaleOp | None = None
         self.history: list[dict[str, Any]] = []
-        self._next_worker = 0
+        self._next_id: dict[str, int] = {}
 
     # -- commands ----------------------------------------------------------------------------------
     def reply(self, cid: str, ok: bool, reason: str = "") -> None:
@@ -56,43 +60,56 @@ class Elasticity:
 
     def on_command(self, cmd: dict[str, Any]) -> None:
         cid = str(cmd.get("id", ""))
+        try:
+            text = self._start(cid, cmd)
+        except _Refused as exc:
+            self.reply(cid, False, str(exc))
+            return
+        self.reply(cid, True, text)
+        log.info("scale %s: %s", cid, text)
+        self.tick()
+
+    def _start(self, cid: str, cmd: dict[str, Any]) -> str:
         st = self.m.state
         if st is None:
-            self.reply(cid, False, "the job is still starting")
-            return
+            raise _Refused("the job is still starting")
         if self.op is not None:
-            self.reply(cid, False, f"scale command {self.op.cid} is still in progress")
-            return
-        unknown = set(cmd) - {"id", "workers", "time"}
+            raise _Refused(f"scale command {self.op.cid} is still in progress")
+        unknown = set(cmd) - {"id", "workers", "servers", "time"}
         if unknown:
-            self.reply(cid, False, f"unsupported scale option(s) {sorted(unknown)} (this release scales workers)")
-            return
-        want = cmd.get("workers")
+            raise _Refused(f"unsupported scale option(s) {sorted(unknown)}")
+        kinds = [k for k in ("workers", "servers") if k in cmd]
+        if len(kinds) != 1:
+            raise _Refused("a scale command names either workers or servers")
+        kind = kinds[0]
+        want = cmd[kind]
         if not isinstance(want, int) or isinstance(want, bool) or want < 1:
-            self.reply(cid, False, f"workers must be an integer >= 1, got {want!r}")
-            return
-        if want > st.num_executors:
-            self.reply(cid, False, f"{want} workers for {st.num_executors} executors would leave workers idle")
-            return
-        have = list(st.workers)
-        self.op = op = ScaleOp(cid, time.monotonic())
+            raise _Refused(f"{kind} must be an integer >= 1, got {want!r}")
+        have = list(st.workers if kind == "workers" else st.servers)
+        if kind == "workers" and want > st.num_executors:
+            raise _Refused(f"{want} workers for {st.num_executors} executors would leave workers idle")
+        if kind == "servers" and want < len(have):
+            raise _Refused("scaling servers in is not supported yet (every worker must learn the new shard "
+                           "owners before a server may leave)")
+        if kind == "servers" and want > st.num_shards:
+            raise _Refused(f"{want} servers for {st.num_shards} shards would leave servers idle")
+        op = ScaleOp(cid, time.monotonic())
         if want > len(have):
             agent = self.m.local_agent()
             if agent is None:
-                self.op = None
-                self.reply(cid, False, "no node agent is registered to start processes")
-                return
-            self._next_worker = max(self._next_worker, *(int(w[1:]) + 1 for w in have if w[1:].isdigit()))
-            ids = [f"w{self._next_worker + i}" for i in range(want - len(have))]
-            self._next_worker += len(ids)
+                raise _Refused("no node agent is registered to start processes")
+            prefix = "w" if kind == "workers" else "s"
+            taken = [int(p[1:]) + 1 for p in self.m.procs if p[:1] == prefix and p[1:].isdigit()]
+            first = max([self._next_id.get(prefix, 0), *taken])
+            ids = [f"{prefix}{first + i}" for i in range(want - len(have))]
+            self._next_id[prefix] = first + len(ids)
             op.joining = set(ids)
-            self.m.membership.put(f"{AGENTS}{agent}/spawn", {"workers": ids, "command": cid})
+            self.m.membership.put(f"{AGENTS}{agent}/spawn", {kind: ids, "command": cid})
         elif want < len(have):
             op.retiring = set(have[want:])
             self.m.rebalance(have[:want], ship_input=False)
-        self.reply(cid, True, f"scaling from {len(have)} to {want} workers")
-        log.info("scale %s: %d -> %d workers", cid, len(have), want)
-        self.tick()
+        self.op = op
+        return f"scaling from {len(have)} to {want} {kind}"
 
     # -- progress ----------------------------------------------------------------------------------
     def on_ready(self, ident: str, error: str | None) -> None:
@@ -100,20 +117,25 @@ class Elasticity:
         op = self.op
         if op is None or ident not in op.joining:
             return
+        st = self.m.state
+        assert st is not None
         if error:
-            log.error("worker %s failed to join: %s", ident, error)
+            log.error("%s failed to join: %s", ident, error)
         else:
-            assert self.m.state is not None
-            self.m.state.workers.append(ident)
+            (st.servers if self.m.procs[ident].get("role") == "server" else st.workers).append(ident)
         op.joining.discard(ident)
         if not op.joining:
             self.m.rebalance(ship_input=True)
+            self.m.rebalance_shards()
             self.tick()
 
     def on_registered(self, ident: str) -> None:
         """A process registered in etcd: initialise it if it is a worker we are waiting for."""
         if self.op is not None and ident in self.op.joining:
-            self.m.init_worker(ident)
+            if self.m.procs[ident].get("role") == "server":
+                self.m.init_server(ident)
+            else:
+                self.m.init_worker(ident)
 
     def tick(self) -> None:
         """Retire workers left without executors; close the operation when nothing is pending."""
@@ -129,8 +151,10 @@ class Elasticity:
             if w in st.workers and not any(st.moving_dest(e) == w or st.placement[e] == w for e in st.placement):
                 st.workers.remove(w)
                 self.m.retire(w)
-        if op.joining or st.moving or any(not self.m.said_goodbye(w) for w in op.retiring):
+        busy = op.joining or st.moving or st.shards_moving
+        if busy or any(not self.m.said_goodbye(w) for w in op.retiring):
             return
         self.history.append({"command": op.cid, "seconds": time.monotonic() - op.started,
-                             "workers": sorted(st.workers), "retired": sorted(op.retiring)})
+                             "workers": sorted(st.workers), "servers": sorted(st.servers),
+                             "retired": sorted(op.retiring)})
         self.op = None

@@ -127,9 +127,10 @@ class LocalCluster:
         if self._agent is not None:
             for ev in self._agent.poll_events():
                 if ev.kind == "put" and ev.key.endswith("/spawn") and ev.value:
-                    for ident in ev.value.get("workers", []):
-                        if ident not in self.children:
-                            self._spawn("litz.runtime.worker", ident)
+                    for kind, module in (("workers", "litz.runtime.worker"), ("servers", "litz.ps.server")):
+                        for ident in ev.value.get(kind, []):
+                            if ident not in self.children:
+                                self._spawn(module, ident)
         for ident, proc in self.children.items():
             code = proc.poll()
             if code:
@@ -163,7 +164,10 @@ class LocalCluster:
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None
-        shutil.rmtree(self.rundir, ignore_errors=True)
+        if os.environ.get("LITZ_KEEP_LOGS"):  # developers: keep the processes' logs
+            log.warning("logs of job %s kept in %s", self.job, self.rundir)
+        else:
+            shutil.rmtree(self.rundir, ignore_errors=True)
 
 
 def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | None = None,

@@ -171,32 +171,17 @@ class MasterState:
                 self.inflight[item[0]].worker = dest
 
     def plan_balance(self, workers: list[str] | None = None) -> dict[str, list[int]]:
-        """Moves that spread the executors evenly over ``workers`` (default: all), with few moves.
+        """Moves that spread the executors evenly over ``workers`` (default: all), with few moves."""
+        return even_moves({e: self.moving_dest(e) for e in self.placement},
+                          list(workers if workers is not None else self.workers))
 
-        Executors on workers outside the list all move; otherwise only the excess of the most
-        loaded workers moves to the least loaded. Returns dest -> executors.
-        """
-        targets = list(workers if workers is not None else self.workers)
-        if not targets:
-            raise LitzError("cannot balance executors over zero workers")
-        load: dict[str, list[int]] = {w: [] for w in targets}
-        homeless: list[int] = []
-        for e in sorted(self.placement):
-            w = self.moving_dest(e)
-            (load[w] if w in load else homeless).append(e)
-        n, k = self.num_executors, len(targets)
-        by_load = sorted(targets, key=lambda w: -len(load[w]))  # the most loaded keep the spare ones
-        quota = {w: n // k + (1 if i < n % k else 0) for i, w in enumerate(by_load)}
-        for w in targets:
-            while len(load[w]) > quota[w]:
-                homeless.append(load[w].pop())
-        moves: dict[str, list[int]] = {}
-        for w in targets:
-            while len(load[w]) < quota[w] and homeless:
-                e = homeless.pop()
-                load[w].append(e)
-                moves.setdefault(w, []).append(e)
-        return moves
+    def plan_shard_balance(self, servers: list[str] | None = None) -> dict[str, list[int]]:
+        """Moves that spread the logical shards evenly over ``servers`` (default: all)."""
+        where = {}
+        for mid_shards, _, dest in self.shard_migrations.values():
+            where.update(dict.fromkeys(mid_shards, dest))
+        return even_moves({s: where.get(s, owner) for s, owner in enumerate(self.shard_map)},
+                          list(servers if servers is not None else self.servers))
 
     def moving_dest(self, executor: int) -> str:
         """Where an executor is, or is going."""
@@ -206,6 +191,32 @@ class MasterState:
     def take_outbox(self) -> dict[str, list[list[Any]]]:
         out, self.outbox = self.outbox, {}
         return out
+
+
+def even_moves(where: dict[int, str], targets: list[str]) -> dict[str, list[int]]:
+    """Moves (target -> items) that make the items' spread over ``targets`` even, moving few.
+
+    Items on owners outside ``targets`` all move; otherwise only the excess of the most loaded
+    targets moves to the least loaded (the most loaded keep the spare ones).
+    """
+    if not targets:
+        raise LitzError("cannot spread work over zero processes")
+    load: dict[str, list[int]] = {t: [] for t in targets}
+    homeless: list[int] = []
+    for item in sorted(where):
+        (load[where[item]] if where[item] in load else homeless).append(item)
+    n, k = len(where), len(targets)
+    by_load = sorted(targets, key=lambda t: -len(load[t]))
+    quota = {t: n // k + (1 if i < n % k else 0) for i, t in enumerate(by_load)}
+    for t in targets:
+        while len(load[t]) > quota[t]:
+            homeless.append(load[t].pop())
+    moves: dict[str, list[int]] = {}
+    for t in targets:
+        while len(load[t]) < quota[t] and homeless:
+            moves.setdefault(t, []).append(homeless.pop())
+            load[t].append(moves[t][-1])
+    return moves
 
 
 class DriverPS(ParameterServer):
@@ -335,6 +346,7 @@ class Master:
             assert self.state is not None
             if msg["mid"] in self.state.shard_migrations:
                 self.state.finish_shard_migration(msg["mid"])
+                self.elastic.tick()
         elif msg.type == "ready":
             self.elastic.on_ready(msg.sender, msg.get("error"))
         elif msg.type == "error":
@@ -451,6 +463,17 @@ class Master:
         assert self.state is not None
         return self.state.dispatch(executor_id, args)
 
+    def init_server(self, ident: str) -> None:
+        """Send a server joining the running job the tables; it gets shards by migration."""
+        assert self.state is not None and self._init_blobs is not None
+        self.endpoint.send(ident, "init_server", tables=self._init_blobs[1], shards=[],
+                           num_shards=self.state.num_shards, master="master")
+
+    def rebalance_shards(self, servers: list[str] | None = None) -> list[int]:
+        assert self.state is not None
+        return [mid for dest, shards in self.state.plan_shard_balance(servers).items()
+                for mid in self.move_shards(shards, dest)]
+
     def init_worker(self, ident: str) -> None:
         """Send a worker the application, its executors (none for one joining later) and the maps."""
         assert self.state is not None and self._init_blobs is not None
@@ -464,7 +487,7 @@ class Master:
     def retire(self, worker: str) -> None:
         """Tell a worker without executors to leave (scale-in); its goodbye completes the retirement."""
         self.retiring.add(worker)
-        self.endpoint.send(worker, "shutdown", reason="scale-in")
+        self.endpoint.send(worker, "shutdown", reason="scale-in", settle=True)
 
     def said_goodbye(self, ident: str) -> bool:
         return ident in self._byes

@@ -105,7 +105,7 @@ MESSAGES: dict[str, MessageType] = _declare(
     # a receiver could not process a message: the reason, and the request id if it had one
     MessageType("error", {"reason": "str", "rid?": "int", "about?": "str"}),
     # master -> any: finish; reply "bye" with counters
-    MessageType("shutdown", {"reason": "str"}),
+    MessageType("shutdown", {"reason": "str", "settle?": "bool"}),
     MessageType("bye", {"stats": "dict"}),
     # master -> any: send your counters now (benchmarks)
     MessageType("stats_request", {"rid": "int"}),

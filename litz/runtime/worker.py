@@ -31,10 +31,12 @@ from litz.errors import LitzError, TableError
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
-from litz.runtime.node import Node, main
+from litz.runtime.node import Node, main, proc_key
 from litz.runtime.protocol import Message, pack_object, unpack_object
 
 log = logging.getLogger(__name__)
+
+LEAVE_TIMEOUT = 10.0  # seconds a retiring worker waits for its last acknowledgements
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "cache": True,  # use the version-tagged process cache
@@ -130,6 +132,7 @@ class Worker(Node):
         self.tasks_run = 0
         self.tasks_failed = 0
         self.update_errors: list[str] = []
+        self._leaving: tuple[str, float, bool] | None = None  # (who asked us to leave, deadline, settle)
 
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
@@ -332,6 +335,8 @@ class Worker(Node):
     def _learn_moves(self, msg: Message) -> None:
         """A server forwarded part of our request: send the next ones straight to the new owner."""
         for shard, server in (msg.get("moved") or {}).items():
+            if server not in self.endpoint.peers:  # joined too recently for our etcd watch: ask etcd once
+                self._learn(server, self.membership.get(proc_key("server", server)))
             self.shard_map[int(shard)] = server
 
     def on_get_reply(self, msg: Message) -> None:
@@ -461,14 +466,42 @@ class Worker(Node):
             self._run_runnable()
             if not self.runnable and (self.log or self._waiting_flush or self._waiting_ack):
                 self.flush()
-            self.poll(0 if self.runnable else 200)
+            if self._leaving is not None:
+                self._leave_when_settled()
+                if self.stopping:
+                    break
+            self.poll(0 if self.runnable else 50 if self._leaving else 200)
 
-    def before_exit(self) -> None:
+    def on_shutdown(self, msg: Message) -> None:
+        """Leave once every completion this worker owes has been reported.
+
+        A retiring worker (scale-in) may still wait for the acknowledgement of its last updates,
+        and the completions of its last tasks wait on it: leaving now would lose them and the
+        driver would wait for ever. So the goodbye is sent only when nothing is owed, or after
+        ``LEAVE_TIMEOUT`` seconds (a server that died cannot hold the process hostage).
+        """
         self.flush()
+        settle = bool(msg.get("settle"))  # at the job's end nothing owed matters any more
+        self._leaving = (msg.sender, time.monotonic() + (LEAVE_TIMEOUT if settle else 0.0), settle)
+        self._leave_when_settled()
+
+    def _leave_when_settled(self) -> None:
+        assert self._leaving is not None
+        sender, deadline, settle = self._leaving
+        owed = len(self._unacked) + len(self._waiting_ack) + len(self._waiting_flush) + len(self.log)
+        if owed and time.monotonic() < deadline:
+            return
+        if owed and settle:
+            log.error("%s: leaving with %d unacknowledged updates or unreported completions", self.ident, owed)
+        self.endpoint.send(sender, "bye", stats=self.stats())
+        self.stopping = True
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out.update(self.cache.counters())
+        out.update(pending_fetches=len(self._fetching), unacked_updates=len(self._unacked),
+                   waiting_completions=len(self._waiting_ack) + len(self._waiting_flush),
+                   shard_map_servers=sorted(set(self.shard_map)))
         out.update(migrations_out=self.migrations_out, migrations_in=self.migrations_in,
                    tasks_forwarded=self.tasks_forwarded, executors=sorted(self.slots))
         out.update(tasks_run=self.tasks_run, tasks_failed=self.tasks_failed,
