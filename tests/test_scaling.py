@@ -44,12 +44,26 @@ def _workers(st: dict) -> dict[str, list[int]]:
     return {p["id"]: p["executors"] for p in st["processes"] if p["role"] == "worker"}
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return False
+
+
+def _wait_exit(pids: list[int], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"{what} did not exit"
+        time.sleep(0.05)
+
+
 def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"scale-{time.time_ns()}"
     app = testapps.migrating_app(tasks=100_000, executors=8, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
-    app.config["stop_after"] = 12.0
+    app.config["stop_after"] = 14.0
     t, out = _run_in_thread(app, workers=2, servers=1, job=job)
     try:
         _wait_running(job)
@@ -62,21 +76,25 @@ def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path,
         assert scale(["--job", job, "--workers", "1", "--wait", "--timeout", "30"]) == 0, out
         ws = _workers(job_status(job))
         assert list(ws) == ["w0"] and sorted(ws["w0"]) == list(range(8))
-        deadline = time.monotonic() + 10
-        while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-                  for pid in retired_pids):
-            assert time.monotonic() < deadline, "retired workers did not exit"
-            time.sleep(0.05)
+        _wait_exit(retired_pids, "retired workers")
         # servers scale out: shards spread over the new ones while the job runs
         assert scale(["--job", job, "--servers", "3", "--wait", "--timeout", "30"]) == 0
         st = job_status(job)
         servers = {p["id"]: p["shards"] for p in st["processes"] if p["role"] == "server"}
         assert len(servers) == 3 and sorted(s for v in servers.values() for s in v) == list(range(64))
         assert sorted(len(v) for v in servers.values()) == [21, 21, 22]
+        # servers scale in: the leaving ones' shards move, everyone routes around them, they exit
+        server_pids = {p["id"]: p["pid"] for p in st["processes"] if p["role"] == "server"}
+        assert scale(["--job", job, "--servers", "1", "--wait", "--timeout", "30"]) == 0
+        servers = {p["id"]: p["shards"] for p in job_status(job)["processes"] if p["role"] == "server"}
+        assert list(servers) == ["s0"] and servers["s0"] == list(range(64))
+        _wait_exit([pid for ident, pid in server_pids.items() if ident != "s0"], "retired servers")
+        assert scale(["--job", job, "--servers", "2", "--wait", "--timeout", "30"]) == 0
         # refused commands say why
         assert scale(["--job", job, "--workers", "0"]) == 1
         assert scale(["--job", job, "--workers", "9"]) == 1
-        assert scale(["--job", job, "--servers", "1"]) == 1
+        assert scale(["--job", job, "--servers", "0"]) == 1
+        assert scale(["--job", job, "--servers", "65"]) == 1
     finally:
         t.join(60)
     assert "error" not in out, out.get("error")

@@ -179,7 +179,8 @@ class ServerNode(Node):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sub_rid = 0
-        self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]]]] = {}
+        self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]], str]] = {}
+        self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         self.forwarded = 0
         self.shards_out = 0
         self.shards_in = 0
@@ -242,7 +243,7 @@ class ServerNode(Node):
                     log.warning("refused an update: %s", exc)
         for dest, parts in subs.items():
             self._sub_rid += 1
-            self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts])
+            self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts], dest)
             pend.outstanding += 1
             self.forwarded += 1
             self.endpoint.send(dest, kind, rid=self._sub_rid, items=[sub for _, _, sub in parts])
@@ -262,7 +263,7 @@ class ServerNode(Node):
         if entry is None:
             log.warning("%s: reply to unknown forwarded request %r", self.ident, rid)
             return
-        pend, parts = entry
+        pend, parts, _ = entry
         for n, (i, idx) in enumerate(parts):
             if errors[n] is not None:
                 pend.errors[i] = errors[n]
@@ -273,6 +274,7 @@ class ServerNode(Node):
         pend.outstanding -= 1
         if not pend.outstanding:
             self._reply(pend)
+        self._answer_routes()
 
     def on_get_reply(self, msg: Message) -> None:
         self._sub_done(msg["rid"], msg["values"], msg["errors"], msg.get("moved") or {})
@@ -289,6 +291,27 @@ class ServerNode(Node):
             log.error("%s: error from %s: %s", self.ident, msg.sender, msg["reason"])
 
     # -- shard migration ---------------------------------------------------------------------------
+    def on_routes(self, msg: Message) -> None:
+        """Servers left: forward what went to them where the master says; answer when none is pending."""
+        gone = set(msg["gone"])
+        store = self._store()
+        for shard, dest in list(store.forward.items()):
+            if dest in gone:
+                if msg["shard_map"][shard] == self.ident:  # cannot happen once installed here; be safe
+                    del store.forward[shard]
+                else:
+                    store.forward[shard] = msg["shard_map"][shard]
+        self._route_acks.append((msg.sender, msg["rid"], gone))
+        self._answer_routes()
+
+    def _answer_routes(self) -> None:
+        if not self._route_acks:
+            return
+        busy = {dest for _, _, dest in self._subs.values()}
+        for entry in [e for e in self._route_acks if not (e[2] & busy)]:
+            self._route_acks.remove(entry)
+            self.endpoint.send(entry[0], "routes_ack", rid=entry[1])
+
     def on_migrate_shards(self, msg: Message) -> None:
         if msg.get("dest_addr"):
             self.endpoint.connect(msg["dest"], msg["dest_addr"])
@@ -311,9 +334,14 @@ class ServerNode(Node):
                    pending_forwards=len(self._subs))
         return out
 
+    def owed(self) -> int:
+        """Forwarded requests whose replies this server still has to pass on."""
+        return len(self._subs)
+
     def loop(self) -> None:
         while not self.stopping:
-            self.poll(500)
+            self.poll(50 if self._leaving else 500)
+            self.leave_when_settled()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Scale commands: the master's side of scale-out and scale-in while the job runs (DESIGN.md §4).
 
 A command is a key ``commands/scale`` in the job's etcd prefix (written by ``litz scale``):
-``{"id": ..., "workers": N}``. The master answers under ``commands/result/<id>`` with
+``{"id": ..., "workers": N}`` or ``{"id": ..., "servers": M}``. The master answers under ``commands/result/<id>`` with
 ``{"ok": bool, "reason": str}`` once the command is accepted or refused.
 
 - Scale-out: the master asks the host's node agent (key ``agents/<agent>/spawn``) for new
@@ -11,6 +11,10 @@ A command is a key ``commands/scale`` in the job's etcd prefix (written by ``lit
   without their input (the destination reloads it from shared storage, so the leaving
   process is freed at once), then tells the retired workers to leave. Scale-in is complete
   when they have exited; its latency is measured from the command to their goodbye.
+- Servers scale out the same way, their shards arriving by migration (workers learn the new
+  owners lazily). To scale servers in, the master moves every shard off the retiring
+  servers, then tells all other processes to route around them (``routes``); only when each
+  has answered, with nothing pending at the retiring servers, are these told to leave.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class ScaleOp:
     started: float
     joining: set[str] = field(default_factory=set)
     retiring: set[str] = field(default_factory=set)
+    routes: dict[str, int] = field(default_factory=dict)  # retiring server -> its routes request
 
 
 class _Refused(Exception):
@@ -88,9 +93,6 @@ class Elasticity:
         have = list(st.workers if kind == "workers" else st.servers)
         if kind == "workers" and want > st.num_executors:
             raise _Refused(f"{want} workers for {st.num_executors} executors would leave workers idle")
-        if kind == "servers" and want < len(have):
-            raise _Refused("scaling servers in is not supported yet (every worker must learn the new shard "
-                           "owners before a server may leave)")
         if kind == "servers" and want > st.num_shards:
             raise _Refused(f"{want} servers for {st.num_shards} shards would leave servers idle")
         op = ScaleOp(cid, time.monotonic())
@@ -107,7 +109,10 @@ class Elasticity:
             self.m.membership.put(f"{AGENTS}{agent}/spawn", {kind: ids, "command": cid})
         elif want < len(have):
             op.retiring = set(have[want:])
-            self.m.rebalance(have[:want], ship_input=False)
+            if kind == "workers":
+                self.m.rebalance(have[:want], ship_input=False)
+            else:
+                self.m.rebalance_shards(have[:want])
         self.op = op
         return f"scaling from {len(have)} to {want} {kind}"
 
@@ -138,7 +143,8 @@ class Elasticity:
                 self.m.init_worker(ident)
 
     def tick(self) -> None:
-        """Retire workers left without executors; close the operation when nothing is pending."""
+        """Retire workers left without executors and servers left without shards (once everyone
+        routes around them); close the operation when nothing is pending."""
         op, st = self.op, self.m.state
         if op is None or st is None:
             return
@@ -150,6 +156,12 @@ class Elasticity:
         for w in sorted(op.retiring):
             if w in st.workers and not any(st.moving_dest(e) == w or st.placement[e] == w for e in st.placement):
                 st.workers.remove(w)
+                self.m.retire(w)
+            elif w in st.servers and not st.holds_shards(w):
+                st.servers.remove(w)
+                op.routes[w] = self.m.flush_routes([w])
+            if w in op.routes and self.m.routes_settled(op.routes[w]):
+                del op.routes[w]
                 self.m.retire(w)
         busy = op.joining or st.moving or st.shards_moving
         if busy or any(not self.m.said_goodbye(w) for w in op.retiring):

@@ -86,6 +86,10 @@ class MasterState:
     def shards_of(self, server: str) -> list[int]:
         return [s for s, srv in enumerate(self.shard_map) if srv == server]
 
+    def holds_shards(self, server: str) -> bool:
+        """Whether a server hosts a shard or is about to receive one."""
+        return server in self.shard_map or any(dest == server for _, _, dest in self.shard_migrations.values())
+
     def dispatch(self, executor_id: int, args: Any) -> int:
         """Queue a task for its executor's worker, tagged with the current version."""
         worker = self.placement.get(executor_id) if isinstance(executor_id, int) else None
@@ -261,7 +265,9 @@ class Master:
         self.errors: list[str] = []
         self.migrations_done = 0
         self.elastic = Elasticity(self)
-        self.retiring: set[str] = set()  # workers told to leave that have not said goodbye yet
+        self.retiring: set[str] = set()  # processes told to leave that have not said goodbye yet
+        self._route_rid = 0
+        self._route_waits: dict[int, set[str]] = {}  # routes request -> processes yet to answer
         self._init_blobs: tuple[bytes, bytes] | None = None
 
     def table(self, name: str) -> Table:
@@ -347,6 +353,9 @@ class Master:
             if msg["mid"] in self.state.shard_migrations:
                 self.state.finish_shard_migration(msg["mid"])
                 self.elastic.tick()
+        elif msg.type == "routes_ack":
+            self._route_waits.get(msg["rid"], set()).discard(msg.sender)
+            self.elastic.tick()
         elif msg.type == "ready":
             self.elastic.on_ready(msg.sender, msg.get("error"))
         elif msg.type == "error":
@@ -484,10 +493,32 @@ class Master:
                            num_shards=self.state.num_shards, shard_map=self.state.shard_map, peers=peers,
                            options=self.options, master="master")
 
-    def retire(self, worker: str) -> None:
-        """Tell a worker without executors to leave (scale-in); its goodbye completes the retirement."""
-        self.retiring.add(worker)
-        self.endpoint.send(worker, "shutdown", reason="scale-in", settle=True)
+    def retire(self, ident: str) -> None:
+        """Tell a worker without executors, or a server without shards, to leave (scale-in).
+
+        It leaves once it owes nothing (acknowledgements, forwarded replies); its goodbye
+        completes the retirement.
+        """
+        self.retiring.add(ident)
+        self.endpoint.send(ident, "shutdown", reason="scale-in", settle=True)
+
+    def flush_routes(self, gone: list[str]) -> int:
+        """Tell every other worker and server that the ``gone`` servers hold no shard any more.
+
+        Workers learn shard moves lazily, from hints in replies; a server may only leave once
+        nobody can still send to it. Each process answers when it has re-routed and has no
+        request pending at the gone servers. Returns the id to pass to ``routes_settled``.
+        """
+        assert self.state is not None
+        self._route_rid += 1
+        targets = {p for p in self.state.workers + self.state.servers if p not in gone}
+        for ident in sorted(targets):
+            self.endpoint.send(ident, "routes", rid=self._route_rid, shard_map=self.state.shard_map, gone=gone)
+        self._route_waits[self._route_rid] = targets
+        return self._route_rid
+
+    def routes_settled(self, rid: int) -> bool:
+        return not self._route_waits.get(rid)
 
     def said_goodbye(self, ident: str) -> bool:
         return ident in self._byes

@@ -28,6 +28,7 @@ from litz.runtime.transport import Endpoint
 log = logging.getLogger(__name__)
 
 PROCS = "procs/"
+LEAVE_TIMEOUT = 10.0  # seconds a retiring process waits to be owed nothing before it leaves anyway
 _PR_SET_PDEATHSIG = 1
 
 
@@ -47,6 +48,7 @@ class Node:
         # the job secret comes from the process-wide settings (``main`` configures --secret-file)
         self.endpoint = Endpoint(ident, host, secret=security.settings().secret)
         self._wake_r, self._wake_w = os.pipe()
+        self._leaving: tuple[str, float, bool] | None = None  # (who asked us to leave, deadline, settle)
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
@@ -138,9 +140,35 @@ class Node:
         self.endpoint.send(msg.sender, "stats", rid=msg["rid"], stats=self.stats())
 
     def on_shutdown(self, msg: Message) -> None:
+        """Leave: at once at the job's end, or once nothing is owed when retiring (``settle``).
+
+        A retiring process may still owe answers: a worker the completions that wait for the
+        acknowledgement of its last updates, a server the replies to requests it forwarded.
+        Leaving before would lose them and the driver would wait for ever. So with ``settle``
+        the goodbye is sent only when ``owed()`` is 0, or after ``LEAVE_TIMEOUT`` seconds (a
+        peer that died must not hold the process hostage). At the job's end nothing matters.
+        """
         self.before_exit()
-        self.endpoint.send(msg.sender, "bye", stats=self.stats())
+        settle = bool(msg.get("settle"))
+        self._leaving = (msg.sender, time.monotonic() + (LEAVE_TIMEOUT if settle else 0.0), settle)
+        self.leave_when_settled()
+
+    def leave_when_settled(self) -> None:
+        """Say goodbye and stop if a shutdown was asked for and nothing is owed (or time is up)."""
+        if self._leaving is None:
+            return
+        sender, deadline, settle = self._leaving
+        owed = self.owed()
+        if owed and time.monotonic() < deadline:
+            return
+        if owed and settle:
+            log.error("%s: leaving while still owing %d answers", self.ident, owed)
+        self.endpoint.send(sender, "bye", stats=self.stats())
         self.stopping = True
+
+    def owed(self) -> int:
+        """Hook: how many answers this process still owes others (0: it may leave)."""
+        return 0
 
     def before_exit(self) -> None:
         """Hook: finish what must be finished before saying bye."""

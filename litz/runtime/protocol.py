@@ -126,6 +126,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("shard_data", {"mid": "int", "shards": "list", "data": "list", "source": "str"}),
     # dest server -> master: the shards of migration mid are served here now
     MessageType("shards_moved", {"mid": "int", "shards": "list"}),
+    # master -> workers and servers: the servers in "gone" hold no shard any more; route by
+    # shard_map instead of them, ignore hints naming them, and answer once nothing is pending there
+    MessageType("routes", {"rid": "int", "shard_map": "list", "gone": "list"}),
+    MessageType("routes_ack", {"rid": "int"}),
 )
 
 

@@ -36,8 +36,6 @@ from litz.runtime.protocol import Message, pack_object, unpack_object
 
 log = logging.getLogger(__name__)
 
-LEAVE_TIMEOUT = 10.0  # seconds a retiring worker waits for its last acknowledgements
-
 DEFAULT_OPTIONS: dict[str, Any] = {
     "cache": True,  # use the version-tagged process cache
     "update_log": True,  # merge updates in the log (False: one message per ps.update)
@@ -116,6 +114,9 @@ class Worker(Node):
         # fetches to send: server -> table -> [(key, version)]
         self._to_fetch: dict[str, dict[str, list[tuple[Hashable, int]]]] = {}
         self._fetching: dict[int, list[tuple[str, list[Hashable], list[int]]]] = {}
+        self._sent_to: dict[int, str] = {}  # request id -> server, until answered
+        self._gone: set[str] = set()  # servers that left: never route to them again
+        self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         # completion barrier: update rids not yet acknowledged, and completions waiting on them
         self._unacked: set[int] = set()
         self._last_update_rid = 0
@@ -132,7 +133,6 @@ class Worker(Node):
         self.tasks_run = 0
         self.tasks_failed = 0
         self.update_errors: list[str] = []
-        self._leaving: tuple[str, float, bool] | None = None  # (who asked us to leave, deadline, settle)
 
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
@@ -329,15 +329,41 @@ class Worker(Node):
                 record.append((name, keys, [v for _, v in keyver]))
                 items.append([name, keys])
             self._fetching[self._rid] = record
+            self._sent_to[self._rid] = server
             self.endpoint.send(server, "get", rid=self._rid, items=items)
         self._to_fetch.clear()
 
     def _learn_moves(self, msg: Message) -> None:
         """A server forwarded part of our request: send the next ones straight to the new owner."""
+        self._sent_to.pop(msg["rid"], None)
         for shard, server in (msg.get("moved") or {}).items():
+            if server in self._gone:  # a hint older than the server's departure
+                continue
             if server not in self.endpoint.peers:  # joined too recently for our etcd watch: ask etcd once
                 self._learn(server, self.membership.get(proc_key("server", server)))
             self.shard_map[int(shard)] = server
+
+    def on_routes(self, msg: Message) -> None:
+        """Servers left: route their shards as the master says, and answer once nothing waits on them.
+
+        The answer tells the master that this worker will never send to them again and has no
+        request there unanswered, so they may exit without losing anything.
+        """
+        gone = set(msg["gone"])
+        self._gone |= gone
+        for shard, server in enumerate(msg["shard_map"]):
+            if self.shard_map[shard] in gone:
+                self.shard_map[shard] = server
+        self._route_acks.append((msg.sender, msg["rid"], gone))
+        self._answer_routes()
+
+    def _answer_routes(self) -> None:
+        if not self._route_acks:
+            return
+        busy = set(self._sent_to.values())
+        for entry in [e for e in self._route_acks if not (e[2] & busy)]:
+            self._route_acks.remove(entry)
+            self.endpoint.send(entry[0], "routes_ack", rid=entry[1])
 
     def on_get_reply(self, msg: Message) -> None:
         self._learn_moves(msg)
@@ -378,6 +404,7 @@ class Worker(Node):
         for server, items in by_server.items():
             self._rid += 1
             self._unacked.add(self._rid)
+            self._sent_to[self._rid] = server
             self._last_update_rid = self._rid
             self.endpoint.send(server, "update", rid=self._rid, items=items)
 
@@ -431,6 +458,8 @@ class Worker(Node):
 
     def on_error(self, msg: Message) -> None:
         rid = msg.get("rid")
+        if isinstance(rid, int):
+            self._sent_to.pop(rid, None)
         record = self._fetching.pop(rid, None) if isinstance(rid, int) else None
         if record is not None:
             for name, keys, _ in record:
@@ -466,35 +495,18 @@ class Worker(Node):
             self._run_runnable()
             if not self.runnable and (self.log or self._waiting_flush or self._waiting_ack):
                 self.flush()
-            if self._leaving is not None:
-                self._leave_when_settled()
-                if self.stopping:
-                    break
+            self._answer_routes()
+            self.leave_when_settled()
+            if self.stopping:
+                break
             self.poll(0 if self.runnable else 50 if self._leaving else 200)
 
-    def on_shutdown(self, msg: Message) -> None:
-        """Leave once every completion this worker owes has been reported.
-
-        A retiring worker (scale-in) may still wait for the acknowledgement of its last updates,
-        and the completions of its last tasks wait on it: leaving now would lose them and the
-        driver would wait for ever. So the goodbye is sent only when nothing is owed, or after
-        ``LEAVE_TIMEOUT`` seconds (a server that died cannot hold the process hostage).
-        """
+    def before_exit(self) -> None:
         self.flush()
-        settle = bool(msg.get("settle"))  # at the job's end nothing owed matters any more
-        self._leaving = (msg.sender, time.monotonic() + (LEAVE_TIMEOUT if settle else 0.0), settle)
-        self._leave_when_settled()
 
-    def _leave_when_settled(self) -> None:
-        assert self._leaving is not None
-        sender, deadline, settle = self._leaving
-        owed = len(self._unacked) + len(self._waiting_ack) + len(self._waiting_flush) + len(self.log)
-        if owed and time.monotonic() < deadline:
-            return
-        if owed and settle:
-            log.error("%s: leaving with %d unacknowledged updates or unreported completions", self.ident, owed)
-        self.endpoint.send(sender, "bye", stats=self.stats())
-        self.stopping = True
+    def owed(self) -> int:
+        """Unacknowledged update messages and completions not yet reported to the master."""
+        return len(self._unacked) + len(self._waiting_ack) + len(self._waiting_flush) + len(self.log)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
