@@ -70,8 +70,11 @@ def app_from_module(module: ModuleType, argv: list[str]) -> App:
 def _launch_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="litz launch", add_help=False,
                                 description="Run an application on an embedded local cluster.")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--servers", type=int, default=1, help="parameter-server processes (default 1)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default 2; with --join 1)")
+    p.add_argument("--servers", type=int, default=None, help="parameter-server processes (default 1; with --join 0)")
+    p.add_argument("--join", action="store_true",
+                   help="add this host's processes to the running job --job on --etcd (no APP.py): "
+                        "its master moves executors and shards onto them")
     p.add_argument("--executors", type=int, default=None,
                    help="logical executors (default: the app's, else 4 per worker)")
     p.add_argument("--job", default=None, help="job name (default: generated)")
@@ -94,8 +97,12 @@ def launch(argv: list[str]) -> int:
         print("usage: litz launch APP.py [litz options] [app options]\n")
         _launch_parser().print_help()
         return 0
+    if "--join" in argv:
+        return _join(argv)
     path, rest = argv[0], argv[1:]
     opts, app_argv = _launch_parser().parse_known_args(rest)
+    opts.workers = 2 if opts.workers is None else opts.workers
+    opts.servers = 1 if opts.servers is None else opts.servers
     if opts.log_level:
         import os
 
@@ -125,6 +132,34 @@ def launch(argv: list[str]) -> int:
     return 0
 
 
+def _join(argv: list[str]) -> int:
+    """``litz launch --join --job NAME --etcd URL [--workers N] [--servers M] [--host ADDR]``."""
+    opts, extra = _launch_parser().parse_known_args(argv)
+    if extra:
+        print(f"litz: launch --join takes no application or app options (got {' '.join(extra)})", file=sys.stderr)
+        return 2
+    if not opts.job or not opts.etcd:
+        print("litz: launch --join needs --job NAME and --etcd URL of the running job", file=sys.stderr)
+        return 2
+    if opts.log_level:
+        import os
+
+        os.environ["LITZ_LOG_LEVEL"] = opts.log_level
+    logging.basicConfig(level=(opts.log_level or "WARNING").upper(),
+                        format="%(asctime)s agent %(levelname)s %(name)s: %(message)s")
+    from litz.runtime.launcher import join
+
+    try:
+        return join(opts.job, opts.etcd, workers=1 if opts.workers is None else opts.workers,
+                    servers=opts.servers or 0, host=opts.host, secret_file=opts.secret_file)
+    except LitzError as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("litz: interrupted", file=sys.stderr)
+        return 130
+
+
 def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
     """The status of a running job, read from etcd: its processes and the master's summary."""
     from litz.runtime import jobs
@@ -142,10 +177,12 @@ def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
     for value in sorted(procs.values(), key=lambda v: (v.get("role", ""), v.get("id", ""))):
         entry = {"role": value.get("role"), "id": value.get("id"), "host": value.get("host"),
                  "pid": value.get("pid"), "addr": value.get("addr")}
-        if entry["role"] == "worker":
-            entry["executors"] = executors.get(entry["id"], [])
-        elif entry["role"] == "server":
-            entry["shards"] = shards.get(entry["id"], [])
+        if entry["role"] in ("worker", "server"):
+            # "joining": registered but not (yet) admitted by the master, e.g. still starting,
+            # or never able to talk to it (a host without the job secret)
+            held = executors if entry["role"] == "worker" else shards
+            entry["state"] = "member" if entry["id"] in held else "joining"
+            entry["executors" if entry["role"] == "worker" else "shards"] = held.get(entry["id"], [])
         processes.append(entry)
     summary = {k: v for k, v in status.items() if k not in ("executors", "shards")}
     return {"job": job, "etcd": url, "master": summary, "processes": processes}
@@ -191,12 +228,14 @@ def status(argv: list[str]) -> int:
             extra = f"executors {_ranges(proc['executors'])} ({len(proc['executors'])})"
         elif "shards" in proc:
             extra = f"shards {_ranges(proc['shards'])} ({len(proc['shards'])})"
+        if proc.get("state") == "joining":
+            extra += " joining"
         print(f"  {proc['role']:<7} {proc['id']:<16} host {proc['host']:<16} pid {proc['pid']:<8} {extra}")
     return 0
 
 
 def scale(argv: list[str]) -> int:
-    """``litz scale --job NAME (--workers N | --servers M) [--etcd URL] [--wait]``: resize a running job."""
+    """``litz scale --job NAME (--workers N | --servers M | --drain-host HOST) [--etcd URL] [--wait]``."""
     import secrets as _secrets
     import time
 
@@ -209,7 +248,9 @@ def scale(argv: list[str]) -> int:
     p.add_argument("--job", required=True)
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--workers", type=int, help="the number of worker processes wanted")
-    size.add_argument("--servers", type=int, help="the number of server processes wanted (scale-out only)")
+    size.add_argument("--servers", type=int, help="the number of server processes wanted")
+    size.add_argument("--drain-host", metavar="HOST",
+                      help="move every executor and shard off HOST (as litz status names it); its processes exit")
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--wait", action="store_true", help="return only when the job has reached the new size")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -218,7 +259,8 @@ def scale(argv: list[str]) -> int:
     try:
         url = args.etcd or jobs.lookup(args.job)["etcd"]
         with Membership(url, args.job) as mem:
-            kind, want = ("workers", args.workers) if args.workers is not None else ("servers", args.servers)
+            kind, want = next((k, v) for k, v in (("workers", args.workers), ("servers", args.servers),
+                                                   ("drain_host", args.drain_host)) if v is not None)
             mem.put(SCALE_KEY, {"id": cid, kind: want, "time": time.time()})
             deadline = time.monotonic() + args.timeout
             while (result := mem.get(f"{RESULTS}{cid}")) is None:
@@ -233,12 +275,12 @@ def scale(argv: list[str]) -> int:
             print(f"scale {cid}: {result['reason']}")
             while args.wait:
                 st = mem.get(STATUS_KEY) or {}
-                if not st.get("scaling") and len(st.get("executors" if kind == "workers" else "shards", {})) == want:
-                    done = (st.get("scale_history") or [{}])[-1]
-                    print(f"scale {cid}: done in {done.get('seconds', float('nan')):.3f} s")
+                done = [h for h in st.get("scale_history") or [] if h.get("command") == cid]
+                if done:
+                    print(f"scale {cid}: done in {done[0].get('seconds', float('nan')):.3f} s")
                     break
                 if time.monotonic() > deadline:
-                    print(f"litz: job did not reach {want} {kind} in {args.timeout:.0f} s", file=sys.stderr)
+                    print(f"litz: scale command {cid} did not complete in {args.timeout:.0f} s", file=sys.stderr)
                     return 1
                 time.sleep(0.1)
     except LitzError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -309,15 +310,20 @@ def migrating_app(tasks: int = 1500, executors: int = 12, move_prob: float = 0.2
 
 
 class TimedMigratingDriver(MigratingDriver):
-    """MigratingDriver that stops dispatching after ``stop_after`` seconds and finishes when all are done."""
+    """MigratingDriver that stops dispatching after ``stop_after`` seconds (or once the file
+    ``stop_file`` exists, if configured) and finishes when all are done."""
 
     def dispatch_initial_tasks(self) -> None:
         self.t0 = time.monotonic()
         self.inflight = 0
         super().dispatch_initial_tasks()
 
+    def _stopping(self) -> bool:
+        stop_file = self.config.get("stop_file")
+        return time.monotonic() - self.t0 > self.config["stop_after"] or bool(stop_file and os.path.exists(stop_file))
+
     def _send(self, e: int) -> None:
-        if time.monotonic() - self.t0 > self.config["stop_after"]:
+        if self._stopping():
             return
         self.inflight += 1
         super()._send(e)
@@ -327,7 +333,7 @@ class TimedMigratingDriver(MigratingDriver):
         seen, keys, deltas = result.value
         np.add.at(self.truth, np.asarray(keys), np.asarray(deltas))
         self.done_seq[result.executor_id].append(seen)
-        if self.inflight == 0 and time.monotonic() - self.t0 > self.config["stop_after"]:
+        if self.inflight == 0 and self._stopping():
             final = self.ps.get_many("s", range(self.config["rows"]))
             self.finish({"truth": self.truth, "final": final, "done_seq": self.done_seq, "moves": self.moves})
             return

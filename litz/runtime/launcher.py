@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import Master
 from litz.runtime.membership import Membership
 from litz.runtime.node import proc_key
-from litz.runtime.transport import check_bind_host
+from litz.runtime.transport import check_bind_host, host_name
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +44,13 @@ class LocalCluster:
 
     def __init__(self, job: str, *, workers: int, servers: int, etcd: str | None = None,
                  host: str = "127.0.0.1", log_level: str | None = None,
-                 secret_file: str | os.PathLike[str] | None = None) -> None:
-        if workers < 1 or servers < 1:
+                 secret_file: str | os.PathLike[str] | None = None, join: bool = False) -> None:
+        if join:
+            if etcd is None:
+                raise ConfigError("joining a running job needs its etcd (--etcd URL)")
+            if workers < 0 or servers < 0 or workers + servers == 0:
+                raise ConfigError(f"a joining host offers at least one worker or server (got {workers} and {servers})")
+        elif workers < 1 or servers < 1:
             raise ConfigError(f"a job needs at least one worker and one server (got {workers} and {servers})")
         # refuse a bad secret or an unsecured non-loopback host here, not in N children's logs
         self.secret = security.load_secret(secret_file) if secret_file is not None else None
@@ -56,6 +60,9 @@ class LocalCluster:
         self.workers = workers
         self.servers = servers
         self.host = host
+        self.node = host_name(host)  # this agent's name, and its host's in the job
+        self.join = join
+        self.exit_requested = False  # the master drained this host (join mode: the agent leaves)
         self.etcd_url = etcd
         self.log_level = log_level or os.environ.get("LITZ_LOG_LEVEL", "WARNING")
         self._etcd: LocalEtcd | None = None
@@ -83,14 +90,15 @@ class LocalCluster:
             self.etcd_url = self._etcd.url
         self._agent = Membership(self.etcd_url, self.job)
         self._agent.start()
-        jobs.record(self.job, self.etcd_url)
-        for i in range(self.servers):
-            self._spawn("litz.ps.server", f"s{i}")
-        for i in range(self.workers):
-            self._spawn("litz.runtime.worker", f"w{i}")
-        self._agent.watch_prefix(f"{AGENTS}{socket.gethostname()}/")
-        self._agent.register(proc_key("agent", socket.gethostname()), {
-            "role": "agent", "id": f"agent-{socket.gethostname()}", "host": socket.gethostname(),
+        if not self.join:  # a joining host's agent must not overwrite the job's own record
+            jobs.record(self.job, self.etcd_url)
+            for i in range(self.servers):
+                self._spawn("litz.ps.server", f"s{i}")
+            for i in range(self.workers):
+                self._spawn("litz.runtime.worker", f"w{i}")
+        self._agent.watch_prefix(f"{AGENTS}{self.node}/")
+        self._agent.register(proc_key("agent", self.node), {
+            "role": "agent", "id": f"agent-{self.node}", "host": self.node,
             "pid": os.getpid(), "children": {k: p.pid for k, p in self.children.items()},
         })
 
@@ -127,10 +135,20 @@ class LocalCluster:
         if self._agent is not None:
             for ev in self._agent.poll_events():
                 if ev.kind == "put" and ev.key.endswith("/spawn") and ev.value:
-                    for kind, module in (("workers", "litz.runtime.worker"), ("servers", "litz.ps.server")):
-                        for ident in ev.value.get(kind, []):
-                            if ident not in self.children:
-                                self._spawn(module, ident)
+                    self.handle_spawn(ev.value)
+                elif ev.kind == "put" and ev.key.endswith("/exit"):
+                    self.exit_requested = True
+        self.check_children()
+
+    def handle_spawn(self, request: dict[str, Any]) -> None:
+        """Start the processes the master asked this agent for (each id once)."""
+        for kind, module in (("workers", "litz.runtime.worker"), ("servers", "litz.ps.server")):
+            for ident in request.get(kind, []):
+                if ident not in self.children:
+                    self._spawn(module, ident)
+
+    def check_children(self) -> None:
+        """Raise ProcessLost if a child failed (exit code 0 means it left on request)."""
         for ident, proc in self.children.items():
             code = proc.poll()
             if code:
@@ -154,7 +172,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        jobs.forget(self.job)
+        if not self.join:
+            jobs.forget(self.job)
         if self._agent is not None:
             try:
                 self._agent.close()
@@ -206,3 +225,47 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         finally:
             cluster._stopping = True
             membership.close()
+
+
+def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str = "127.0.0.1",
+         secret_file: str | os.PathLike[str] | None = None, timeout: float = 60.0) -> int:
+    """Add this host's processes to a running job (``litz launch --join``); returns an exit code.
+
+    Starts this host's node agent, offers the master ``workers`` and ``servers`` processes
+    (key ``commands/join/<host>``), starts them when the master asks, and stays until the job
+    ends or the master drains this host. Their executors and shards arrive by migration.
+    """
+    if secret_file is None:
+        secret_file = os.environ.get("LITZ_SECRET_FILE") or None
+    with LocalCluster(job, workers=workers, servers=servers, etcd=etcd, host=host, secret_file=secret_file,
+                      join=True) as cluster:
+        agent = cluster._agent
+        assert agent is not None
+        if not agent.get(proc_key("master", "master")):
+            raise ConfigError(f"no running job {job!r} on etcd {etcd} (no master registered)")
+        cid = f"join-{cluster.node}-{secrets.token_hex(3)}"
+        agent.watch_prefix(f"commands/result/{cid}")
+        agent.watch_prefix(proc_key("master", "master"))
+        agent.put(f"commands/join/{cluster.node}", {"id": cid, "agent": cluster.node, "workers": workers,
+                                                     "servers": servers, "time": time.time()})
+        deadline = time.monotonic() + timeout
+        accepted = False
+        while True:
+            for ev in agent.poll_events():
+                if ev.key == f"commands/result/{cid}" and ev.kind == "put" and ev.value:
+                    if not ev.value.get("ok"):
+                        raise ConfigError(f"the job refused this host: {ev.value.get('reason')}")
+                    accepted = True
+                    log.warning("joined job %s: %s", job, ev.value.get("reason"))
+                elif ev.key == proc_key("master", "master") and ev.kind == "delete":
+                    return 0  # the job ended; our processes leave on their own
+                elif ev.key.endswith("/spawn") and ev.kind == "put" and ev.value:
+                    cluster.handle_spawn(ev.value)
+                elif ev.key.endswith("/exit") and ev.kind == "put":
+                    cluster.exit_requested = True
+            if not accepted and time.monotonic() > deadline:
+                raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")
+            cluster.check_children()
+            if cluster.exit_requested and all(p.poll() is not None for p in cluster.children.values()):
+                return 0
+            time.sleep(0.1)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -27,11 +26,11 @@ import zmq
 from litz.api import App, Driver, JobResult, ParameterServer, TaskFailure, TaskResult
 from litz.errors import LitzError, ProcessLost, TableError
 from litz.ps.tables import Table, lookup, shard_of, table_index
-from litz.runtime.elastic import COMMANDS, SCALE_KEY, Elasticity
+from litz.runtime.elastic import COMMANDS, JOINS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
 from litz.runtime.node import PROCS, proc_key
 from litz.runtime.protocol import Message
-from litz.runtime.transport import Endpoint
+from litz.runtime.transport import Endpoint, host_name
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +314,7 @@ class Master:
     def _check_health(self) -> None:
         if self.health_check is not None:
             self.health_check()
+        self.elastic.tick()  # time-outs of scale operations
         for ev in self.membership.poll_events():
             if ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
                 ident = ev.key.rsplit("/", 1)[-1]
@@ -327,6 +327,8 @@ class Master:
                 self.elastic.on_registered(ev.value["id"])
             elif ev.kind == "put" and ev.key == SCALE_KEY and ev.value is not None:
                 self.elastic.on_command(ev.value)
+            elif ev.kind == "put" and ev.key.startswith(JOINS) and ev.value is not None:
+                self.elastic.on_join(ev.value)
 
     def _wait(self, done: Callable[[], bool], what: str, timeout: float,
               handle: Callable[[Message], None]) -> None:
@@ -524,9 +526,11 @@ class Master:
         return ident in self._byes
 
     def local_agent(self) -> str | None:
-        """The id of a node agent that can start processes (the first registered)."""
+        """The node agent that starts processes for ``litz scale``: the master's host's, else the first."""
         agents = self.membership.get_prefix(proc_key("agent", ""))
-        return sorted(k.rsplit("/", 1)[-1] for k in agents)[0] if agents else None
+        names = sorted(k.rsplit("/", 1)[-1] for k in agents)
+        mine = [k.rsplit("/", 1)[-1] for k, v in agents.items() if v.get("host") == host_name(self.endpoint.host)]
+        return (mine or names or [None])[0]
 
     def move_executors(self, executors: list[int], dest: str, ship_input: bool = True) -> list[int]:
         """Start migrating executors to worker ``dest`` (asynchronous); returns the migration ids.
@@ -589,7 +593,7 @@ class Master:
         self.membership.watch_prefix(PROCS)
         self.membership.watch_prefix(COMMANDS)
         self.membership.register(proc_key("master", "master"), {
-            "role": "master", "id": "master", "host": socket.gethostname(), "addr": self.endpoint.address,
+            "role": "master", "id": "master", "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
         })
         stats: dict[str, dict[str, Any]] = {}

@@ -12,7 +12,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any
@@ -23,7 +22,7 @@ from litz.errors import ConfigError
 from litz.runtime import security
 from litz.runtime.membership import Event, Membership
 from litz.runtime.protocol import Message
-from litz.runtime.transport import Endpoint
+from litz.runtime.transport import Endpoint, host_name
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class Node:
         for key, value in self.membership.get_prefix(PROCS).items():
             self._learn(key, value)
         self.membership.register(proc_key(self.role, self.ident), {
-            "role": self.role, "id": self.ident, "host": socket.gethostname(), "addr": self.endpoint.address,
+            "role": self.role, "id": self.ident, "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
         })
 

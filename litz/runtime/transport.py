@@ -14,6 +14,7 @@ The endpoint counts messages and bytes sent, which the benchmarks report.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 import zmq
@@ -66,6 +67,18 @@ def check_bind_host(host: str, secret: JobSecret | None, cluster: bool = False) 
                           f"{security.how_to_create()})")
 
 
+def host_name(bind_host: str) -> str:
+    """The name a process's host goes by in the job (``litz status``, ``litz scale --drain-host``).
+
+    A process bound to a routable address is known by that address: two hosts may share a
+    hostname (containers, network namespaces) but not an address. On loopback, or bound to
+    every interface, it is the machine's hostname.
+    """
+    if is_loopback(bind_host) or bind_host in ("0.0.0.0", "::", "*"):
+        return socket.gethostname()
+    return bind_host
+
+
 class Endpoint:
     """A process's mailbox (ROUTER) plus outgoing DEALERs to peers, with traffic counters.
 
@@ -96,6 +109,7 @@ class Endpoint:
             self._close_router()
             raise
         self.address = f"tcp://{host}:{port}"
+        self.host = host
         self.peers: dict[str, str] = {}
         self._dealers: dict[str, zmq.Socket] = {}
         self.messages_sent = 0
