@@ -21,11 +21,11 @@ def available() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is missing"
-    probe = f"lzp{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create network namespaces: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        with TestNet(1):
+            pass
+    except subprocess.CalledProcessError as exc:
+        return f"cannot create network namespaces, bridges or veth pairs: {exc.stderr or exc}"
     return None
 
 
