@@ -47,7 +47,7 @@ def run_dynamic(start: int, target: int, at_epoch: int, epochs: int, executors: 
         time.sleep(0.01)
     leaving = [p["pid"] for p in st["processes"] if p["role"] == "worker"][target:]
     issued = time.monotonic()
-    scale(["--job", job, "--workers", str(target), "--wait", "--timeout", "60"])
+    scale(["--job", job, "--workers", str(target)])  # returns once accepted; then watch the processes
     while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
               for pid in leaving):
         time.sleep(0.002)
