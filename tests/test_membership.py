@@ -302,3 +302,25 @@ def test_lost_lease_and_deleted_key_are_restored(etcd: LocalEtcd, members: Calla
     events = _events_until(b, _has("put", "procs/worker/w0"), timeout=3)
     assert events[0] == Event("delete", "procs/worker/w0", None)
     assert b.get("procs/worker/w0") == {"addr": "x"}
+
+
+def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL cannot stop its etcd: Linux must (no process left behind)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signals are Linux-only")
+    script = ("import os, signal, sys\n"
+              "from litz.runtime.etcd_server import LocalEtcd\n"
+              "e = LocalEtcd(); e.start(); print(e.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if "zombie" in Path(f"/proc/{pid}/status").read_text().lower():
+                break
+        except FileNotFoundError:
+            break
+        assert time.monotonic() < deadline, f"etcd (pid {pid}) outlived its killed launcher"
+        time.sleep(0.05)

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -73,6 +74,27 @@ def _free_loopback_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+# Runs in the child before etcd: ask Linux to stop it (SIGTERM) when its parent dies, then become
+# etcd (exec keeps the setting). A launcher killed with SIGKILL thus leaves no etcd behind. Not
+# preexec_fn: forking Python code while gRPC threads run can crash the child.
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # 1 = PR_SET_PDEATHSIG
+    "sys.exit(3) if os.getppid() != int(sys.argv[1]) else os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _dying_with_us(cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped so that the process ends with this one (Linux; elsewhere unchanged).
+
+    Linux ties the death signal to the thread that started the child: start the server from
+    the thread that will also stop it (as the launcher does).
+    """
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -280,7 +302,7 @@ class LocalEtcd:
             env["ETCD_UNSUPPORTED_ARCH"] = os.environ["ETCD_UNSUPPORTED_ARCH"]
         self._log_file = open(self.log_path, "ab")  # closed in _stop_process
         proc = subprocess.Popen(
-            self._command(),
+            _dying_with_us(self._command()),
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
