@@ -167,6 +167,10 @@ class NumpyALS:
         self.first = np.zeros((n_first, self.d))
         self.second = initial_rows(n_second, rank, seed)
         self._iu = np.triu_indices(self.d)
+        packed = np.empty((self.d, self.d), np.int64)
+        packed[self._iu] = np.arange(len(self._iu[0]))
+        packed.T[self._iu] = packed[self._iu]
+        self._full = packed.reshape(-1)  # (a, b) -> index of (min, max) in the packed upper triangle
         self._data = data
 
     def _solve(self, side: int, F: np.ndarray) -> np.ndarray:
@@ -181,10 +185,9 @@ class NumpyALS:
         rhs = targets @ Y
         counts = np.diff(indptr)
         rated = np.flatnonzero(counts)
-        A = np.empty((len(rated), d, d))
-        A[:, self._iu[0], self._iu[1]] = tri[rated]
-        A[:, self._iu[1], self._iu[0]] = tri[rated]
-        A[:, np.arange(d), np.arange(d)] += (self.l2 * counts[rated])[:, None]
+        A = tri[rated][:, self._full]  # (n, d * d): one gather unpacks both triangles
+        A[:, :: d + 1] += (self.l2 * counts[rated])[:, None]
+        A = A.reshape(-1, d, d)
         out = np.zeros((len(counts), d))
         out[rated] = np.linalg.solve(A, rhs[rated][..., None])[..., 0]
         return out
