@@ -174,12 +174,29 @@ class Driver:
         """A one-line description of the job's progress, shown by ``litz status`` (override)."""
         return ""
 
+    @property
+    def iteration(self) -> int | None:
+        """Iterations completed so far, for checkpoint policies counted in iterations (override;
+        None: this driver has no iterations, use a policy in seconds)."""
+        return None
+
+    def checkpoint(self) -> bool:
+        """Take a consistent checkpoint now (asynchronous); False if the job has no
+        checkpoint directory or a checkpoint is already being taken."""
+        assert self._master is not None
+        return self._master.checkpoint("driver")
+
     # -- application side -----------------------------------------------------------
     def dispatch_initial_tasks(self) -> None:
         raise NotImplementedError
 
     def handle_task_completion(self, result: TaskResult) -> None:
         raise NotImplementedError
+
+    def resumed(self) -> None:
+        """Called instead of ``dispatch_initial_tasks`` when the job resumes from a checkpoint:
+        the driver's attributes are back (``config`` is the new launch's) and the tasks it had
+        dispatched are dispatched again. Override to report or adjust (default: nothing)."""
 
     def handle_task_failure(self, failure: TaskFailure) -> None:
         """Called when ``run_task`` raised; the default stops the job with a TaskError."""

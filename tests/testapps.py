@@ -367,3 +367,28 @@ class MoveOnceDriver(litz.Driver):
             master = self._master  # test-only
             master.move_executors([1], master.state.placement[0], ship_input=False)
         self.dispatch_task(result.executor_id, {})
+
+
+class CheckpointingDriver(MigratingDriver):
+    """MigratingDriver that asks for a checkpoint after ``checkpoint_at`` completions and, if
+    ``stop_at`` is set, ends early (abandoning its tasks) once that many completed and the
+    checkpoint is written. Resumed, it records the tables as it finds them."""
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.completions = getattr(self, "completions", 0) + 1
+        if self.completions == self.config.get("checkpoint_at"):
+            assert self.checkpoint()
+        stop_at = self.config.get("stop_at")
+        if stop_at and self.completions >= stop_at and self._master.checkpoints.completed:  # test-only access
+            self.finish({"stopped_early": True})
+            return
+        super().handle_task_completion(result)
+
+    def resumed(self) -> None:
+        self.at_resume = self.ps.get_many("s", range(self.config["rows"]))
+        self.resumed_at = self.completions
+
+    def finish(self, result: object = None) -> None:
+        if isinstance(result, dict) and hasattr(self, "at_resume"):
+            result = {**result, "at_resume": self.at_resume, "resumed_at": self.resumed_at}
+        super().finish(result)

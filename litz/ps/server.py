@@ -17,6 +17,7 @@ import cloudpickle
 import numpy as np
 
 from litz.errors import LitzError, TableError
+from litz.ft import storage
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.runtime.node import Node, main
 from litz.runtime.protocol import Message
@@ -75,6 +76,22 @@ class ShardStore:
             target = self.shards[shard][table.name]
             for key, row in zip(keys, rows, strict=True):
                 target[key] = np.array(row, dtype=table.dtype, copy=True)
+
+    def rows_snapshot(self) -> list[tuple[str, int, Hashable, np.ndarray]]:
+        """A copy of every row: ``(table, shard, key, row)``."""
+        return [(name, shard, key, row.copy()) for shard, tables in self.shards.items()
+                for name, rows in tables.items() for key, row in rows.items()]
+
+    def restore(self, where: dict[str, Any]) -> None:
+        """Load this server's shards' rows from a checkpoint (every server file is read; the
+        rows of shards hosted elsewhere are skipped)."""
+        fs, _ = storage.filesystem(where["location"])
+        for name in where["files"]:
+            for table_name, shard, key, raw in storage.read_shards(fs, f"{where['path']}/{name}"):
+                if shard in self.shards:
+                    table = lookup(self.tables, table_name)
+                    row = np.frombuffer(raw, dtype=table.dtype).reshape(table.shape).copy()
+                    self.shards[shard][table.name][key] = row
 
     def _rows(self, table: Table, key: Hashable) -> dict[Hashable, np.ndarray]:
         shard = shard_of(key, self.num_shards)
@@ -189,6 +206,8 @@ class ServerNode(Node):
         try:
             tables = table_index(cloudpickle.loads(msg["tables"]))
             self.store = ShardStore(tables, list(msg["shards"]), msg["num_shards"])
+            if msg.get("restore"):
+                self.store.restore(msg["restore"])
             self.master = msg["master"]
             self.endpoint.send(msg.sender, "ready", role=self.role)
         except Exception as exc:
@@ -325,6 +344,13 @@ class ServerNode(Node):
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def on_checkpoint(self, msg: Message) -> None:
+        """Copy every row now (training resumes at once), write the copy in the background."""
+        rows = self._store().rows_snapshot()
+        self.checkpoint_part(msg, f"shards-{self.ident}.arrow",
+                             lambda fs, path: storage.write_shards(fs, path, rows))
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

@@ -24,10 +24,12 @@ from typing import Any
 
 from litz.api import App, JobResult
 from litz.errors import ConfigError, ProcessLost
+from litz.ft import storage
+from litz.ft.checkpoint import parse_every
 from litz.runtime import jobs, security
 from litz.runtime.elastic import AGENTS
 from litz.runtime.etcd_server import LocalEtcd
-from litz.runtime.master import Master
+from litz.runtime.master import Master, Resume
 from litz.runtime.membership import Membership
 from litz.runtime.node import proc_key
 from litz.runtime.transport import check_bind_host, host_name
@@ -192,7 +194,8 @@ class LocalCluster:
 def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | None = None,
         job: str | None = None, etcd: str | None = None, options: dict[str, Any] | None = None,
         startup_timeout: float = 60.0, secret_file: str | os.PathLike[str] | None = None,
-        host: str = "127.0.0.1") -> JobResult:
+        host: str = "127.0.0.1", checkpoint_dir: str | None = None, checkpoint_every: str | None = None,
+        resume: str | None = None) -> JobResult:
     """Run a job to completion and return its result.
 
     With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
@@ -202,11 +205,25 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     ``secret_file`` (default ``$LITZ_SECRET_FILE``) turns on CURVE authentication and
     encryption for every process; ``host``, the address every process binds to, must be
     loopback unless a secret is given (``ConfigError`` otherwise, before anything starts).
+
+    ``checkpoint_dir`` (a path or a pyarrow filesystem URI) enables consistent checkpoints:
+    on demand (``litz checkpoint``, ``Driver.checkpoint()``) and every ``checkpoint_every``
+    (``"30s"``: seconds; ``"5"``: driver iterations). ``resume`` starts from the newest
+    complete checkpoint there (or the one named): tables, executor states and the driver.
     """
     job = job or new_job_name()
-    n_exec = num_executors or app.num_executors or 4 * workers
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
+    resumed = Resume.find(resume, app, num_executors, num_shards) if resume else None
+    if resumed is not None:
+        num_executors = resumed.manifest["num_executors"]
+    n_exec = num_executors or app.num_executors or 4 * workers
+    if checkpoint_dir:
+        parse_every(checkpoint_every)  # a bad policy is refused before anything starts
+        storage.filesystem(checkpoint_dir)
+        options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    elif checkpoint_every:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir")
     if secret_file is None:
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None
     driver = app.driver()
@@ -220,7 +237,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
             with security.configured(cluster.secret, host=host):
                 master = Master(app, job, membership, workers=workers, servers=servers, num_executors=n_exec,
                                 options=options, health_check=cluster.check, startup_timeout=startup_timeout,
-                                num_shards=num_shards)
+                                num_shards=num_shards, resume=resumed)
                 return master.run(driver)
         finally:
             cluster._stopping = True

@@ -25,8 +25,10 @@ import zmq
 
 from litz.api import App, Driver, JobResult, ParameterServer, TaskFailure, TaskResult
 from litz.errors import LitzError, ProcessLost, TableError
+from litz.ft import storage
+from litz.ft.checkpoint import CheckpointCoordinator
 from litz.ps.tables import Table, lookup, shard_of, table_index
-from litz.runtime.elastic import COMMANDS, JOINS, SCALE_KEY, Elasticity
+from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
 from litz.runtime.node import PROCS, proc_key
 from litz.runtime.protocol import Message
@@ -67,6 +69,8 @@ class MasterState:
         self.shard_map: list[str] = [servers[s % len(servers)] for s in range(num_shards)]
         self.inflight: dict[int, TaskRecord] = {}
         self.outbox: dict[str, list[list[Any]]] = {}
+        self.paused = False
+        self.paused_items: list[list[Any]] = []  # tasks held while a checkpoint is taken
         self._next_id = 0
         self.completed = 0
         # executor migrations under way: mid -> (executors, source, dest); tasks dispatched to a
@@ -98,11 +102,39 @@ class MasterState:
         rec = TaskRecord(self._next_id, executor_id, self.version, args, worker)
         self.inflight[rec.task_id] = rec
         item = [rec.task_id, executor_id, rec.version, args]
-        if executor_id in self.moving:
+        if self.paused:  # a checkpoint waits for the running tasks: hold new ones at the master
+            self.paused_items.append(item)
+        elif executor_id in self.moving:
             self.held.setdefault(executor_id, []).append(item)
         else:
             self.outbox.setdefault(worker, []).append(item)
         return rec.task_id
+
+    def running(self) -> int:
+        """Tasks dispatched to workers and not completed yet (held ones excluded)."""
+        return len(self.inflight) - len(self.paused_items)
+
+    def quiescent(self) -> bool:
+        """Nothing runs and nothing moves: a consistent cut for a checkpoint."""
+        return self.running() == 0 and not self.moving and not self.shard_migrations
+
+    def release_paused(self) -> None:
+        """End of a checkpoint's pause: send the held tasks on."""
+        self.paused = False
+        items, self.paused_items = self.paused_items, []
+        for item in items:
+            if item[1] in self.moving:
+                self.held.setdefault(item[1], []).append(item)
+            else:
+                self.outbox.setdefault(self.placement[item[1]], []).append(item)
+
+    def restore_tasks(self, items: list[list[Any]], version: int, completed: int, next_id: int) -> None:
+        """Resume from a checkpoint: its counters, and its held tasks with their original ids."""
+        self.version, self.completed, self._next_id = version, completed, next_id
+        for task_id, executor_id, task_version, args in items:
+            worker = self.placement[executor_id]
+            self.inflight[task_id] = TaskRecord(task_id, executor_id, task_version, args, worker)
+            self.outbox.setdefault(worker, []).append([task_id, executor_id, task_version, args])
 
     def complete(self, task_id: int) -> TaskRecord:
         """A task finished: forget it and advance the version (before the driver is told)."""
@@ -231,13 +263,40 @@ class DriverPS(ParameterServer):
         self._write = master.write
 
 
+CHECKPOINT_KEY = "commands/checkpoint"  # `litz checkpoint` writes {"id": ...} here
+
+
+@dataclass
+class Resume:
+    """A complete checkpoint to start the job from (``litz launch --resume``)."""
+
+    location: str  # as the user gave it (local path or URI): processes open the filesystem from it
+    path: str  # the checkpoint's directory in that filesystem
+    manifest: dict[str, Any]
+
+    @classmethod
+    def find(cls, location: str, app: App, num_executors: int | None, num_shards: int) -> Resume:
+        """The newest complete checkpoint at ``location``, checked against the job being started."""
+        _, path, manifest = storage.find_checkpoint(location)
+        declared = {t.name: [list(t.shape), str(np.dtype(t.dtype))] for t in app.tables}
+        saved = {t["name"]: [t["shape"], t["dtype"]] for t in manifest["tables"]}
+        if declared != saved:
+            raise storage.CheckpointError(f"checkpoint {path} holds tables {saved}, "
+                                          f"the application declares {declared}")
+        for what, mine, theirs in (("executors", num_executors, manifest["num_executors"]),
+                                   ("shards", num_shards, manifest["num_shards"])):
+            if mine is not None and mine != theirs:
+                raise storage.CheckpointError(f"checkpoint {path} was taken with {theirs} {what}, not {mine}")
+        return cls(location, path, manifest)
+
+
 class Master:
     """Runs one job's driver over registered worker and server processes."""
 
     def __init__(self, app: App, job: str, membership: Membership, *, workers: int, servers: int,
                  num_executors: int, options: dict[str, Any] | None = None,
                  health_check: Callable[[], None] | None = None, startup_timeout: float = 60.0,
-                 num_shards: int = DEFAULT_NUM_SHARDS) -> None:
+                 num_shards: int = DEFAULT_NUM_SHARDS, resume: Resume | None = None) -> None:
         self.app = app
         self.job = job
         self.membership = membership
@@ -264,6 +323,10 @@ class Master:
         self.errors: list[str] = []
         self.migrations_done = 0
         self.elastic = Elasticity(self)
+        self.resume = resume
+        ckpt_dir = self.options.get("checkpoint_dir")
+        self.checkpoints = CheckpointCoordinator(ckpt_dir, self.options.get("checkpoint_every")) if ckpt_dir else None
+        self._ckpt_commands: list[str] = []  # `litz checkpoint` command ids waiting for a round
         self.retiring: set[str] = set()  # processes told to leave that have not said goodbye yet
         self._route_rid = 0
         self._route_waits: dict[int, set[str]] = {}  # routes request -> processes yet to answer
@@ -306,6 +369,9 @@ class Master:
             status["progress"] = self.driver.progress()
         status["scaling"] = self.elastic.op is not None
         status["scale_history"] = self.elastic.history[-5:]
+        if self.checkpoints is not None:
+            status["checkpoint_running"] = self.checkpoints.round is not None
+            status["checkpoints"] = self.checkpoints.completed[-5:]
         try:
             self.membership.put(STATUS_KEY, status)
         except LitzError as exc:  # status is informative: never stop the job for it
@@ -329,6 +395,8 @@ class Master:
                 self.elastic.on_command(ev.value)
             elif ev.kind == "put" and ev.key.startswith(JOINS) and ev.value is not None:
                 self.elastic.on_join(ev.value)
+            elif ev.kind == "put" and ev.key == CHECKPOINT_KEY and ev.value is not None:
+                self.on_checkpoint_command(ev.value)
 
     def _wait(self, done: Callable[[], bool], what: str, timeout: float,
               handle: Callable[[Message], None]) -> None:
@@ -355,6 +423,15 @@ class Master:
             if msg["mid"] in self.state.shard_migrations:
                 self.state.finish_shard_migration(msg["mid"])
                 self.elastic.tick()
+        elif msg.type == "checkpoint_snapshot":
+            if self.checkpoints is not None and self.checkpoints.snapshot_taken(msg["cid"], msg.sender):
+                assert self.state is not None
+                self.state.release_paused()
+                self.elastic.tick()
+        elif msg.type == "checkpoint_written":
+            if self.checkpoints is not None and self.checkpoints.written(msg["cid"], msg.sender, msg["files"],
+                                                                         msg.get("error")):
+                self._finish_checkpoint()
         elif msg.type == "routes_ack":
             self._route_waits.get(msg["rid"], set()).discard(msg.sender)
             self.elastic.tick()
@@ -398,9 +475,10 @@ class Master:
         tables_blob = cloudpickle.dumps(list(self.tables.values()))
         app_blob = cloudpickle.dumps({"executor": self.app.executor, "config": self.app.config})
         self._init_blobs = (app_blob, tables_blob)
+        restore = self._restore_fields()
         for srv in servers:
             self.endpoint.send(srv, "init_server", tables=tables_blob, shards=state.shards_of(srv),
-                               num_shards=state.num_shards, master="master")
+                               num_shards=state.num_shards, master="master", **restore.get("shards", {}))
         for w in workers:
             self.init_worker(w)
         ready: dict[str, Message] = {}
@@ -474,6 +552,101 @@ class Master:
         assert self.state is not None
         return self.state.dispatch(executor_id, args)
 
+    # -- checkpoints (litz.ft.checkpoint) ------------------------------------------------------
+    def _restore_fields(self) -> dict[str, dict[str, Any]]:
+        """The ``restore`` fields of init messages when resuming: where the shards' and executors' files are."""
+        if self.resume is None:
+            return {}
+        r, m = self.resume, self.resume.manifest
+        return {kind: {"restore": {"location": r.location, "path": r.path, "files": m[f"{kind}_files"]}}
+                for kind in ("shards", "executors")}
+
+    def _resume_driver(self, driver: Driver) -> None:
+        """Give the driver back its checkpointed attributes and the tasks it had dispatched."""
+        assert self.resume is not None and self.state is not None
+        fs, _ = storage.filesystem(self.resume.location)
+        saved = cloudpickle.loads(storage.read_bytes(fs, f"{self.resume.path}/{self.resume.manifest['driver']}"))
+        driver.__dict__.update({k: v for k, v in saved["driver"].items() if k not in ("config", "num_executors")})
+        self.state.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
+        driver.resumed()
+        log.warning("resumed job %s from %s (version %d, %d tasks re-dispatched)", self.job, self.resume.path,
+                    saved["version"], len(saved["tasks"]))
+
+    def checkpoint(self, reason: str = "driver") -> bool:
+        """Start a checkpoint now (asynchronous); False if none is configured or one is running."""
+        if self.checkpoints is None or self.state is None:
+            return False
+        iteration = self.driver.iteration if self.driver is not None else None
+        if self.checkpoints.begin(reason, iteration) is None:
+            return False
+        self.state.paused = True
+        return True
+
+    def on_checkpoint_command(self, cmd: dict[str, Any]) -> None:
+        cid = str(cmd.get("id", ""))
+        if self.checkpoints is None:
+            self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
+                                                     "reason": "this job has no --checkpoint-dir"})
+            return
+        self._ckpt_commands.append(cid)
+        if self.checkpoints.round is None:
+            self.checkpoint(f"command {cid}")
+
+    def _checkpoint_tick(self) -> None:
+        """Start a checkpoint the policy asks for; take the snapshot once nothing runs or moves."""
+        ck, st = self.checkpoints, self.state
+        if ck is None or st is None or self.driver is None:
+            return
+        if ck.round is None and (self._ckpt_commands or ck.due(self.driver.iteration)):
+            self.checkpoint("command" if self._ckpt_commands else "policy")
+        r = ck.round
+        if r is None or r.phase != "pausing" or not st.quiescent() or self.elastic.op is not None:
+            return
+        fs, root = storage.filesystem(ck.location)
+        path = storage.new_checkpoint_dir(fs, root)
+        processes = sorted(st.workers + st.servers)
+        ck.snapshotting(path, processes)
+        for ident in processes:
+            self.endpoint.send(ident, "checkpoint", cid=r.cid, location=ck.location, path=path)
+        saved = {"driver": {k: v for k, v in self.driver.__dict__.items() if k != "_master"},
+                 "tasks": st.paused_items, "version": st.version, "completed": st.completed,
+                 "next_id": st._next_id}
+        try:
+            storage.write_bytes(fs, f"{path}/driver.pkl", cloudpickle.dumps(saved))
+        except Exception as exc:  # the round gets no manifest; training goes on
+            r.errors.append(f"master: cannot save the driver: {type(exc).__name__}: {exc}")
+
+    def _finish_checkpoint(self) -> None:
+        ck, st = self.checkpoints, self.state
+        assert ck is not None and ck.round is not None and st is not None
+        r = ck.round
+        if not r.errors:
+            manifest = {
+                "job": self.job, "created": time.time(), "reason": r.reason, "version": st.version,
+                "num_executors": st.num_executors, "num_shards": st.num_shards, "driver": "driver.pkl",
+                "tables": [{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype))}
+                           for t in self.tables.values()],
+                "shards_files": sorted(f for p in st.servers for f in r.files.get(p, [])),
+                "executors_files": sorted(f for p in st.workers for f in r.files.get(p, [])),
+            }
+            try:
+                storage.write_manifest(storage.filesystem(ck.location)[0], r.path, manifest)
+            except Exception as exc:
+                r.errors.append(f"master: cannot write the manifest: {type(exc).__name__}: {exc}")
+        record = ck.finish()
+        if record["ok"]:
+            log.info("checkpoint %s written in %.2f s (training paused %.3f s)", record["path"], record["seconds"],
+                     record["paused_seconds"])
+        else:
+            log.error("checkpoint %s failed, it has no manifest and will never be used: %s", record["path"],
+                      "; ".join(record["errors"]))
+            self.errors.extend(record["errors"])
+        for cid in self._ckpt_commands:
+            self.membership.put(f"{RESULTS}{cid}", {"ok": record["ok"], "time": time.time(),
+                                                     "reason": record["path"] if record["ok"]
+                                                     else "; ".join(record["errors"])})
+        self._ckpt_commands.clear()
+
     def init_server(self, ident: str) -> None:
         """Send a server joining the running job the tables; it gets shards by migration."""
         assert self.state is not None and self._init_blobs is not None
@@ -493,7 +666,8 @@ class Master:
         self.endpoint.send(ident, "init_worker", app=app_blob, tables=tables_blob,
                            executors=self.state.executors_of(ident), num_executors=self.num_executors,
                            num_shards=self.state.num_shards, shard_map=self.state.shard_map, peers=peers,
-                           options=self.options, master="master")
+                           options=self.options, master="master",
+                           **(self._restore_fields().get("executors", {}) if self.driver is None else {}))
 
     def retire(self, ident: str) -> None:
         """Tell a worker without executors, or a server without shards, to leave (scale-in).
@@ -603,7 +777,10 @@ class Master:
             self._initialise(workers, servers)
             self.driver = driver
             driver._bind(self, self.num_executors, self.app.config)
-            driver.dispatch_initial_tasks()
+            if self.resume is not None:
+                self._resume_driver(driver)
+            else:
+                driver.dispatch_initial_tasks()
             self._send_outbox()
             assert self.state is not None
             while not driver._finished:
@@ -618,6 +795,8 @@ class Master:
                         self._handle_aside(msg)
                     if driver._finished:
                         break
+                if not driver._finished:
+                    self._checkpoint_tick()
                 self._send_outbox()
             if self.options.get("collect_stats", True):
                 stats = self.collect_stats()

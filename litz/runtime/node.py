@@ -11,14 +11,19 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import pyarrow.fs as pafs
 import zmq
 
 from litz.errors import ConfigError
+from litz.ft import storage
 from litz.runtime import security
 from litz.runtime.membership import Event, Membership
 from litz.runtime.protocol import Message
@@ -48,6 +53,7 @@ class Node:
         self.endpoint = Endpoint(ident, host, secret=security.settings().secret)
         self._wake_r, self._wake_w = os.pipe()
         self._leaving: tuple[str, float, bool] | None = None  # (who asked us to leave, deadline, settle)
+        self._background: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
@@ -85,6 +91,42 @@ class Node:
             pass
         for ev in self.membership.poll_events():
             self.on_event(ev)
+        while True:
+            try:
+                done = self._background.get_nowait()
+            except queue.Empty:
+                break
+            done()
+
+    def checkpoint_part(self, msg: Message, name: str, write: Callable[[pafs.FileSystem, str], None]) -> None:
+        """Answer a checkpoint request whose in-memory copy is taken: training may go on; then
+        ``write(fs, path)`` the file ``name`` in the background and report it (or the error)."""
+        self.endpoint.send(msg.sender, "checkpoint_snapshot", cid=msg["cid"])
+
+        def work() -> list[str]:
+            fs, _ = storage.filesystem(msg["location"])
+            write(fs, f"{msg['path']}/{name}")
+            return [name]
+
+        def then(files: list[str] | None, error: BaseException | None) -> None:
+            extra = {"error": f"{self.ident}: {type(error).__name__}: {error}"} if error else {}
+            self.endpoint.send(msg.sender, "checkpoint_written", cid=msg["cid"], files=files or [], **extra)
+
+        self.in_background(work, then)
+
+    def in_background(self, work: Callable[[], Any], then: Callable[[Any, BaseException | None], None]) -> None:
+        """Run ``work`` on a thread (slow I/O, e.g. writing a checkpoint) and ``then(result, error)``
+        back on the loop's thread, which alone may touch the sockets."""
+
+        def body() -> None:
+            try:
+                result, error = work(), None
+            except BaseException as exc:  # handed to ``then``
+                result, error = None, exc
+            self._background.put(lambda: then(result, error))
+            self._wake()
+
+        threading.Thread(target=body, daemon=True, name=f"{self.ident}-background").start()
 
     def on_event(self, ev: Event) -> None:
         if ev.kind == "put":

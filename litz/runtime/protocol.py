@@ -72,7 +72,9 @@ def _declare(*types: MessageType) -> dict[str, MessageType]:
 #: The protocol. Adding a message means adding it here, and nowhere else.
 MESSAGES: dict[str, MessageType] = _declare(
     # master -> server: the tables and the logical shards it hosts
-    MessageType("init_server", {"tables": "bytes", "shards": "list", "num_shards": "int", "master": "str"}),
+    # ("restore": {"location", "path"} of a checkpoint to load the shards' rows from)
+    MessageType("init_server", {"tables": "bytes", "shards": "list", "num_shards": "int", "master": "str",
+                                "restore?": "dict"}),
     # master -> worker: the application, the executors it hosts, the shard map and its peers
     MessageType(
         "init_worker",
@@ -86,6 +88,7 @@ MESSAGES: dict[str, MessageType] = _declare(
             "peers": "dict",
             "options": "dict",
             "master": "str",
+            "restore?": "dict",  # a checkpoint to load the executors' states from
         },
     ),
     # any process -> master: initialised (or failed to with "error")
@@ -130,6 +133,13 @@ MESSAGES: dict[str, MessageType] = _declare(
     # shard_map instead of them, ignore hints naming them, and answer once nothing is pending there
     MessageType("routes", {"rid": "int", "shard_map": "list", "gone": "list"}),
     MessageType("routes_ack", {"rid": "int"}),
+    # -- checkpoints (DESIGN.md §5) --
+    # master -> workers and servers (all tasks completed, none running): copy your state in
+    # memory, answer checkpoint_snapshot at once, then write it under path and answer
+    # checkpoint_written with the files (or the error)
+    MessageType("checkpoint", {"cid": "int", "location": "str", "path": "str"}),
+    MessageType("checkpoint_snapshot", {"cid": "int"}),
+    MessageType("checkpoint_written", {"cid": "int", "files": "list", "error?": "str"}),
 )
 
 

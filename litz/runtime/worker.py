@@ -28,6 +28,7 @@ import numpy as np
 
 from litz.api import Executor, ParameterServer
 from litz.errors import LitzError, TableError
+from litz.ft import storage
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
@@ -147,14 +148,41 @@ class Worker(Node):
             self.shard_map = list(msg["shard_map"])
             self.app = cloudpickle.loads(msg["app"])
             self.num_executors = msg["num_executors"]
+            saved = self._saved_states(msg["restore"], msg["executors"]) if msg.get("restore") else {}
             for eid in msg["executors"]:
-                self.slots[eid] = Slot(self._make_executor(eid))
+                self.slots[eid] = Slot(self._make_executor(eid, saved[eid]) if eid in saved
+                                       else self._make_executor(eid))
         except Exception:
             err = f"worker {self.ident} failed to initialise:\n{traceback.format_exc()}"
             log.error(err)
             self.endpoint.send(msg.sender, "ready", role=self.role, error=err)
             return
         self.endpoint.send(msg.sender, "ready", role=self.role)
+
+    @staticmethod
+    def _saved_states(where: dict[str, Any], executors: list[int]) -> dict[int, list[Any]]:
+        """States of ``executors`` from a checkpoint, as [state, None] (their input is reloaded)."""
+        fs, _ = storage.filesystem(where["location"])
+        out: dict[int, list[Any]] = {}
+        for name in where["files"]:
+            for eid, blob in storage.read_executors(fs, f"{where['path']}/{name}").items():
+                if eid in executors:
+                    out[eid] = [[blob, []], None]
+        missing = sorted(set(executors) - set(out))
+        if missing:
+            raise LitzError(f"checkpoint {where['path']} holds no state for executors {missing}")
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def on_checkpoint(self, msg: Message) -> None:
+        """Pickle every executor's state now (no task runs: the master waited for them all),
+        answer at once, and write the file in the background."""
+        busy = [eid for eid, slot in self.slots.items() if slot.running or slot.queue]
+        if busy:  # the master only asks when every task completed: this is a bug, not a race
+            raise LitzError(f"worker {self.ident} asked to checkpoint while executors {busy} have tasks")
+        states = {eid: cloudpickle.dumps(slot.executor.get_state()) for eid, slot in self.slots.items()}
+        self.checkpoint_part(msg, f"executors-{self.ident}.arrow",
+                             lambda fs, path: storage.write_executors(fs, path, states))
 
     def _make_executor(self, eid: int, shipped: list[Any] | None = None) -> Executor:
         """Create executor ``eid``: fresh, or from a migration's [state, input or None]."""

@@ -1,0 +1,155 @@
+"""Checkpoint files on shared storage, through pyarrow's filesystem layer (DESIGN.md §5).
+
+A checkpoint is a directory ``<root>/ckpt-<seq>`` holding one Arrow IPC file of shard rows
+per server, one of executor states per worker, the driver's pickled state, and
+``MANIFEST.json``. The manifest is written last, under a temporary name and then moved into
+place, so a checkpoint exists only once it is complete: a directory without a manifest (a
+crash while writing) is never used.
+
+``root`` is a local path or any URI pyarrow understands (``file://``, ``s3://``, ``hdfs://``;
+a move on S3 is a copy, so there the manifest's atomicity is that of a single PUT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from litz.errors import LitzError
+
+MANIFEST = "MANIFEST.json"
+FORMAT = 1
+_CKPT = re.compile(r"^ckpt-(\d{6,})$")
+
+SHARD_SCHEMA = pa.schema([("table", pa.string()), ("shard", pa.int32()), ("ikey", pa.int64()),
+                          ("skey", pa.string()), ("row", pa.binary())])
+EXECUTOR_SCHEMA = pa.schema([("executor", pa.int32()), ("state", pa.binary())])
+
+
+class CheckpointError(LitzError):
+    """A checkpoint that cannot be written or used (missing manifest, mismatching job, ...)."""
+
+
+def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and path of a checkpoint root (a local path or a URI)."""
+    try:
+        if "://" in root:
+            return pafs.FileSystem.from_uri(root)
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(root))
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CheckpointError(f"cannot open checkpoint storage {root!r}: {exc}") from exc
+
+
+def _write_table(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
+    with fs.open_output_stream(path) as out, pa.ipc.new_file(out, table.schema) as writer:
+        writer.write_table(table)
+
+
+def _read_table(fs: pafs.FileSystem, path: str) -> pa.Table:
+    try:
+        with fs.open_input_file(path) as f:
+            return pa.ipc.open_file(f).read_all()
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+
+
+def write_shards(fs: pafs.FileSystem, path: str,
+                 rows: Iterable[tuple[str, int, Hashable, np.ndarray]]) -> int:
+    """Write ``(table, shard, key, row)`` tuples; rows keep their exact bytes. Returns the row count."""
+    cols: dict[str, list[Any]] = {name: [] for name in SHARD_SCHEMA.names}
+    for table, shard, key, row in rows:
+        cols["table"].append(table)
+        cols["shard"].append(shard)
+        cols["ikey"].append(key if isinstance(key, int) else None)
+        cols["skey"].append(None if isinstance(key, int) else str(key))
+        cols["row"].append(np.ascontiguousarray(row).tobytes())
+    _write_table(fs, path, pa.table(cols, schema=SHARD_SCHEMA))
+    return len(cols["row"])
+
+
+def read_shards(fs: pafs.FileSystem, path: str) -> list[tuple[str, int, Hashable, bytes]]:
+    t = _read_table(fs, path).to_pydict()
+    return [(name, shard, ikey if ikey is not None else skey, row)
+            for name, shard, ikey, skey, row in zip(t["table"], t["shard"], t["ikey"], t["skey"], t["row"],
+                                                    strict=True)]
+
+
+def write_executors(fs: pafs.FileSystem, path: str, states: dict[int, bytes]) -> None:
+    _write_table(fs, path, pa.table({"executor": list(states), "state": list(states.values())},
+                                    schema=EXECUTOR_SCHEMA))
+
+
+def read_executors(fs: pafs.FileSystem, path: str) -> dict[int, bytes]:
+    t = _read_table(fs, path).to_pydict()
+    return dict(zip(t["executor"], t["state"], strict=True))
+
+
+def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    with fs.open_output_stream(path) as out:
+        out.write(data)
+
+
+def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+
+
+def checkpoint_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str]]:
+    """``(seq, path)`` of every ``ckpt-*`` directory under ``root``, complete or not, in order."""
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoint storage {root}: {exc}") from exc
+    out = []
+    for info in infos:
+        m = _CKPT.match(info.base_name)
+        if m and info.type == pafs.FileType.Directory:
+            out.append((int(m.group(1)), info.path))
+    return sorted(out)
+
+
+def has_manifest(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File
+
+
+def new_checkpoint_dir(fs: pafs.FileSystem, root: str) -> str:
+    """Create the next ``ckpt-<seq>`` directory (numbers never reused, even of incomplete ones)."""
+    seqs = [seq for seq, _ in checkpoint_dirs(fs, root)]
+    path = f"{root}/ckpt-{(max(seqs) + 1 if seqs else 0):06d}"
+    fs.create_dir(path, recursive=True)
+    return path
+
+
+def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> None:
+    """Write the manifest under a temporary name, then move it into place: the checkpoint exists."""
+    tmp = f"{path}/{MANIFEST}.tmp"
+    write_bytes(fs, tmp, json.dumps({"format": FORMAT, **manifest}, indent=1).encode())
+    fs.move(tmp, f"{path}/{MANIFEST}")
+
+
+def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]]:
+    """The checkpoint to resume from: ``location`` itself if it holds a manifest, else the newest
+    complete ``ckpt-*`` under it. Directories without a manifest are skipped, never used."""
+    fs, path = filesystem(location)
+    if has_manifest(fs, path):
+        chosen = path
+    else:
+        complete = [p for _, p in checkpoint_dirs(fs, path) if has_manifest(fs, p)]
+        if not complete:
+            raise CheckpointError(f"no complete checkpoint in {location} (a checkpoint is complete once its "
+                                  f"{MANIFEST} is written)")
+        chosen = complete[-1]
+    manifest = json.loads(read_bytes(fs, f"{chosen}/{MANIFEST}"))
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{chosen}: unsupported checkpoint format {manifest.get('format')!r}")
+    return fs, chosen, manifest

@@ -1,0 +1,109 @@
+"""Consistent checkpoints and resume (issue 4): storage, the round's state machine, real jobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import litz
+from litz.errors import ConfigError
+from litz.ft import storage
+from litz.ft.checkpoint import CheckpointCoordinator, parse_every
+from tests import testapps
+from tests.conftest import processes_mentioning
+
+
+def test_shard_rows_round_trip_exactly_with_int_and_string_keys(tmp_path: Path) -> None:
+    fs, root = storage.filesystem(str(tmp_path))
+    rows = [("w", 3, 7, np.array([1.5, -2.25, np.pi])), ("w", 5, 2**40, np.array([np.nan, 0.0, 1e-300])),
+            ("names", 1, "alpha", np.array([[1, 2], [3, 4]], np.int32))]
+    assert storage.write_shards(fs, f"{root}/s.arrow", rows) == 3
+    back = storage.read_shards(fs, f"{root}/s.arrow")
+    assert [(t, s, k) for t, s, k, _ in back] == [(t, s, k) for t, s, k, _ in rows]
+    for (_, _, _, raw), (_, _, _, row) in zip(back, rows, strict=True):
+        assert raw == row.tobytes()  # bit for bit, NaN included
+
+
+def test_a_directory_without_manifest_is_never_used(tmp_path: Path) -> None:
+    fs, root = storage.filesystem(str(tmp_path))
+    with pytest.raises(storage.CheckpointError, match="no complete checkpoint"):
+        storage.find_checkpoint(str(tmp_path))
+    first = storage.new_checkpoint_dir(fs, root)
+    storage.write_manifest(fs, first, {"num_executors": 1})
+    newer = storage.new_checkpoint_dir(fs, root)  # a crash while writing: files, no manifest
+    storage.write_bytes(fs, f"{newer}/driver.pkl", b"partial")
+    assert newer.endswith("ckpt-000001")
+    _, chosen, manifest = storage.find_checkpoint(str(tmp_path))
+    assert chosen == first and manifest["num_executors"] == 1
+    with pytest.raises(storage.CheckpointError):
+        storage.find_checkpoint(newer + "/nope")
+    # numbers are never reused, even those of incomplete checkpoints
+    assert storage.new_checkpoint_dir(fs, root).endswith("ckpt-000002")
+
+
+def test_policy_and_round_state_machine() -> None:
+    assert parse_every("30s") == (30.0, None) and parse_every("5") == (None, 5) and parse_every(None) == (None, None)
+    for bad in ("0", "-3s", "soon", "1.5"):
+        with pytest.raises(ConfigError):
+            parse_every(bad)
+    ck = CheckpointCoordinator("/tmp/x", "3")
+    assert not ck.due(2) and ck.due(3)
+    r = ck.begin("policy", 3)
+    assert r is not None and ck.begin("again") is None and not ck.due(100)
+    ck.snapshotting("/tmp/x/ckpt-000000", ["s0", "w0"])
+    assert not ck.snapshot_taken(r.cid + 1, "s0")  # another round's answer is ignored
+    assert not ck.snapshot_taken(r.cid, "s0") and ck.snapshot_taken(r.cid, "w0")
+    assert not ck.written(r.cid, "w0", ["executors-w0.arrow"], None)
+    assert ck.written(r.cid, "s0", [], "s0: OSError: disk full")
+    record = ck.finish()
+    assert record["ok"] is False and "disk full" in record["errors"][0] and ck.round is None
+    assert not ck.due(5) and ck.due(6)
+
+
+def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    app = testapps.migrating_app(tasks=1200, executors=6, move_prob=0.1)
+    app.driver = testapps.CheckpointingDriver
+    app.config.update(checkpoint_at=300, stop_at=700)
+    first = litz.run(app, workers=2, servers=2, checkpoint_dir=str(ckpt))
+    assert first.value == {"stopped_early": True}
+    _, path, manifest = storage.find_checkpoint(str(ckpt))
+    assert manifest["num_executors"] == 6 and len(manifest["shards_files"]) == 2
+    assert len(manifest["executors_files"]) == 2
+    fs, _ = storage.filesystem(str(ckpt))
+    saved = np.zeros((16, 3))
+    for name in manifest["shards_files"]:
+        for table, _, key, raw in storage.read_shards(fs, f"{path}/{name}"):
+            assert table == "s"
+            saved[key] = np.frombuffer(raw)
+    assert saved.any()
+    # resume with another layout (3 workers, 1 server): same tables, states and driver
+    app.config.update(checkpoint_at=None, stop_at=None)
+    second = litz.run(app, workers=3, servers=1, resume=str(ckpt))
+    res = second.value
+    np.testing.assert_array_equal(res["at_resume"], saved)  # the tables exactly as checkpointed
+    assert 300 <= res["resumed_at"] < 700
+    np.testing.assert_array_equal(res["final"], res["truth"])  # and the job went on exactly
+    for seqs in res["done_seq"]:  # executors' counters resumed where the driver's records stop
+        assert sorted(seqs) == list(range(len(seqs)))
+    assert sum(len(s) for s in res["done_seq"]) == 1200
+    assert processes_mentioning(first.job) == [] and processes_mentioning(second.job) == []
+
+
+def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    app = testapps.migrating_app(tasks=400, executors=4, move_prob=0.0)
+    app.driver = testapps.CheckpointingDriver
+    app.config.update(checkpoint_at=50, stop_at=200)
+    litz.run(app, workers=1, servers=1, checkpoint_dir=str(ckpt))
+    other = testapps.migrating_app(tasks=400, executors=4, move_prob=0.0)
+    other.tables = [litz.Table("s", (4,), "float64", num_rows=16)]
+    with pytest.raises(storage.CheckpointError, match="holds tables"):
+        litz.run(other, workers=1, servers=1, resume=str(ckpt))
+    # a checkpoint whose manifest was removed is not a checkpoint
+    _, path, _ = storage.find_checkpoint(str(ckpt))
+    Path(path, storage.MANIFEST).unlink()
+    with pytest.raises(storage.CheckpointError, match="no complete checkpoint"):
+        litz.run(app, workers=1, servers=1, resume=str(ckpt))
