@@ -64,6 +64,14 @@ class MLRDriver(litz.SSPDriver):
         self.test_accuracy = float("nan")
         super().dispatch_initial_tasks()
 
+    def resumed(self) -> None:
+        """Back from a checkpoint: this process's clock restarts, so time the epoch from now."""
+        now = time.perf_counter()
+        self._start = now - sum(h["seconds"] for h in self.history)
+        self._epoch_start = now
+        if not self.config.get("quiet"):
+            print(f"resumed after epoch {len(self.history)}", flush=True)
+
     def task_args(self, executor_id: int, iteration: int) -> Any:
         cfg = self.config
         return {"iteration": iteration, "T": self.T,

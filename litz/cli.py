@@ -85,6 +85,13 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", default=None, metavar="PATH",
                    help="job secret: authenticate and encrypt all traffic with ZeroMQ CURVE (default "
                         "$LITZ_SECRET_FILE; create one with litz.runtime.security.generate_secret_file)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="take consistent checkpoints under DIR (a path or a pyarrow URI such as s3://...)")
+    p.add_argument("--checkpoint-every", default=None, metavar="C",
+                   help="checkpoint every C iterations of the driver (5) or seconds (30s); also on demand "
+                        "with litz checkpoint --job NAME")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="start from the newest complete checkpoint in DIR (or the checkpoint DIR itself)")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address the job's processes listen on (default 127.0.0.1); "
                         "an address beyond loopback requires --secret-file")
@@ -117,7 +124,8 @@ def launch(argv: list[str]) -> int:
         options: dict[str, Any] = {"cache": not opts.no_cache, "update_log": not opts.no_update_log}
         result = run(app, workers=opts.workers, servers=opts.servers, num_executors=opts.executors,
                      job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
-                     host=opts.host)
+                     host=opts.host, checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
+                     resume=opts.resume)
     except TaskError as exc:
         print(f"litz: job failed: {exc}", file=sys.stderr)
         return 1
@@ -289,6 +297,44 @@ def scale(argv: list[str]) -> int:
     return 0
 
 
+def checkpoint(argv: list[str]) -> int:
+    """``litz checkpoint --job NAME [--etcd URL] [--timeout S]``: take a checkpoint now and wait for it."""
+    import secrets as _secrets
+    import time
+
+    from litz.runtime import jobs
+    from litz.runtime.elastic import RESULTS
+    from litz.runtime.master import CHECKPOINT_KEY
+    from litz.runtime.membership import Membership
+
+    p = argparse.ArgumentParser(prog="litz checkpoint",
+                                description="Take a consistent checkpoint of a running job (launched with "
+                                            "--checkpoint-dir).")
+    p.add_argument("--job", required=True)
+    p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    cid = _secrets.token_hex(4)
+    try:
+        url = args.etcd or jobs.lookup(args.job)["etcd"]
+        with Membership(url, args.job) as mem:
+            mem.put(CHECKPOINT_KEY, {"id": cid, "time": time.time()})
+            deadline = time.monotonic() + args.timeout
+            while (result := mem.get(f"{RESULTS}{cid}")) is None:
+                if time.monotonic() > deadline:
+                    print(f"litz: no checkpoint within {args.timeout:.0f} s", file=sys.stderr)
+                    return 1
+                time.sleep(0.05)
+    except LitzError as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    if not result["ok"]:
+        print(f"litz: checkpoint failed: {result['reason']}", file=sys.stderr)
+        return 1
+    print(f"checkpoint written: {result['reason']}")
+    return 0
+
+
 def secret(argv: list[str]) -> int:
     """``litz secret PATH``: create a job secret file (32 random bytes, mode 600) for cluster mode."""
     from litz.runtime.security import generate_secret_file
@@ -308,11 +354,12 @@ def secret(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"launch": launch, "status": status, "scale": scale, "secret": secret}
+    commands = {"launch": launch, "status": status, "scale": scale, "checkpoint": checkpoint, "secret": secret}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: litz COMMAND ...\n\ncommands:\n  launch   run an application (litz launch --help)\n"
               "  status   show a running job (litz status --help)\n"
               "  scale    resize a running job (litz scale --help)\n"
+              "  checkpoint  take a checkpoint of a running job (litz checkpoint --help)\n"
               "  secret   create a job secret file for cluster mode (litz secret PATH)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])

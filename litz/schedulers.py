@@ -40,6 +40,11 @@ class SSPDriver(Driver):
         """The job's result, returned by ``litz.run`` after the last iteration."""
         return None
 
+    @property
+    def iteration(self) -> int:
+        """Iterations every executor has completed (checkpoint policies count these)."""
+        return getattr(self, "_completed_iterations", 0)
+
     def progress(self) -> str:
         done = getattr(self, "_completed_iterations", 0)
         return f"iteration {done}/{getattr(self, '_iters', '?')} (staleness {getattr(self, '_stale', '?')})"

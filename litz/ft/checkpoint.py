@@ -56,6 +56,7 @@ class CheckpointRound:
     files: dict[str, list[str]] = field(default_factory=dict)  # process -> its files
     errors: list[str] = field(default_factory=list)
     paused_for: float = 0.0  # seconds training was held (pause + snapshot)
+    version: int = 0  # the master's version at the snapshot
 
 
 class CheckpointCoordinator:

@@ -606,6 +606,7 @@ class Master:
         path = storage.new_checkpoint_dir(fs, root)
         processes = sorted(st.workers + st.servers)
         ck.snapshotting(path, processes)
+        r.version = st.version
         for ident in processes:
             self.endpoint.send(ident, "checkpoint", cid=r.cid, location=ck.location, path=path)
         saved = {"driver": {k: v for k, v in self.driver.__dict__.items() if k != "_master"},
@@ -622,7 +623,7 @@ class Master:
         r = ck.round
         if not r.errors:
             manifest = {
-                "job": self.job, "created": time.time(), "reason": r.reason, "version": st.version,
+                "job": self.job, "created": time.time(), "reason": r.reason, "version": r.version,
                 "num_executors": st.num_executors, "num_shards": st.num_shards, "driver": "driver.pkl",
                 "tables": [{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype))}
                            for t in self.tables.values()],
