@@ -107,3 +107,47 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
     Path(path, storage.MANIFEST).unlink()
     with pytest.raises(storage.CheckpointError, match="no complete checkpoint"):
         litz.run(app, workers=1, servers=1, resume=str(ckpt))
+
+
+def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -> None:
+    import threading
+    import time
+
+    from litz.cli import checkpoint, job_status
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    stop = tmp_path / "stop"
+    out: dict = {}
+    jobs = {}
+    for name, ckpt in (("with", str(tmp_path / "ckpt")), ("without", None)):
+        app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+        app.driver = testapps.TimedMigratingDriver
+        app.config.update(stop_after=60.0, stop_file=str(stop))
+        job = jobs[name] = f"ckcmd-{name}-{time.time_ns()}"
+        t = threading.Thread(target=lambda a=app, j=job, c=ckpt, n=name: out.update(
+            {n: litz.run(a, workers=1, servers=1, job=j, checkpoint_dir=c)}))
+        t.start()
+        out[f"{name}-thread"] = t
+    try:
+        for job in jobs.values():
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if job_status(job)["master"].get("phase") == "running":
+                        break
+                except litz.LitzError:
+                    pass
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert checkpoint(["--job", jobs["with"]]) == 0
+        assert checkpoint(["--job", jobs["with"]]) == 0
+        assert checkpoint(["--job", jobs["without"]]) == 1  # refused: no --checkpoint-dir
+    finally:
+        stop.touch()
+        for name in ("with", "without"):
+            out[f"{name}-thread"].join(60)
+    fs, root = storage.filesystem(str(tmp_path / "ckpt"))
+    dirs = storage.checkpoint_dirs(fs, root)
+    assert len(dirs) == 2 and all(storage.has_manifest(fs, p) for _, p in dirs)
+    res = out["with"].value
+    np.testing.assert_array_equal(res["final"], res["truth"])  # checkpoints changed nothing
