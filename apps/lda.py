@@ -1,0 +1,462 @@
+"""Latent Dirichlet allocation by collapsed Gibbs sampling on Litz, with model scheduling.
+
+Who holds what:
+
+* **Executors** own a random partition of the documents (input, reloadable from the corpus) and, as
+  mutable state that migrates with them (``init_state``), their tokens' topic assignments ``z`` and
+  their documents' topic counts (one sparse list per document).
+* **Parameter server**: table ``word_topic`` holds the word-topic counts ``n_wk`` and table
+  ``topic_totals`` the topic totals ``n_k``; both are int32/int64 with the ``add`` combiner, so every
+  count is exact: a task pushes the integer difference of what it changed.
+
+**Model scheduling.** The vocabulary is cut into ``B >= E`` blocks, which ``litz.BlockRotation`` rotates
+over the ``E`` executors: in round ``r`` executor ``e`` samples its tokens whose words are in block
+``(e + r) % B``, and a block is held by one executor at a time. A task fetches its block's rows at
+its start; because the rotation dispatches a block's next task only after the driver was told that the
+previous holder completed, Litz's consistency rule guarantees that the fetch sees every earlier update:
+the word-topic counts a task samples with are exact, and no two executors ever sample the same words
+at once. ``B`` rounds make one iteration (every token sampled once). Rows of the word table are chunks
+of words (``--chunks``), not single words, because the runtime pays per key; words are dealt to chunks
+in frequency order, in a snake, so that every chunk, hence every block, carries about the same
+number of tokens.
+
+**Topic totals** are shared by all blocks, so they cannot be scheduled. Each task reads ``n_k`` at its
+start, keeps a local copy that follows its own moves, and pushes its net change at its end (the
+approach of YahooLDA and Petuum/Litz). While it runs, the other ``E - 1`` executors move tokens on
+other blocks, which it does not see until its next task: ``n_k`` is stale by at most one round of
+the others' moves, a few hundred tokens against ``n_k`` of thousands, which changes the conditional
+by well under a percent and does not bias the chain measurably (the log-likelihood per token matches
+the sequential ``lda`` package's; see bench/bench_lda.py). It can never go wrong in sign: a task only
+takes out its own tokens, which are counted in the value it read. The stored totals are exact at
+the end, because the pushed changes are exact integers.
+
+**Sampler** (apps/lda_kernels.py): ``--sampler sparse`` (default) splits the conditional into a
+document bucket, a word bucket and a smoothing bucket, so a token costs O(topics in its document)
+rather than O(K); ``--sampler exact`` evaluates all K topics and is kept as the reference.
+
+**Log-likelihood** ``log p(w, z)`` per token is computed where the counts live, from one consistent
+snapshot (every token after its sample of that iteration): documents by their executor at its last
+round of the iteration, word rows by each block's last holder in the iteration (with the block's topic
+sums, whose total gives the topic term). The driver adds them up and prints one line per iteration.
+
+Run it:  ``litz launch apps/lda.py [--corpus fortunes|wordnet] [--topics 20] [--iterations 200]``
+(corpora from the Debian packages ``fortunes`` and ``wordnet-base``). Last line printed:
+``log-likelihood per token -X.XXX``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import litz
+from apps import lda_kernels as lk
+from apps.datasets import Corpus, load_text_corpus, partition_rows
+
+CORPORA = ("fortunes", "wordnet", "synthetic")
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------
+
+
+def synthetic_corpus(num_docs: int = 400, doc_len: int = 40, num_topics: int = 5, words_per_topic: int = 12,
+                     alpha: float = 0.2, seed: int = 0) -> tuple[Corpus, np.ndarray]:
+    """A corpus drawn from known topics: ``(corpus, phi)`` with ``phi`` (K, V) the true topic-word
+    distributions. Topic k puts its mass uniformly on its own ``words_per_topic`` words; each document
+    mixes topics with ``θ ~ Dirichlet(alpha)``. Word ids are re-ranked by frequency, as the real
+    corpora's are (the vocabulary blocks rely on it)."""
+    rng = np.random.default_rng(seed)
+    V = num_topics * words_per_topic
+    theta = rng.dirichlet(np.full(num_topics, alpha), size=num_docs)
+    topics = np.array([rng.choice(num_topics, size=doc_len, p=t) for t in theta])
+    raw = topics * words_per_topic + rng.integers(0, words_per_topic, size=topics.shape)
+    counts = np.bincount(raw.ravel(), minlength=V)
+    rank = np.empty(V, np.int64)
+    rank[np.lexsort((np.arange(V), -counts))] = np.arange(V)
+    words = rank[raw].astype(np.int32).ravel()
+    phi = np.zeros((num_topics, V))
+    for k in range(num_topics):
+        phi[k, rank[k * words_per_topic:(k + 1) * words_per_topic]] = 1.0 / words_per_topic
+    vocab = tuple(f"w{int(np.flatnonzero(rank == i)[0])}" for i in range(V))
+    ptr = np.arange(0, num_docs * doc_len + 1, doc_len, dtype=np.int64)
+    return Corpus("synthetic", ptr, words, vocab), phi
+
+
+@functools.lru_cache(maxsize=4)
+def _synthetic(params: tuple[tuple[str, Any], ...]) -> tuple[Corpus, np.ndarray]:
+    return synthetic_corpus(**dict(params))
+
+
+def load_corpus(config: dict[str, Any]) -> Corpus:
+    """The job's corpus; memoized per process, so executors sharing a worker tokenize it once."""
+    if config["corpus"] == "synthetic":
+        return _synthetic(tuple(sorted(config["synthetic"].items())))[0]
+    return load_text_corpus(config["corpus"], config["min_count"])
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    """Where each word's row lives: ``C`` chunks of ``ceil(V / C)`` words, one table row per chunk.
+
+    Words (ids are frequency ranks) are dealt to chunks in a snake, 0, 1, ..., C-1, C-1, ..., 0, ...,
+    so every chunk gets about the same number of tokens. A block is a contiguous range of chunks.
+    """
+
+    num_words: int
+    num_chunks: int
+
+    @property
+    def chunk_words(self) -> int:
+        return -(-self.num_words // self.num_chunks)
+
+    def position(self, words: np.ndarray) -> np.ndarray:
+        """Row-major position ``chunk * chunk_words + slot`` of each word."""
+        w = np.asarray(words, np.int64)
+        slot, i = np.divmod(w, self.num_chunks)
+        chunk = np.where(slot % 2 == 0, i, self.num_chunks - 1 - i)
+        return chunk * self.chunk_words + slot
+
+    def word_at(self, positions: np.ndarray) -> np.ndarray:
+        """The word at each position, or -1 for padding."""
+        chunk, slot = np.divmod(np.asarray(positions, np.int64), self.chunk_words)
+        i = np.where(slot % 2 == 0, chunk, self.num_chunks - 1 - chunk)
+        w = slot * self.num_chunks + i
+        return np.where(w < self.num_words, w, -1)
+
+    def chunks(self, block: int, num_blocks: int) -> range:
+        """The table rows (chunks) of ``block`` out of ``num_blocks``."""
+        return range(block * self.num_chunks // num_blocks, (block + 1) * self.num_chunks // num_blocks)
+
+
+def _layout(config: dict[str, Any]) -> VocabLayout:
+    return VocabLayout(config["num_words"], config["chunks"])
+
+
+def _num_blocks(config: dict[str, Any], num_executors: int) -> int:
+    return int(config["blocks"] or num_executors)
+
+
+# ----------------------------------------------------------------------------------------------------
+# executor
+# ----------------------------------------------------------------------------------------------------
+
+
+class LDAExecutor(litz.Executor):
+    """Owns a partition of the documents; its state is the topic of each of their tokens.
+
+    ``self.input`` (reloadable): the partition's tokens sorted by (block, word, document), with each
+    token's word as an index into its block's rows and the offset of its document's count list.
+    ``self.state`` (migrates): ``z`` (topics, same order) and ``doc_list`` (the documents' counts).
+    """
+
+    def load_input(self) -> dict[str, np.ndarray]:
+        cfg = self.config
+        corpus = load_corpus(cfg)
+        K = cfg["topics"]
+        layout = _layout(cfg)
+        B = _num_blocks(cfg, self.num_executors)
+        docs = partition_rows(corpus.num_docs, self.num_executors, self.executor_id, seed=cfg["seed"])
+        starts = corpus.doc_ptr[docs]
+        doc_len = corpus.doc_ptr[docs + 1] - starts
+        n = int(doc_len.sum())
+        tok_doc = np.repeat(np.arange(len(docs), dtype=np.int64), doc_len)
+        first = np.repeat(np.cumsum(doc_len) - doc_len, doc_len)
+        words = corpus.words[np.repeat(starts, doc_len) + np.arange(n) - first]
+        pos = layout.position(words)
+        order = np.lexsort((tok_doc, pos))
+        pos, tok_doc, words = pos[order], tok_doc[order], words[order]
+        # block b covers positions [block_start[b], block_start[b + 1]); chunks(B, B) starts at the end
+        block_start = np.array([layout.chunks(b, B).start * layout.chunk_words for b in range(B + 1)], np.int64)
+        block_ptr = np.searchsorted(pos, block_start).astype(np.int64)
+        block_of = np.searchsorted(block_start, pos, side="right") - 1
+        doc_off = lk.doc_offsets(doc_len, K)
+        if doc_off[-1] >= 2**31:
+            raise ValueError("this executor's documents are too many for int32 offsets: use more executors")
+        return {"docs": docs.astype(np.int64), "doc_len": doc_len.astype(np.int64), "doc_off": doc_off,
+                "tok_word": (pos - block_start[block_of]).astype(np.int32),
+                "tok_off": doc_off[tok_doc].astype(np.int32), "words": words.astype(np.int32),
+                "tok_doc": tok_doc.astype(np.int32), "block_ptr": block_ptr}
+
+    def init_state(self) -> dict[str, np.ndarray]:
+        inp = self.input
+        rng = np.random.default_rng([self.config["seed"], self.executor_id, 1])
+        z = rng.integers(0, self.config["topics"], size=len(inp["tok_word"])).astype(np.int32)
+        return {"z": z, "doc_list": lk.build_doc_lists(inp["tok_off"], z, int(inp["doc_off"][-1]))}
+
+    def setup(self) -> None:
+        lk.warmup()  # compile or load the kernels before the first task, here or after a move
+        cfg = self.config
+        self._doc_table = lk.lgamma_table(cfg["alpha"], int(np.max(self.input["doc_len"], initial=0)))
+        self._word_table = lk.lgamma_table(cfg["beta"], int(cfg["max_word_count"]))
+
+    def run_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        op = args["op"]
+        if op == "sample":
+            return self._sample(args)
+        if op == "init":
+            return self._push_initial_counts()
+        if op == "dump":
+            return {"docs": self.input["docs"], "tok_doc": self.input["tok_doc"], "words": self.input["words"],
+                    "z": self.state["z"]}
+        raise ValueError(f"unknown task {op!r}")
+
+    def _push_initial_counts(self) -> dict[str, Any]:
+        """Add this executor's initial (random) assignment to the tables: before any sampling, so
+        executors may add concurrently (integer adds commute)."""
+        cfg = self.config
+        K = cfg["topics"]
+        layout = _layout(cfg)
+        z = self.state["z"]
+        counts = np.zeros((layout.num_chunks * layout.chunk_words, K), np.int32)
+        np.add.at(counts, (layout.position(self.input["words"]), z), 1)
+        counts = counts.reshape(layout.num_chunks, layout.chunk_words, K)
+        keys = np.flatnonzero(counts.reshape(layout.num_chunks, -1).any(axis=1))
+        self.ps.update_many("word_topic", keys, counts[keys])
+        self.ps.update("topic_totals", 0, np.bincount(z, minlength=K).astype(np.int64))
+        return {"tokens": len(z)}
+
+    def _sample(self, args: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.config
+        K = cfg["topics"]
+        layout = _layout(cfg)
+        block = args["block"]
+        chunks = layout.chunks(block, _num_blocks(cfg, self.num_executors))
+        rows3 = self.ps.get_many("word_topic", chunks)  # a fresh copy, ours to change
+        totals = np.array(self.ps.get("topic_totals", 0), np.int64)
+        rows = rows3.reshape(-1, K)
+        rows_before = rows.copy()
+        totals_before = totals.copy()
+        lo, hi = self.input["block_ptr"][block], self.input["block_ptr"][block + 1]
+        z = self.state["z"]
+        changed = lk.sweep(rows, totals, self.input["tok_word"][lo:hi], self.input["tok_off"][lo:hi], z[lo:hi],
+                           self.state["doc_list"], cfg["alpha"], cfg["beta"], cfg["num_words"] * cfg["beta"],
+                           cfg["sampler"], lk.task_seed(cfg["seed"], self.executor_id, args["round"]))
+        delta = (rows - rows_before).reshape(rows3.shape)
+        moved = np.flatnonzero(delta.reshape(len(chunks), -1).any(axis=1))
+        if len(moved):
+            self.ps.update_many("word_topic", np.asarray(chunks)[moved], delta[moved])
+            self.ps.update("topic_totals", 0, totals - totals_before)
+        out: dict[str, Any] = {"tokens": int(hi - lo), "changed": changed}
+        if args.get("report_words"):
+            out["word_ll"], out["colsum"] = lk.block_loglik(rows, self._word_table)
+        if args.get("report_docs"):
+            inp = self.input
+            out["doc_ll"] = lk.doc_loglik(inp["doc_off"], self.state["doc_list"], inp["doc_len"], cfg["alpha"], K,
+                                          self._doc_table)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------------
+
+
+class LDADriver(litz.Driver):
+    """Three phases: every executor pushes its initial counts; the block rotation runs ``iterations``
+    times ``B`` rounds; optionally (tests) every executor returns its final assignment."""
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        E = self.num_executors
+        self.B = _num_blocks(cfg, E)
+        if not E <= self.B <= cfg["chunks"]:
+            raise litz.ConfigError(f"LDA needs executors <= blocks <= chunks, got {E} executors, {self.B} blocks "
+                                   f"and {cfg['chunks']} chunks (see --blocks and --chunks)")
+        self.iterations = int(cfg["iterations"])
+        self.rotation = litz.BlockRotation(E, self.B, self.iterations * self.B)
+        self.layout = _layout(cfg)
+        self.history: list[dict[str, float]] = []
+        self._reports: dict[int, dict[str, Any]] = {}
+        self._changed: dict[int, int] = {}
+        self._in_flight = 0
+        self._phase = "init"
+        self._left = E
+        self._dumps: list[dict[str, Any]] = []
+        self._start = time.perf_counter()
+        self._t0 = self._last = self._start
+        self.loglik = float("nan")
+        for e in range(E):
+            self.dispatch_task(e, {"op": "init"})
+
+    # -- rotation ------------------------------------------------------------------------------------
+    def _last_use_in_iteration(self, block: int, rnd: int) -> bool:
+        """Whether round ``rnd`` is the last one of its iteration in which some executor holds ``block``."""
+        end = (rnd // self.B + 1) * self.B
+        return all((block - r) % self.B >= self.num_executors for r in range(rnd + 1, end))
+
+    def _dispatch(self, assignments: list[tuple[int, int, int]]) -> None:
+        every = self.config["ll_every"]
+        for e, rnd, block in assignments:
+            it = rnd // self.B
+            report = (it + 1) % every == 0 or it == self.iterations - 1
+            self.dispatch_task(e, {"op": "sample", "round": rnd, "block": block, "iteration": it,
+                                   "report_docs": report and rnd % self.B == self.B - 1,
+                                   "report_words": report and self._last_use_in_iteration(block, rnd)})
+            self._in_flight += 1
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        op = result.args["op"]
+        if op == "init":
+            self._left -= 1
+            if self._left == 0:
+                self._phase = "sample"
+                self._t0 = self._last = time.perf_counter()
+                self._dispatch(self.rotation.start())
+        elif op == "sample":
+            self._in_flight -= 1
+            self._record(result.args, result.value)
+            self._dispatch(self.rotation.complete(result.executor_id, result.args["round"]))
+            if self.rotation.finished() and self._in_flight == 0:
+                self._end_sampling()
+        else:
+            self._dumps.append(result.value)
+            if len(self._dumps) == self.num_executors:
+                self._finish()
+
+    def _record(self, args: dict[str, Any], value: dict[str, Any]) -> None:
+        it = args["iteration"]
+        self._changed[it] = self._changed.get(it, 0) + value["changed"]
+        if not (args["report_docs"] or args["report_words"]):
+            return
+        rep = self._reports.setdefault(it, {"docs": 0, "words": 0, "ll": 0.0,
+                                            "totals": np.zeros(self.config["topics"], np.int64)})
+        if args["report_docs"]:
+            rep["docs"] += 1
+            rep["ll"] += value["doc_ll"]
+        if args["report_words"]:
+            rep["words"] += 1
+            rep["ll"] += value["word_ll"]
+            rep["totals"] += value["colsum"]
+        if rep["docs"] == self.num_executors and rep["words"] == self.B:
+            del self._reports[it]
+            self._iteration_done(it, rep)
+
+    def _iteration_done(self, it: int, rep: dict[str, Any]) -> None:
+        cfg = self.config
+        now = time.perf_counter()
+        ll = (rep["ll"] + lk.topic_loglik(rep["totals"], cfg["beta"], cfg["num_words"])) / cfg["num_tokens"]
+        self.loglik = ll
+        done = it + 1 - (self.history[-1]["iteration"] if self.history else 0)
+        seconds = now - self._last
+        self._last = now
+        entry = {"iteration": it + 1, "loglik": ll, "seconds": seconds, "elapsed": now - self._t0,
+                 "changed": self._changed.pop(it, 0) / cfg["num_tokens"]}
+        self.history.append(entry)
+        if not cfg["quiet"]:
+            print(f"iteration {it + 1:4d}/{self.iterations}  log-likelihood per token {ll:.4f}  "
+                  f"changed {entry['changed']:.3f}  "
+                  f"{done * cfg['num_tokens'] / seconds / 1e6:6.2f}M tokens/s", flush=True)
+
+    def _end_sampling(self) -> None:
+        self.sampling_seconds = time.perf_counter() - self._t0
+        if self.config["collect"]:
+            self._phase = "dump"
+            for e in range(self.num_executors):
+                self.dispatch_task(e, {"op": "dump"})
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        cfg = self.config
+        K = cfg["topics"]
+        C = self.layout.num_chunks
+        rows = self.ps.get_many("word_topic", range(C)).reshape(C * self.layout.chunk_words, K)
+        totals = np.array(self.ps.get("topic_totals", 0))
+        vocab = load_corpus(cfg).vocab
+        words = self.layout.word_at(np.arange(len(rows)))
+        top: list[list[str]] = []
+        for k in range(K):
+            best = np.argsort(-rows[:, k], kind="stable")[: cfg["top_words"]]
+            top.append([vocab[words[p]] for p in best if rows[p, k] > 0 and words[p] >= 0])
+        if not cfg["quiet"]:
+            for k in np.argsort(-totals, kind="stable"):
+                print(f"topic {k:3d} ({totals[k] / cfg['num_tokens']:6.2%}): {' '.join(top[k])}")
+            print(f"log-likelihood per token {self.loglik:.3f}", flush=True)
+        result: dict[str, Any] = {
+            "loglik": self.loglik, "history": self.history, "topics": top,
+            "sampling_seconds": self.sampling_seconds,
+            "tokens_per_second": cfg["num_tokens"] * self.iterations / self.sampling_seconds,
+            "seconds": time.perf_counter() - self._start}
+        if cfg["collect"]:
+            result["word_topic"] = rows[words >= 0][np.argsort(words[words >= 0])]  # (V, K) in word-id order
+            result["totals"] = totals
+            result["assignments"] = self._dumps
+        self.finish(result)
+
+    def progress(self) -> str:
+        if not getattr(self, "history", None):
+            return f"{getattr(self, '_phase', 'init')}: iteration 0/{self.config['iterations']}"
+        h = self.history[-1]
+        return f"iteration {h['iteration']}/{self.iterations}, log-likelihood per token {h['loglik']:.4f}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="litz launch apps/lda.py",
+                                description="LDA topic model by collapsed Gibbs sampling with vocabulary blocks "
+                                            "rotated over the executors (model scheduling).")
+    p.add_argument("--corpus", choices=CORPORA, default="fortunes",
+                   help="Debian 'fortunes' (15k docs) or 'wordnet-base' glosses (117k docs); 'synthetic' "
+                        "draws documents from known topics")
+    p.add_argument("--topics", "-K", type=int, default=20)
+    p.add_argument("--iterations", type=int, default=200)
+    p.add_argument("--alpha", type=float, default=0.1, help="symmetric document-topic prior")
+    p.add_argument("--beta", type=float, default=0.01, help="symmetric topic-word prior")
+    p.add_argument("--sampler", choices=sorted(lk.SAMPLERS), default="sparse",
+                   help="sparse: O(topics of the document) per token; exact: O(K), the reference")
+    p.add_argument("--blocks", type=int, default=0, help="vocabulary blocks (0 = one per executor)")
+    p.add_argument("--chunks", type=int, default=32,
+                   help="rows of the word-topic table (groups of words; a block is a range of them)")
+    p.add_argument("--min-count", type=int, default=5, help="drop words seen fewer times in the corpus")
+    p.add_argument("--ll-every", type=int, default=1, help="report the log-likelihood every N iterations")
+    p.add_argument("--top-words", type=int, default=10, help="words printed per topic at the end")
+    p.add_argument("--synthetic-docs", type=int, default=400, help="with --corpus synthetic")
+    p.add_argument("--synthetic-doc-len", type=int, default=40, help="with --corpus synthetic")
+    p.add_argument("--synthetic-topics", type=int, default=5, help="with --corpus synthetic")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--collect", action="store_true",
+                   help="return the final assignments and tables in the job's result (for tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def make_app(argv: list[str]) -> litz.App:
+    args = parser().parse_args(argv)
+    if args.topics < 1 or args.iterations < 1 or args.alpha <= 0 or args.beta <= 0 or args.ll_every < 1:
+        raise litz.ConfigError("LDA needs --topics, --iterations and --ll-every >= 1, and --alpha, --beta > 0")
+    config: dict[str, Any] = {
+        "corpus": args.corpus, "min_count": args.min_count, "topics": args.topics, "iterations": args.iterations,
+        "alpha": args.alpha, "beta": args.beta, "sampler": args.sampler, "blocks": args.blocks,
+        "ll_every": args.ll_every, "top_words": args.top_words, "seed": args.seed, "collect": args.collect,
+        "quiet": args.quiet,
+        "synthetic": {"num_docs": args.synthetic_docs, "doc_len": args.synthetic_doc_len,
+                      "num_topics": args.synthetic_topics, "seed": args.seed}}
+    corpus = load_corpus(config)
+    if corpus.num_tokens == 0:
+        raise litz.ConfigError(f"corpus {args.corpus!r} has no tokens left (try a lower --min-count)")
+    config.update(num_words=corpus.num_words, num_tokens=corpus.num_tokens,
+                  max_word_count=int(np.bincount(corpus.words).max()),
+                  chunks=max(1, min(args.chunks, corpus.num_words)))
+    layout = _layout(config)
+    tables = [litz.Table("word_topic", shape=(layout.chunk_words, args.topics), dtype="int32",
+                         num_rows=layout.num_chunks),
+              litz.Table("topic_totals", shape=(args.topics,), dtype="int64", num_rows=1)]
+    return litz.App(LDADriver, LDAExecutor, tables=tables, config=config, name="lda")
+
+
+if __name__ == "__main__":
+    from litz.cli import launch
+
+    sys.exit(launch([__file__, *sys.argv[1:]]))
