@@ -234,6 +234,14 @@ class MFDriver(litz.SSPDriver):
         self._start = self._round_start = time.perf_counter()
         super().dispatch_initial_tasks()
 
+    def resumed(self) -> None:
+        """Back from a checkpoint: this process's clock is not the old one, so time the current round from now."""
+        now = time.perf_counter()
+        self._start = now - sum(self.round_seconds)
+        self._round_start = now
+        if not self.config.get("quiet"):
+            print(f"resumed after iteration {len(self.history)}", flush=True)
+
     def task_args(self, executor_id: int, iteration: int) -> Any:
         last = iteration == self.N
         return {"iteration": iteration, "solve": not last, "factors": last and bool(self.config["return_factors"])}
