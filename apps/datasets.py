@@ -464,7 +464,16 @@ def build_corpus(texts: list[str], name: str = "corpus", min_count: int = 5, min
         if len(kept) >= max(min_doc_len, 1):
             out.extend(kept)
             ptr.append(len(out))
-    return Corpus(name, np.asarray(ptr, np.int64), np.asarray(out, np.int32), tuple(vocab))
+    return _frozen(Corpus(name, np.asarray(ptr, np.int64), np.asarray(out, np.int32), tuple(vocab)))
+
+
+def _frozen(corpus: Corpus) -> Corpus:
+    """Make the corpus's arrays read-only: the loader memoizes one corpus per process and hands the same
+    arrays to every caller, so an in-place change (``scipy.sparse`` sorting the index array it was given,
+    say) would silently corrupt everyone's copy."""
+    corpus.doc_ptr.flags.writeable = False
+    corpus.words.flags.writeable = False
+    return corpus
 
 
 def _missing(what: str, path: Path, package: str, env: str) -> FileNotFoundError:
@@ -529,7 +538,7 @@ def load_text_corpus(name: str, min_count: int = 5, root: str | None = None, *, 
         if path.is_file():
             try:
                 with np.load(path, allow_pickle=False) as z:
-                    return Corpus(name, z["doc_ptr"], z["words"], tuple(z["vocab"].tolist()))
+                    return _frozen(Corpus(name, z["doc_ptr"], z["words"], tuple(z["vocab"].tolist())))
             except (OSError, ValueError, KeyError):
                 pass  # rebuild below
     corpus = build_corpus(reader(str(base)), name, min_count)

@@ -30,7 +30,8 @@ Per token it pays O(K_d) for the doc bucket and draws a uniform; it walks the wo
 the smoothing bucket (O(K)) only when the draw lands there, which for the short documents and small
 α, β of topic models is a minority of tokens (smoothing: a tiny fraction). Tokens run word by word,
 so each word's topic list is built once per sweep (one O(K) scan of its row, amortized over its tokens).
-``1 / (n_k + Vβ)`` is kept in an array updated at each count change, so the inner loops multiply only.
+``1 / (n_k + Vβ)`` and the current word's ``(n_wk + β) / (n_k + Vβ)`` are kept in arrays updated at
+each count change, so the inner loops multiply only.
 
 Log-likelihood (the collapsed joint ``log p(w, z)``, same formula as the ``lda`` package) is split so
 that each part is computed where its counts live: documents by their executor (:func:`doc_loglik`),
@@ -49,10 +50,11 @@ import math
 import numba as nb
 import numpy as np
 
-__all__ = ["SAMPLERS", "block_loglik", "build_doc_lists", "conditional", "doc_loglik", "doc_offsets", "draw_topics",
-           "lgamma_table", "sweep", "task_seed", "topic_loglik", "warmup"]
+__all__ = ["COUNT_DTYPES", "SAMPLERS", "block_loglik", "build_doc_lists", "conditional", "doc_loglik", "doc_offsets",
+           "draw_topics", "lgamma_table", "sweep", "task_seed", "topic_loglik", "warmup"]
 
 SAMPLERS = {"exact": 0, "sparse": 1}
+COUNT_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))  # word-topic counts: int16 when every word is rarer than 2**15
 _JIT = {"cache": True, "nogil": True}
 
 
@@ -80,7 +82,7 @@ def _next(x: np.uint64) -> tuple[np.uint64, float]:
     x ^= x >> np.uint64(12)
     x ^= x << np.uint64(25)
     x ^= x >> np.uint64(27)
-    return x, float((x * np.uint64(0x2545F4914F6CDD1D)) >> np.uint64(11)) * _U53
+    return x, np.int64((x * np.uint64(0x2545F4914F6CDD1D)) >> np.uint64(11)) * _U53
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,8 +122,8 @@ def _draw_exact(u: float, row: np.ndarray, inv: np.ndarray, dense: np.ndarray, d
 
 
 @nb.njit(**_JIT)
-def _draw_sparse(u: float, row: np.ndarray, inv: np.ndarray, doc_list: np.ndarray, off: int, k0: int,
-                 wnz: np.ndarray, nw: int, q: float, s_sum: float, alpha: float, beta: float,
+def _draw_sparse(u: float, row: np.ndarray, inv: np.ndarray, coef: np.ndarray, doc_list: np.ndarray, off: int,
+                 k0: int, wnz: np.ndarray, nw: int, q: float, s_sum: float, alpha: float, beta: float,
                  cum: np.ndarray) -> tuple[int, int]:
     """``(topic, index in the document's list or -1)``. Doc bucket computed here in O(K_d) (the token's
     own count removed); word bucket ``α q`` and smoothing ``s_sum`` are maintained by the caller.
@@ -138,7 +140,7 @@ def _draw_sparse(u: float, row: np.ndarray, inv: np.ndarray, doc_list: np.ndarra
         c = doc_list[off + 2 + 2 * j]
         if k == k0:
             c -= 1
-        r += c * (row[k] + beta) * inv[k]
+        r += c * coef[k]
         cum[j] = r
     aq = alpha * q if q > 0.0 else 0.0
     u *= r + aq + s_sum
@@ -208,6 +210,7 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
     wnz = np.empty(K, np.int32)
     cum = np.empty(K)
     dense = np.zeros(K)
+    coef = np.empty(K)  # (n_wk + β) / (n_k + Vβ) of the current word
     n = tok_word.shape[0]
     changed = 0
     i = 0
@@ -222,6 +225,7 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
         if sparse:
             for k in range(K):
                 c = row[k]
+                coef[k] = (c + beta) * inv[k]
                 if c > 0:
                     wnz[nw] = k
                     nw += 1
@@ -238,9 +242,11 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
             inv[k0] = i_rm
             rng, u = _next(rng)
             if sparse:
+                coef_old = coef[k0]
+                coef[k0] = (c0 - 1 + beta) * i_rm
                 s_rm = s_sum + ab * (i_rm - i_old)
                 q_rm = q + (c0 - 1) * i_rm - c0 * i_old
-                k, jk = _draw_sparse(u, row, inv, doc_list, off, k0, wnz, nw, q_rm, s_rm, alpha, beta, cum)
+                k, jk = _draw_sparse(u, row, inv, coef, doc_list, off, k0, wnz, nw, q_rm, s_rm, alpha, beta, cum)
             else:
                 s_rm = 0.0
                 q_rm = 0.0
@@ -249,6 +255,8 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
             if k == k0:  # unchanged: restore, the maintained sums never moved
                 row[k0] = c0
                 inv[k0] = i_old
+                if sparse:
+                    coef[k0] = coef_old
                 continue
             changed += 1
             z[t] = k
@@ -263,6 +271,7 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
             invm[k] = i_prev
             inv[k] = 1.0 / (totals[k] + vbeta)
             if sparse:
+                coef[k] = (c + 1 + beta) * inv[k]
                 s_sum = s_rm + ab * (inv[k] - i_prev)
                 q = q_rm + (c + 1) * inv[k] - c * i_prev
                 if mark[k] != w:
@@ -309,14 +318,14 @@ def sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: n
           seed: int = 0) -> int:
     """Resample every token once, in the given order (grouped by word); returns how many changed topic.
 
-    Updates ``rows`` (Vb, K) int32, ``totals`` (K,) int64, ``z`` and ``doc_list`` in place.
+    Updates ``rows`` (Vb, K) int16 or int32, ``totals`` (K,) int64, ``z`` and ``doc_list`` in place.
     ``tok_word`` indexes ``rows``; ``tok_off`` is the offset of the token's document in ``doc_list``
     (see :func:`build_doc_lists`). ``vbeta`` is V·β with V the whole vocabulary (not the block's).
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {sorted(SAMPLERS)}")
-    if rows.dtype != np.int32 or rows.ndim != 2 or totals.dtype != np.int64 or totals.shape != (rows.shape[1],):
-        raise TypeError(f"rows must be (Vb, K) int32 and totals (K,) int64, got {rows.dtype}{rows.shape}, "
+    if rows.dtype not in COUNT_DTYPES or rows.ndim != 2 or totals.dtype != np.int64 or totals.shape != (rows.shape[1],):
+        raise TypeError(f"rows must be (Vb, K) int16 or int32 and totals (K,) int64, got {rows.dtype}{rows.shape}, "
                         f"{totals.dtype}{totals.shape}")
     for name, a in (("tok_word", tok_word), ("tok_off", tok_off), ("z", z), ("doc_list", doc_list)):
         if a.dtype != np.int32:
@@ -422,7 +431,7 @@ def _block_loglik(rows: np.ndarray, table: np.ndarray, colsum: np.ndarray) -> fl
 
 
 def block_loglik(rows: np.ndarray, table: np.ndarray) -> tuple[float, np.ndarray]:
-    """``(Σ_{w,k} lgamma(n_wk + β) - lgamma(β), Σ_w n_wk)`` over a block's rows (int32 (Vb, K)).
+    """``(Σ_{w,k} lgamma(n_wk + β) - lgamma(β), Σ_w n_wk)`` over a block's rows ((Vb, K) int16 or int32).
 
     ``table`` is ``lgamma_table(beta, max word frequency)``: no count can exceed its word's frequency.
     """
@@ -479,11 +488,12 @@ def _draw_many(sparse: bool, doc_list: np.ndarray, k0: int, row: np.ndarray, tot
     q_rm = q + (c0 - 1) * i_rm - c0 * i_old
     cum = np.empty(K)
     dense = np.zeros(K)
+    coef = (row + beta) * inv
     out = np.zeros(K, np.int64)
     for _ in range(n):
         rng, u = _next(rng)
         if sparse:
-            k, _j = _draw_sparse(u, row, inv, doc_list, 0, k0, wnz, nw, q_rm, s_rm, alpha, beta, cum)
+            k, _j = _draw_sparse(u, row, inv, coef, doc_list, 0, k0, wnz, nw, q_rm, s_rm, alpha, beta, cum)
         else:
             k = _draw_exact(u, row, inv, dense, doc_list, 0, k0, alpha, beta, cum)
         out[k] += 1
@@ -521,12 +531,13 @@ def warmup() -> None:
     tok_off = doc_off[[0, 1, 0, 1]].astype(np.int32)
     z = np.array([0, 1, 2, 1], np.int32)
     doc_list = build_doc_lists(tok_off, z, int(doc_off[-1]))
-    rows = np.zeros((V, K), np.int32)
-    np.add.at(rows, (tok_word, z), 1)
-    totals = rows.sum(0).astype(np.int64)
-    for sampler in SAMPLERS:
-        sweep(rows, totals, tok_word, tok_off, z, doc_list, 0.1, 0.01, V * 0.01, sampler, 1)
-        draw_topics(sampler, [0, 1], [1, 1], 0, [1, 0, 0], totals, 0.1, 0.01, V * 0.01, 2)
+    for dtype in COUNT_DTYPES:
+        rows = np.zeros((V, K), dtype)
+        np.add.at(rows, (tok_word, z), 1)
+        totals = rows.sum(0).astype(np.int64)
+        for sampler in SAMPLERS:
+            sweep(rows, totals, tok_word, tok_off, z, doc_list, 0.1, 0.01, V * 0.01, sampler, 1)
+            draw_topics(sampler, [0, 1], [1, 1], 0, [1, 0, 0], totals, 0.1, 0.01, V * 0.01, 2)
+        block_loglik(rows, lgamma_table(0.01, 4))
     doc_loglik(doc_off, doc_list, doc_len, 0.1, K, lgamma_table(0.1, 2))
-    block_loglik(rows, lgamma_table(0.01, 4))
     topic_loglik(totals, 0.01, V)

@@ -60,7 +60,8 @@ def joint_loglik(ndk: np.ndarray, nwk: np.ndarray, alpha: float, beta: float) ->
 def run_lda(corpus: Corpus, K: int, iterations: int, alpha: float, beta: float, seed: int) -> Outcome:
     import lda
 
-    X = sp.csr_matrix((np.ones(corpus.num_tokens, np.int64), corpus.words, corpus.doc_ptr),
+    # copies: csr_matrix keeps the index arrays it is given, and sum_duplicates sorts them in place
+    X = sp.csr_matrix((np.ones(corpus.num_tokens, np.int64), corpus.words.copy(), corpus.doc_ptr.copy()),
                       shape=(corpus.num_docs, corpus.num_words))
     X.sum_duplicates()
     model = lda.LDA(n_topics=K, n_iter=iterations, alpha=alpha, eta=beta, random_state=seed, refresh=iterations)
