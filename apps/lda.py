@@ -248,9 +248,11 @@ class LDAExecutor(litz.Executor):
         totals_before = totals.copy()
         lo, hi = self.input["block_ptr"][block], self.input["block_ptr"][block + 1]
         z = self.state["z"]
-        changed = lk.sweep(rows, totals, self.input["tok_word"][lo:hi], self.input["tok_off"][lo:hi], z[lo:hi],
-                           self.state["doc_list"], cfg["alpha"], cfg["beta"], cfg["num_words"] * cfg["beta"],
-                           cfg["sampler"], lk.task_seed(cfg["seed"], self.executor_id, args["round"]))
+        changed = 0
+        for sweep in range(args["sweeps"]):
+            changed += lk.sweep(rows, totals, self.input["tok_word"][lo:hi], self.input["tok_off"][lo:hi], z[lo:hi],
+                                self.state["doc_list"], cfg["alpha"], cfg["beta"], cfg["num_words"] * cfg["beta"],
+                                cfg["sampler"], lk.task_seed(cfg["seed"], self.executor_id, args["round"], sweep))
         dtotals = totals - totals_before
         if changed:
             delta = (rows - rows_before).reshape(rows3.shape)
@@ -273,8 +275,13 @@ class LDAExecutor(litz.Executor):
 
 
 class LDADriver(litz.Driver):
-    """Three phases: every executor pushes its initial counts; the block rotation runs ``iterations``
-    times ``B`` rounds; optionally (tests) every executor returns its final assignment."""
+    """Three phases: every executor pushes its initial counts; the block rotation runs its rounds;
+    optionally (tests) every executor returns its final assignment.
+
+    ``B`` rounds make a *cycle*, in which each executor holds each block once and resamples its tokens
+    there ``S`` times (``--sweeps-per-task``, default 1), so a cycle is ``S`` iterations (the last cycle
+    may do fewer).
+    """
 
     def dispatch_initial_tasks(self) -> None:
         cfg = self.config
@@ -284,11 +291,13 @@ class LDADriver(litz.Driver):
             raise litz.ConfigError(f"LDA needs executors <= blocks <= chunks, got {E} executors, {self.B} blocks "
                                    f"and {cfg['chunks']} chunks (see --blocks and --chunks)")
         self.iterations = int(cfg["iterations"])
-        self.rotation = litz.BlockRotation(E, self.B, self.iterations * self.B)
+        self.S = int(cfg["sweeps_per_task"])
+        self.cycles = -(-self.iterations // self.S)
+        self.rotation = litz.BlockRotation(E, self.B, self.cycles * self.B)
         self.layout = _layout(cfg)
         self.history: list[dict[str, float]] = []
         self._reports: dict[int, dict[str, Any]] = {}
-        self._changed: dict[int, int] = {}
+        self._changed: dict[int, int] = {}  # cycle -> tokens that changed topic, until reported
         self._in_flight = 0
         self._phase = "init"
         self._left = E
@@ -301,20 +310,25 @@ class LDADriver(litz.Driver):
             self.dispatch_task(e, {"op": "init"})
 
     # -- rotation ------------------------------------------------------------------------------------
-    def _last_use_in_iteration(self, block: int, rnd: int) -> bool:
-        """Whether round ``rnd`` is the last one of its iteration in which some executor holds ``block``."""
+    def _iterations_after(self, cycle: int) -> int:
+        """How many iterations are complete once ``cycle`` is."""
+        return min((cycle + 1) * self.S, self.iterations)
+
+    def _last_use_in_cycle(self, block: int, rnd: int) -> bool:
+        """Whether round ``rnd`` is the last one of its cycle in which some executor holds ``block``."""
         end = (rnd // self.B + 1) * self.B
         return all((block - r) % self.B >= self.num_executors for r in range(rnd + 1, end))
 
     def _dispatch(self, assignments: list[tuple[int, int, int]]) -> None:
         every = self.config["ll_every"]
         for e, rnd, block in assignments:
-            it = rnd // self.B
-            report = (it + 1) % every == 0 or it == self.iterations - 1
-            self.dispatch_task(e, {"op": "sample", "round": rnd, "block": block, "iteration": it,
-                                   "totals": self.totals.copy(),
+            cycle = rnd // self.B
+            after = self._iterations_after(cycle)
+            report = after // every > (cycle * self.S) // every or cycle == self.cycles - 1
+            self.dispatch_task(e, {"op": "sample", "round": rnd, "block": block, "cycle": cycle,
+                                   "sweeps": after - cycle * self.S, "totals": self.totals.copy(),
                                    "report_docs": report and rnd % self.B == self.B - 1,
-                                   "report_words": report and self._last_use_in_iteration(block, rnd)})
+                                   "report_words": report and self._last_use_in_cycle(block, rnd)})
             self._in_flight += 1
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
@@ -339,12 +353,12 @@ class LDADriver(litz.Driver):
                 self._finish()
 
     def _record(self, args: dict[str, Any], value: dict[str, Any]) -> None:
-        it = args["iteration"]
-        self._changed[it] = self._changed.get(it, 0) + value["changed"]
+        cycle = args["cycle"]
+        self._changed[cycle] = self._changed.get(cycle, 0) + value["changed"]
         if not (args["report_docs"] or args["report_words"]):
             return
-        rep = self._reports.setdefault(it, {"docs": 0, "words": 0, "ll": 0.0,
-                                            "totals": np.zeros(self.config["topics"], np.int64)})
+        rep = self._reports.setdefault(cycle, {"docs": 0, "words": 0, "ll": 0.0,
+                                               "totals": np.zeros(self.config["topics"], np.int64)})
         if args["report_docs"]:
             rep["docs"] += 1
             rep["ll"] += value["doc_ll"]
@@ -353,22 +367,25 @@ class LDADriver(litz.Driver):
             rep["ll"] += value["word_ll"]
             rep["totals"] += value["colsum"]
         if rep["docs"] == self.num_executors and rep["words"] == self.B:
-            del self._reports[it]
-            self._iteration_done(it, rep)
+            del self._reports[cycle]
+            self._report(cycle, rep)
 
-    def _iteration_done(self, it: int, rep: dict[str, Any]) -> None:
+    def _report(self, cycle: int, rep: dict[str, Any]) -> None:
+        """One progress line: the log-likelihood after ``cycle``, and the rate since the last line."""
         cfg = self.config
         now = time.perf_counter()
         ll = (rep["ll"] + lk.topic_loglik(rep["totals"], cfg["beta"], cfg["num_words"])) / cfg["num_tokens"]
         self.loglik = ll
-        done = it + 1 - (self.history[-1]["iteration"] if self.history else 0)
+        it = self._iterations_after(cycle)
+        done = it - (self.history[-1]["iteration"] if self.history else 0)
+        changed = sum(self._changed.pop(c) for c in [c for c in self._changed if c <= cycle])
         seconds = now - self._last
         self._last = now
-        entry = {"iteration": it + 1, "loglik": ll, "seconds": seconds, "elapsed": now - self._t0,
-                 "changed": self._changed.pop(it, 0) / cfg["num_tokens"]}
+        entry = {"iteration": it, "loglik": ll, "seconds": seconds, "elapsed": now - self._t0,
+                 "changed": changed / (done * cfg["num_tokens"])}
         self.history.append(entry)
         if not cfg["quiet"]:
-            print(f"iteration {it + 1:4d}/{self.iterations}  log-likelihood per token {ll:.4f}  "
+            print(f"iteration {it:4d}/{self.iterations}  log-likelihood per token {ll:.4f}  "
                   f"changed {entry['changed']:.3f}  "
                   f"{done * cfg['num_tokens'] / seconds / 1e6:6.2f}M tokens/s", flush=True)
 
@@ -440,7 +457,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=32,
                    help="rows of the word-topic table (groups of words; a block is a range of them)")
     p.add_argument("--min-count", type=int, default=5, help="drop words seen fewer times in the corpus")
-    p.add_argument("--ll-every", type=int, default=1, help="report the log-likelihood every N iterations")
+    p.add_argument("--sweeps-per-task", type=int, default=1,
+                   help="resample a block's tokens S times per task: S times fewer rounds (each a few round trips "
+                        "between processes) per iteration, at some cost in mixing per iteration")
+    p.add_argument("--ll-every", type=int, default=1,
+                   help="report the log-likelihood every N iterations (at the end of the cycle reaching them)")
     p.add_argument("--top-words", type=int, default=10, help="words printed per topic at the end")
     p.add_argument("--synthetic-docs", type=int, default=400, help="with --corpus synthetic")
     p.add_argument("--synthetic-doc-len", type=int, default=40, help="with --corpus synthetic")
@@ -453,13 +474,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def make_app(argv: list[str]) -> litz.App:
+    """The app for ``litz launch apps/lda.py ARGV``. It loads the corpus here (cached on disk) because the
+    tables' shapes depend on the vocabulary, and the count dtype on the most frequent word."""
     args = parser().parse_args(argv)
-    if args.topics < 1 or args.iterations < 1 or args.alpha <= 0 or args.beta <= 0 or args.ll_every < 1:
-        raise litz.ConfigError("LDA needs --topics, --iterations and --ll-every >= 1, and --alpha, --beta > 0")
+    if min(args.topics, args.iterations, args.ll_every, args.sweeps_per_task) < 1 or min(args.alpha, args.beta) <= 0:
+        raise litz.ConfigError("LDA needs --topics, --iterations, --ll-every and --sweeps-per-task >= 1, "
+                               "and --alpha, --beta > 0")
     config: dict[str, Any] = {
         "corpus": args.corpus, "min_count": args.min_count, "topics": args.topics, "iterations": args.iterations,
         "alpha": args.alpha, "beta": args.beta, "sampler": args.sampler, "blocks": args.blocks,
-        "ll_every": args.ll_every, "top_words": args.top_words, "seed": args.seed, "collect": args.collect,
+        "ll_every": args.ll_every, "sweeps_per_task": args.sweeps_per_task, "top_words": args.top_words,
+        "seed": args.seed, "collect": args.collect,
         "quiet": args.quiet,
         "synthetic": {"num_docs": args.synthetic_docs, "doc_len": args.synthetic_doc_len,
                       "num_topics": args.synthetic_topics, "seed": args.seed}}

@@ -153,17 +153,14 @@ def _draw_sparse(u: float, row: np.ndarray, inv: np.ndarray, coef: np.ndarray, d
     K = inv.shape[0]
     if u < q:
         acc = 0.0
-        last = -1
-        for j in range(nw):
+        for j in range(nw):  # without a branch on the count: zero-count entries add nothing, never chosen
             k = wnz[j]
-            c = row[k]
-            if c > 0:
-                acc += c * inv[k]
-                last = k
-                if u < acc:
-                    return k, -1
-        if last >= 0:
-            return last, -1
+            acc += row[k] * inv[k]
+            if u < acc:
+                return k, -1
+        for j in range(nw - 1, -1, -1):  # rounding: the last topic with weight
+            if row[wnz[j]] > 0:
+                return wnz[j], -1
         total = 0.0  # q > 0 from rounding alone: draw from the smoothing bucket instead
         for k in range(K):
             total += inv[k]
@@ -308,9 +305,9 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
     return changed
 
 
-def task_seed(seed: int, executor: int, rnd: int) -> int:
-    """A 64-bit seed per (job seed, executor, round): a task's draws are reproducible wherever it runs."""
-    return int(np.random.SeedSequence([seed, executor, rnd]).generate_state(1, np.uint64)[0])
+def task_seed(seed: int, executor: int, rnd: int, sweep: int = 0) -> int:
+    """A 64-bit seed per (job seed, executor, round, sweep): a task draws the same wherever it runs."""
+    return int(np.random.SeedSequence([seed, executor, rnd, sweep]).generate_state(1, np.uint64)[0])
 
 
 def sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: np.ndarray, z: np.ndarray,

@@ -13,10 +13,15 @@ round completed: the worker processes are started, the Numba kernels loaded and 
 pushed before it). A short Litz warm-up run first compiles the kernels into Numba's cache. No system
 computes its log-likelihood during the timed iterations (``lda``: ``refresh`` = iterations; Litz:
 ``--ll-every`` = iterations, one report at the end). Litz: 2 worker processes, 1 server, the app's
-``sparse`` sampler. Peers: ``tomotopy.LDAModel(k, alpha, eta)`` with ``optim_interval = 0`` (fixed
-priors, as the others), 2 threads; ``lda.LDA(k, n_iter, alpha, eta)``, one thread.
+``sparse`` sampler, once with the plain schedule and once with 2 sweeps per task (each task resamples
+its block twice: half the rounds per iteration; see apps/lda.py). Peers: ``tomotopy.LDAModel(k, alpha,
+eta)`` with ``optim_interval = 0`` (fixed priors, as the others), 2 threads; ``lda.LDA(k, n_iter,
+alpha, eta)``, one thread.
 
-Run: ``python bench/bench_lda.py [--topics 20 100] [--iterations 200] [--repeats 1]``
+The last two columns are ratios: tokens per second against tomotopy's (above 1 = faster), and the
+log-likelihood per token against ``lda``'s (positive = higher, i.e. better).
+
+Run: ``python bench/bench_lda.py [--topics 20 100] [--iterations 200] [--sweeps 1 2] [--repeats 1]``
 (about 1.5 minutes for the defaults on 2 cores, most of it ``lda`` at K = 100).
 """
 
@@ -95,10 +100,10 @@ def run_tomotopy(corpus: Corpus, K: int, iterations: int, alpha: float, beta: fl
 
 
 def run_litz(corpus: Corpus, K: int, iterations: int, alpha: float, beta: float, seed: int, workers: int,
-             executors: int, extra: list[str]) -> Outcome:
+             executors: int, sweeps: int, extra: list[str]) -> Outcome:
     app = lda_app.make_app(["--corpus", corpus.name, "--topics", str(K), "--iterations", str(iterations),
                             "--alpha", str(alpha), "--beta", str(beta), "--seed", str(seed), "--quiet", "--collect",
-                            "--ll-every", str(iterations), *extra])
+                            "--ll-every", str(iterations), "--sweeps-per-task", str(sweeps), *extra])
     res = litz.run(app, workers=workers, servers=1, num_executors=executors)
     out = res.value
     ndk = np.zeros((corpus.num_docs, K))
@@ -120,6 +125,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per system (interleaved); the fastest is kept")
     ap.add_argument("--workers", type=int, default=2, help="Litz worker processes")
     ap.add_argument("--executors", type=int, default=2, help="Litz executors (default: one per worker)")
+    ap.add_argument("--sweeps", type=int, nargs="+", default=[1, 2],
+                    help="Litz runs with these --sweeps-per-task (1 = the plain schedule)")
     ap.add_argument("--threads", type=int, default=2, help="tomotopy threads")
     ap.add_argument("--skip-lda", action="store_true", help="leave out the (slow, one-thread) lda package")
     ap.add_argument("--seed", type=int, default=1)
@@ -131,34 +138,32 @@ def main() -> None:
     N = corpus.num_tokens
     print(f"LDA, {args.corpus}: {corpus.num_docs} documents, {N} tokens, {corpus.num_words} words; "
           f"alpha {args.alpha}, beta {args.beta}, {args.iterations} iterations", flush=True)
-    run_litz(corpus, args.topics[0], 2, args.alpha, args.beta, args.seed, args.workers, args.executors,
+    run_litz(corpus, args.topics[0], 2, args.alpha, args.beta, args.seed, args.workers, args.executors, 1,
              args.litz_args)  # warm-up: Numba cache, corpus cache, page cache
+    litz_names = [f"litz S={s}" for s in args.sweeps]
     for K in args.topics:
-        runs: dict[str, list[Outcome]] = {"litz": [], "tomotopy": [], "lda": []}
+        runs: dict[str, list[Outcome]] = {name: [] for name in [*litz_names, "tomotopy", "lda"]}
         for _ in range(args.repeats):
-            runs["litz"].append(run_litz(corpus, K, args.iterations, args.alpha, args.beta, args.seed, args.workers,
-                                         args.executors, args.litz_args))
+            for name, sweeps in zip(litz_names, args.sweeps, strict=True):
+                runs[name].append(run_litz(corpus, K, args.iterations, args.alpha, args.beta, args.seed,
+                                           args.workers, args.executors, sweeps, args.litz_args))
             runs["tomotopy"].append(run_tomotopy(corpus, K, args.iterations, args.alpha, args.beta, args.seed,
                                                  args.threads))
             if not args.skip_lda:
                 runs["lda"].append(run_lda(corpus, K, args.iterations, args.alpha, args.beta, args.seed))
         best = {name: min(outs, key=lambda o: o.seconds) for name, outs in runs.items() if outs}
-        labels = {"litz": f"Litz ({args.workers} workers, {args.executors} executors)",
-                  "tomotopy": f"tomotopy ({args.threads} threads)", "lda": "lda (1 thread)"}
-        print(f"\nK = {K}")
-        print(f"{'system':<34} {'seconds':>8} {'M tokens/s':>11} {'loglik/token':>13}")
+        labels = {name: f"Litz, {sweeps} sweep{'s' if sweeps > 1 else ''}/task"
+                  for name, sweeps in zip(litz_names, args.sweeps, strict=True)}
+        labels.update({"tomotopy": f"tomotopy ({args.threads} threads)", "lda": "lda (1 thread)"})
+        ref = best.get("lda", best["tomotopy"])
+        ref_name = "lda" if "lda" in best else "tomotopy"
+        print(f"\nK = {K}   (Litz: {args.workers} workers, {args.executors} executors, 1 server)")
+        print(f"{'system':<26} {'seconds':>8} {'M tokens/s':>11} {'loglik/token':>13} {'tokens/s ÷ tomotopy':>20} "
+              f"{'loglik vs ' + ref_name:>16}")
         for name, o in best.items():
-            print(f"{labels[name]:<34} {o.seconds:8.2f} {o.tokens_per_second(N, args.iterations) / 1e6:11.2f} "
-                  f"{o.loglik:13.4f}")
-        litz_o, tomo = best["litz"], best["tomotopy"]
-        print(f"tokens/s  Litz / tomotopy = {tomo.seconds / litz_o.seconds:.2f}", end="")
-        if "lda" in best:
-            print(f",  Litz / lda = {best['lda'].seconds / litz_o.seconds:.2f}")
-            gap = (litz_o.loglik - best["lda"].loglik) / abs(best["lda"].loglik)
-            print(f"loglik    Litz vs lda: {gap:+.2%} (positive = Litz higher),  tomotopy vs lda: "
-                  f"{(tomo.loglik - best['lda'].loglik) / abs(best['lda'].loglik):+.2%}", flush=True)
-        else:
-            print(f"\nloglik    Litz vs tomotopy: {(litz_o.loglik - tomo.loglik) / abs(tomo.loglik):+.2%}", flush=True)
+            print(f"{labels[name]:<26} {o.seconds:8.2f} {o.tokens_per_second(N, args.iterations) / 1e6:11.2f} "
+                  f"{o.loglik:13.4f} {best['tomotopy'].seconds / o.seconds:20.2f} "
+                  f"{(o.loglik - ref.loglik) / abs(ref.loglik):+16.2%}", flush=True)
 
 
 if __name__ == "__main__":

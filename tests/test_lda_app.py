@@ -177,11 +177,14 @@ def test_litz_launch_lda_prints_progress_topics_and_loglik() -> None:
     proc = _litz("launch", "apps/lda.py", "--help")
     assert proc.returncode == 0 and "--sampler" in proc.stdout and "--corpus" in proc.stdout
     job = f"cli-lda-{time.time_ns()}"
+    # 3 sweeps per task: cycles of 3, 3 and 2 iterations, one progress line after each
     proc = _litz("launch", "apps/lda.py", "--workers", "2", "--executors", "2", "--job", job, "--corpus",
-                 "synthetic", "--topics", "5", "--iterations", "8", "--sampler", "exact", "--top-words", "3")
+                 "synthetic", "--topics", "5", "--iterations", "8", "--sampler", "exact", "--top-words", "3",
+                 "--sweeps-per-task", "3")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert sum(line.startswith("iteration ") and "log-likelihood per token" in line for line in lines) == 8
+    progress = [line for line in lines if line.startswith("iteration ") and "log-likelihood per token" in line]
+    assert [line.split()[1] for line in progress] == ["3/8", "6/8", "8/8"]
     assert sum(line.startswith("topic ") for line in lines) == 5
     assert lines[-1].startswith("log-likelihood per token -")
     value = lines[-1].split()[-1]
