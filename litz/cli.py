@@ -90,6 +90,9 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", default=None, metavar="C",
                    help="checkpoint every C iterations of the driver (5) or seconds (30s); also on demand "
                         "with litz checkpoint --job NAME")
+    p.add_argument("--recovery", default=None, choices=["partial", "full"],
+                   help="survive the loss of a server: partial (SCAR) restores only its shards from the newest "
+                        "checkpoint onto the others (full: not implemented yet)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="start from the newest complete checkpoint in DIR (or the checkpoint DIR itself)")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
@@ -125,7 +128,7 @@ def launch(argv: list[str]) -> int:
         result = run(app, workers=opts.workers, servers=opts.servers, num_executors=opts.executors,
                      job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
                      host=opts.host, checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
-                     resume=opts.resume)
+                     resume=opts.resume, recovery=opts.recovery)
     except TaskError as exc:
         print(f"litz: job failed: {exc}", file=sys.stderr)
         return 1

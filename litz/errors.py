@@ -37,4 +37,8 @@ class TaskError(LitzError):
 
 
 class ProcessLost(LitzError):
-    """A worker or server process of the job died or lost its etcd lease."""
+    """A worker or server process of the job died or lost its etcd lease (``ident``: which)."""
+
+    def __init__(self, message: str, ident: str | None = None) -> None:
+        super().__init__(message)
+        self.ident = ident

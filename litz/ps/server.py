@@ -82,13 +82,21 @@ class ShardStore:
         return [(name, shard, key, row.copy()) for shard, tables in self.shards.items()
                 for name, rows in tables.items() for key, row in rows.items()]
 
-    def restore(self, where: dict[str, Any]) -> None:
+    def adopt(self, shards: list[int], where: dict[str, Any] | None) -> None:
+        """Take over shards whose server died: empty, then filled from a checkpoint if there is one."""
+        for shard in shards:
+            self.forward.pop(shard, None)
+            self.shards[shard] = {name: {} for name in self.tables}
+        if where is not None:
+            self.restore(where, only=set(shards))
+
+    def restore(self, where: dict[str, Any], only: set[int] | None = None) -> None:
         """Load this server's shards' rows from a checkpoint (every server file is read; the
         rows of shards hosted elsewhere are skipped)."""
         fs, _ = storage.filesystem(where["location"])
         for name in where["files"]:
             for table_name, shard, key, raw in storage.read_shards(fs, f"{where['path']}/{name}"):
-                if shard in self.shards:
+                if shard in self.shards and (only is None or shard in only):
                     table = lookup(self.tables, table_name)
                     row = np.frombuffer(raw, dtype=table.dtype).reshape(table.shape).copy()
                     self.shards[shard][table.name][key] = row
@@ -196,7 +204,8 @@ class ServerNode(Node):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sub_rid = 0
-        self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]], str]] = {}
+        # forwarded request id -> (the request, its parts [(item, positions)], where to, the sub-items)
+        self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]], str, list[Any]]] = {}
         self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         self.forwarded = 0
         self.shards_out = 0
@@ -260,14 +269,19 @@ class ServerNode(Node):
                 pend.errors[i] = str(exc)
                 if kind == "update":
                     log.warning("refused an update: %s", exc)
-        for dest, parts in subs.items():
-            self._sub_rid += 1
-            self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts], dest)
-            pend.outstanding += 1
-            self.forwarded += 1
-            self.endpoint.send(dest, kind, rid=self._sub_rid, items=[sub for _, _, sub in parts])
+        self._send_subs(pend, subs)
         if not pend.outstanding:
             self._reply(pend)
+
+    def _send_subs(self, pend: _Pending, subs: dict[str, list[tuple[int, list[int], list[Any]]]]) -> None:
+        """Forward parts of a request: to each server, ``(item, positions, sub-item)`` triples."""
+        for dest, parts in subs.items():
+            self._sub_rid += 1
+            items = [sub for _, _, sub in parts]
+            self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts], dest, items)
+            pend.outstanding += 1
+            self.forwarded += 1
+            self.endpoint.send(dest, pend.kind, rid=self._sub_rid, items=items)
 
     def _reply(self, pend: _Pending) -> None:
         extra: dict[str, Any] = {"moved": pend.moved} if pend.moved else {}
@@ -282,7 +296,7 @@ class ServerNode(Node):
         if entry is None:
             log.warning("%s: reply to unknown forwarded request %r", self.ident, rid)
             return
-        pend, parts, _ = entry
+        pend, parts, _, _ = entry
         for n, (i, idx) in enumerate(parts):
             if errors[n] is not None:
                 pend.errors[i] = errors[n]
@@ -326,7 +340,7 @@ class ServerNode(Node):
     def _answer_routes(self) -> None:
         if not self._route_acks:
             return
-        busy = {dest for _, _, dest in self._subs.values()}
+        busy = {entry[2] for entry in self._subs.values()}
         for entry in [e for e in self._route_acks if not (e[2] & busy)]:
             self._route_acks.remove(entry)
             self.endpoint.send(entry[0], "routes_ack", rid=entry[1])
@@ -344,6 +358,38 @@ class ServerNode(Node):
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
+
+    # -- SCAR partial recovery --------------------------------------------------------------------
+    def on_restore_shards(self, msg: Message) -> None:
+        """Host shards of a server that died, with their rows from the running checkpoint (or
+        fresh rows if there is none yet); answer once they are served here."""
+        self._store().adopt(list(msg["shards"]), msg.get("restore"))
+        self.shards_in += len(msg["shards"])
+        self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"])
+
+    def on_server_lost(self, msg: Message) -> None:
+        """A server died: forward to the new owners of its shards, and send again what it never answered."""
+        lost, shard_map = msg["server"], msg["shard_map"]
+        store = self._store()
+        for shard, dest in list(store.forward.items()):
+            if dest == lost:
+                store.forward[shard] = shard_map[shard]
+        for rid, (pend, parts, dest, items) in list(self._subs.items()):
+            if dest != lost:
+                continue
+            del self._subs[rid]
+            pend.outstanding -= 1
+            subs: dict[str, list[tuple[int, list[int], list[Any]]]] = {}
+            for (i, idx), sub in zip(parts, items, strict=True):
+                by_owner: dict[str, list[int]] = {}
+                for j, key in enumerate(sub[1]):
+                    by_owner.setdefault(shard_map[shard_of(key, store.num_shards)], []).append(j)
+                for owner, js in by_owner.items():
+                    part = [sub[0], [sub[1][j] for j in js], *([sub[2][js]] if pend.kind == "update" else [])]
+                    subs.setdefault(owner, []).append((i, [idx[j] for j in js], part))
+            self._send_subs(pend, subs)
+            if not pend.outstanding:
+                self._reply(pend)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_checkpoint(self, msg: Message) -> None:

@@ -70,6 +70,7 @@ class LocalCluster:
         self._etcd: LocalEtcd | None = None
         self._agent: Membership | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self._reported: set[str] = set()  # children whose failure was reported
         self.rundir = Path(tempfile.mkdtemp(prefix=f"{job}-"))
         self._stopping = False
 
@@ -153,10 +154,11 @@ class LocalCluster:
         """Raise ProcessLost if a child failed (exit code 0 means it left on request)."""
         for ident, proc in self.children.items():
             code = proc.poll()
-            if code:
+            if code and ident not in self._reported:
+                self._reported.add(ident)  # reported once: the master may recover and go on
                 tail = self.log_tail(ident)
                 raise ProcessLost(f"process {ident} (pid {proc.pid}) exited with code {code}"
-                                  + (f"; its log ends with:\n{tail}" if tail else ""))
+                                  + (f"; its log ends with:\n{tail}" if tail else ""), ident)
 
     # -- stop ---------------------------------------------------------------------------------
     def stop(self, timeout: float = 5.0) -> None:
@@ -195,7 +197,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         job: str | None = None, etcd: str | None = None, options: dict[str, Any] | None = None,
         startup_timeout: float = 60.0, secret_file: str | os.PathLike[str] | None = None,
         host: str = "127.0.0.1", checkpoint_dir: str | None = None, checkpoint_every: str | None = None,
-        resume: str | None = None) -> JobResult:
+        resume: str | None = None, recovery: str | None = None) -> JobResult:
     """Run a job to completion and return its result.
 
     With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
@@ -210,6 +212,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     on demand (``litz checkpoint``, ``Driver.checkpoint()``) and every ``checkpoint_every``
     (``"30s"``: seconds; ``"5"``: driver iterations). ``resume`` starts from the newest
     complete checkpoint there (or the one named): tables, executor states and the driver.
+    ``recovery="partial"`` (SCAR) survives the loss of a server: only its shards are restored,
+    from the newest checkpoint, onto the other servers; nothing else rolls back.
     """
     job = job or new_job_name()
     options = dict(options or {})
@@ -224,6 +228,15 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
     elif checkpoint_every:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+    if recovery is not None:
+        if recovery == "full":
+            raise ConfigError("--recovery full (roll everything back to the last checkpoint) is not implemented "
+                              "yet; use --recovery partial")
+        if recovery != "partial":
+            raise ConfigError(f"--recovery takes partial, got {recovery!r}")
+        if not checkpoint_dir:
+            raise ConfigError("--recovery partial restores lost shards from checkpoints: it needs --checkpoint-dir")
+        options["recovery"] = recovery
     if secret_file is None:
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None
     driver = app.driver()

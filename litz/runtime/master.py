@@ -327,6 +327,10 @@ class Master:
         ckpt_dir = self.options.get("checkpoint_dir")
         self.checkpoints = CheckpointCoordinator(ckpt_dir, self.options.get("checkpoint_every")) if ckpt_dir else None
         self._ckpt_commands: list[str] = []  # `litz checkpoint` command ids waiting for a round
+        self.recovery = self.options.get("recovery")  # None: a lost process stops the job; "partial": SCAR
+        self.lost: set[str] = set()
+        self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
+        self._restoring: dict[str, Any] | None = None  # the server recovery in progress
         self.retiring: set[str] = set()  # processes told to leave that have not said goodbye yet
         self._route_rid = 0
         self._route_waits: dict[int, set[str]] = {}  # routes request -> processes yet to answer
@@ -369,6 +373,8 @@ class Master:
             status["progress"] = self.driver.progress()
         status["scaling"] = self.elastic.op is not None
         status["scale_history"] = self.elastic.history[-5:]
+        if self.recoveries:
+            status["recoveries"] = self.recoveries[-5:]
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = self.checkpoints.completed[-5:]
@@ -379,14 +385,17 @@ class Master:
 
     def _check_health(self) -> None:
         if self.health_check is not None:
-            self.health_check()
+            try:
+                self.health_check()
+            except ProcessLost as exc:
+                self._process_lost(exc.ident, str(exc))
         self.elastic.tick()  # time-outs of scale operations
         for ev in self.membership.poll_events():
             if ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
                 ident = ev.key.rsplit("/", 1)[-1]
                 if ident in self.state.workers or ident in self.state.servers:
                     if ident not in self._byes:
-                        raise ProcessLost(f"process {ident} left the job (its etcd lease ended)")
+                        self._process_lost(ident, f"process {ident} left the job (its etcd lease ended)")
             elif ev.kind == "put" and ev.key.startswith(PROCS) and ev.value and "addr" in ev.value:
                 self.procs[ev.value["id"]] = ev.value
                 self.endpoint.connect(ev.value["id"], ev.value["addr"])
@@ -423,6 +432,8 @@ class Master:
             if msg["mid"] in self.state.shard_migrations:
                 self.state.finish_shard_migration(msg["mid"])
                 self.elastic.tick()
+        elif msg.type == "shards_restored":
+            self._shards_restored(msg.sender)
         elif msg.type == "checkpoint_snapshot":
             if self.checkpoints is not None and self.checkpoints.snapshot_taken(msg["cid"], msg.sender):
                 assert self.state is not None
@@ -551,6 +562,76 @@ class Master:
     def dispatch(self, executor_id: int, args: Any) -> int:
         assert self.state is not None
         return self.state.dispatch(executor_id, args)
+
+    # -- failures (SCAR partial recovery) ------------------------------------------------------
+    def _process_lost(self, ident: str | None, reason: str) -> None:
+        """A process died: recover if the job asked for it and it can be done, else stop the job."""
+        st = self.state
+        if ident is None or ident in self.lost or st is None:
+            if ident in self.lost:
+                return
+            raise ProcessLost(reason, ident)
+        recoverable = (self.recovery == "partial" and ident in st.servers and len(st.servers) > 1
+                       and self._restoring is None and self.elastic.op is None
+                       and not any(ident in (src, dest) for _, src, dest in st.shard_migrations.values()))
+        if not recoverable:
+            why = "" if self.recovery else " (launch with --recovery partial and --checkpoint-dir to survive this)"
+            raise ProcessLost(reason + why, ident)
+        log.error("%s; restoring its shards on the other servers", reason)
+        self._recover_server(ident)
+
+    def _recover_server(self, lost: str) -> None:
+        """SCAR: restore only the dead server's shards, from the running checkpoint, on the survivors."""
+        st = self.state
+        assert st is not None
+        self.lost.add(lost)
+        self.procs.pop(lost, None)
+        st.servers.remove(lost)
+        shards = st.shards_of(lost)
+        load = {s: len(st.shards_of(s)) for s in st.servers}
+        assign: dict[str, list[int]] = {}
+        for shard in shards:  # each to the least loaded survivor
+            dest = min(st.servers, key=lambda s: (load[s], s))
+            load[dest] += 1
+            assign.setdefault(dest, []).append(shard)
+        where = None
+        if self.checkpoints is not None:
+            try:
+                _, path, manifest = storage.find_checkpoint(self.checkpoints.location)
+                where = {"location": self.checkpoints.location, "path": path, "files": manifest["shards_files"]}
+            except storage.CheckpointError:
+                log.error("no complete checkpoint yet: the shards of %s restart from their initial values", lost)
+        for dest, ss in assign.items():
+            self.endpoint.send(dest, "restore_shards", shards=ss, **({"restore": where} if where else {}))
+        self._restoring = {"server": lost, "assign": assign, "waiting": set(assign), "started": time.monotonic(),
+                           "from": where["path"] if where else None}
+        ck = self.checkpoints
+        if ck is not None and ck.round is not None:  # a round in progress can no longer be complete
+            r = ck.round
+            if ck.snapshot_taken(r.cid, lost):
+                st.release_paused()
+            if ck.written(r.cid, lost, [], f"{lost} died during the checkpoint"):
+                self._finish_checkpoint()
+
+    def _shards_restored(self, sender: str) -> None:
+        rec, st = self._restoring, self.state
+        if rec is None or st is None:
+            return
+        rec["waiting"].discard(sender)
+        if rec["waiting"]:
+            return
+        for dest, ss in rec["assign"].items():
+            for shard in ss:
+                st.shard_map[shard] = dest
+        for ident in st.workers + st.servers:  # only now may requests reach the new owners
+            self.endpoint.send(ident, "server_lost", server=rec["server"], shard_map=st.shard_map)
+        self._restoring = None
+        self.recoveries.append({"lost": rec["server"], "role": "server", "strategy": "partial",
+                                "shards": sum(len(v) for v in rec["assign"].values()),
+                                "restored_from": rec["from"], "onto": sorted(rec["assign"]),
+                                "seconds": time.monotonic() - rec["started"], "time": time.time()})
+        log.warning("recovered from the loss of %s: %d shards restored from %s", rec["server"],
+                    self.recoveries[-1]["shards"], rec["from"] or "their initial values")
 
     # -- checkpoints (litz.ft.checkpoint) ------------------------------------------------------
     def _restore_fields(self) -> dict[str, dict[str, Any]]:
@@ -801,6 +882,9 @@ class Master:
                 self._send_outbox()
             if self.options.get("collect_stats", True):
                 stats = self.collect_stats()
+            stats.setdefault("master", {"role": "master"}).update({"recoveries": list(self.recoveries),
+                               "checkpoints": list(self.checkpoints.completed) if self.checkpoints else [],
+                               "scale_history": list(self.elastic.history)})
             self.publish_status("finished")
         except BaseException:
             self.publish_status("failed")

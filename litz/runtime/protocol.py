@@ -133,6 +133,13 @@ MESSAGES: dict[str, MessageType] = _declare(
     # shard_map instead of them, ignore hints naming them, and answer once nothing is pending there
     MessageType("routes", {"rid": "int", "shard_map": "list", "gone": "list"}),
     MessageType("routes_ack", {"rid": "int"}),
+    # -- SCAR partial recovery (DESIGN.md §5) --
+    # master -> surviving server: host these shards of a dead server, rows from the checkpoint
+    MessageType("restore_shards", {"shards": "list", "restore?": "dict"}),
+    MessageType("shards_restored", {"shards": "list"}),
+    # master -> workers and servers, once its shards are restored: route around the dead
+    # server and send again every request it never answered
+    MessageType("server_lost", {"server": "str", "shard_map": "list"}),
     # -- checkpoints (DESIGN.md §5) --
     # master -> workers and servers (all tasks completed, none running): copy your state in
     # memory, answer checkpoint_snapshot at once, then write it under path and answer

@@ -116,6 +116,9 @@ class Worker(Node):
         self._to_fetch: dict[str, dict[str, list[tuple[Hashable, int]]]] = {}
         self._fetching: dict[int, list[tuple[str, list[Hashable], list[int]]]] = {}
         self._sent_to: dict[int, str] = {}  # request id -> server, until answered
+        self._update_items: dict[int, list[Any]] = {}  # update rid -> its items, until answered
+        self._replaces: dict[int, int] = {}  # rid of an update sent again -> the rid it stands for
+        self._parts: dict[int, int] = {}  # original rid -> parts still unanswered (when sent again)
         self._gone: set[str] = set()  # servers that left: never route to them again
         self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         # completion barrier: update rids not yet acknowledged, and completions waiting on them
@@ -420,8 +423,15 @@ class Worker(Node):
 
     # -- hub: updates and completions -----------------------------------------------------
     def _send_updates(self, drained: dict[str, tuple[list[Hashable], list[np.ndarray]]]) -> None:
+        items = [[name, keys, rows] for name, (keys, rows) in drained.items()]
+        for rid in self._send_update_groups(self._by_owner(items)):
+            self._unacked.add(rid)
+            self._last_update_rid = rid
+
+    def _by_owner(self, items: list[list[Any]]) -> dict[str, list[Any]]:
+        """Split update items ``[table, keys, rows]`` by the server that owns each key's shard."""
         by_server: dict[str, list[Any]] = {}
-        for name, (keys, rows) in drained.items():
+        for name, keys, rows in items:
             groups: dict[str, tuple[list[Hashable], list[np.ndarray]]] = {}
             for key, row in zip(keys, rows, strict=True):
                 g = groups.setdefault(self.shard_map[shard_of(key, self.num_shards)], ([], []))
@@ -429,12 +439,57 @@ class Worker(Node):
                 g[1].append(row)
             for server, (gkeys, grows) in groups.items():
                 by_server.setdefault(server, []).append([name, gkeys, np.stack(grows)])
+        return by_server
+
+    def _send_update_groups(self, by_server: dict[str, list[Any]]) -> list[int]:
+        rids = []
         for server, items in by_server.items():
             self._rid += 1
-            self._unacked.add(self._rid)
             self._sent_to[self._rid] = server
-            self._last_update_rid = self._rid
+            self._update_items[self._rid] = items  # kept until acknowledged: a lost server's are sent again
             self.endpoint.send(server, "update", rid=self._rid, items=items)
+            rids.append(self._rid)
+        return rids
+
+    def _acked(self, rid: int) -> None:
+        """An update message was answered; its barrier lifts once every part of it was."""
+        self._update_items.pop(rid, None)
+        orig = self._replaces.pop(rid, rid)
+        left = self._parts.get(orig, 1) - 1
+        if left > 0:
+            self._parts[orig] = left
+        else:
+            self._parts.pop(orig, None)
+            self._unacked.discard(orig)
+
+    def on_server_lost(self, msg: Message) -> None:
+        """A server died and its shards were restored on others (SCAR partial recovery): route
+        to their new owners and send again what it never answered, fetches and updates alike.
+        The updates land on the restored rows, which predate them."""
+        lost = msg["server"]
+        self._gone.add(lost)
+        for shard, server in enumerate(msg["shard_map"]):
+            if self.shard_map[shard] == lost:
+                self.shard_map[shard] = server
+        for rid, server in list(self._sent_to.items()):
+            if server != lost:
+                continue
+            del self._sent_to[rid]
+            if rid in self._fetching:
+                for name, keys, versions in self._fetching.pop(rid):
+                    for key, version in zip(keys, versions, strict=True):
+                        owner = self.shard_map[shard_of(key, self.num_shards)]
+                        self._to_fetch.setdefault(owner, {}).setdefault(name, []).append((key, version))
+            elif rid in self._update_items:
+                orig = self._replaces.pop(rid, rid)
+                new = self._send_update_groups(self._by_owner(self._update_items.pop(rid)))
+                self._replaces.update(dict.fromkeys(new, orig))
+                self._parts[orig] = self._parts.get(orig, 1) - 1 + len(new)
+                if not self._parts[orig]:
+                    del self._parts[orig]
+                    self._unacked.discard(orig)
+        self._send_fetches()
+        self._release()
 
     def flush(self) -> None:
         """Send the update log; completions recorded so far wait for its acknowledgement."""
@@ -447,7 +502,7 @@ class Worker(Node):
 
     def on_update_ack(self, msg: Message) -> None:
         self._learn_moves(msg)
-        self._unacked.discard(msg["rid"])
+        self._acked(msg["rid"])
         for err in msg["errors"]:
             if err is not None:
                 self.update_errors.append(err)
@@ -495,8 +550,8 @@ class Worker(Node):
                     for wait in self.cache.fail(name, key):
                         wait.error = f"fetch of table {name!r} key {key!r} failed: {msg['reason']}"
                         self._resume(wait)
-        elif isinstance(rid, int) and rid in self._unacked:
-            self._unacked.discard(rid)
+        elif isinstance(rid, int) and (rid in self._unacked or rid in self._replaces):
+            self._acked(rid)
             self.update_errors.append(msg["reason"])
             self._release()
         log.error("%s: error from %s: %s", self.ident, msg.sender, msg["reason"])

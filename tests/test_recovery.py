@@ -1,0 +1,135 @@
+"""Surviving failures (issue 4): a server killed with SIGKILL during a job, SCAR partial recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import litz
+from litz.cli import job_status
+from litz.errors import ConfigError
+from litz.ps.tables import shard_of
+from tests import testapps
+from tests.conftest import processes_mentioning
+from tests.test_mlr_app import needs_data
+
+
+def _start(app: litz.App, **kw) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["res"] = litz.run(app, **kw)
+        except BaseException as exc:  # reported by the test
+            out["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t, out
+
+
+def _status_when(job: str, cond, timeout: float = 120.0) -> dict:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = job_status(job)
+            if cond(st):
+                return st
+        except litz.LitzError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"job {job}: condition not met in {timeout} s")
+
+
+def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"scar-{time.time_ns()}"
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    t, out = _start(app, workers=2, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+                    checkpoint_every="0.5s", recovery="partial")
+    try:
+        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        victim = next(p for p in st["processes"] if p["role"] == "server" and p["id"] == "s1")
+        lost_shards = victim["shards"]
+        os.kill(victim["pid"], signal.SIGKILL)
+        st = _status_when(job, lambda s: s["master"].get("recoveries"))
+        rec = st["master"]["recoveries"][0]
+        assert rec["lost"] == "s1" and rec["shards"] == len(lost_shards) and rec["restored_from"]
+        servers = {p["id"]: p["shards"] for p in st["processes"] if p["role"] == "server" and p["id"] != "s1"}
+        assert sorted(s for v in servers.values() for s in v) == list(range(64))
+        time.sleep(1.0)  # training goes on over the restored shards
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    res = out["res"].value
+    for seqs in res["done_seq"]:  # the driver and the executors never rolled back
+        assert sorted(seqs) == list(range(len(seqs)))
+    rows = range(16)
+    kept = [k for k in rows if shard_of(k, 64) not in lost_shards]
+    lost = [k for k in rows if shard_of(k, 64) in lost_shards]
+    assert kept and lost
+    np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])  # surviving rows: exact
+    assert not np.array_equal(res["final"][lost], res["truth"][lost])  # lost rows: back to the checkpoint
+    assert processes_mentioning(job) == []
+
+
+def test_without_recovery_a_killed_server_stops_the_job_cleanly(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"noscar-{time.time_ns()}"
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0)
+    t, out = _start(app, workers=1, servers=2, job=job)
+    st = _status_when(job, lambda s: s["master"].get("phase") == "running")
+    os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "s1"), signal.SIGKILL)
+    t.join(30)
+    assert isinstance(out.get("error"), litz.LitzError) and "s1" in str(out["error"])
+    assert "--recovery partial" in str(out["error"])
+    assert processes_mentioning(job) == []
+
+
+def test_recovery_options_are_checked_before_anything_starts() -> None:
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    with pytest.raises(ConfigError, match="needs --checkpoint-dir"):
+        litz.run(app, recovery="partial")
+    with pytest.raises(ConfigError, match="not implemented"):
+        litz.run(app, recovery="full", checkpoint_dir="/tmp/x")
+
+
+def _epoch(st: dict) -> int:
+    progress = st["master"].get("progress", "")
+    return int(progress.split()[1].split("/")[0]) if progress.startswith("epoch ") else -1
+
+
+@needs_data
+def test_mlr_reaches_its_accuracy_after_losing_a_server(tmp_path: Path, monkeypatch) -> None:
+    from apps import mlr
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    argv = ["--epochs", "16", "--quiet"]
+    baseline = litz.run(mlr.make_app(argv), workers=2, servers=2, num_executors=8).value["test_accuracy"]
+    job = f"mlr-scar-{time.time_ns()}"
+    t, out = _start(mlr.make_app(argv), workers=2, servers=2, num_executors=8, job=job,
+                    checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="20", recovery="partial")
+    try:
+        st = _status_when(job, lambda s: _epoch(s) >= 4)
+        assert _epoch(st) < 12, "the job must still be running when the server dies"
+        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "s1"), signal.SIGKILL)
+    finally:
+        t.join(120)
+    assert "error" not in out, out.get("error")
+    accuracy = out["res"].value["test_accuracy"]
+    assert accuracy >= baseline - 0.005, (accuracy, baseline)
+    [rec] = out["res"].stats["master"]["recoveries"]
+    assert rec["lost"] == "s1" and rec["restored_from"] and rec["shards"] == 32
+    assert processes_mentioning(job) == []
