@@ -63,7 +63,7 @@ def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_pa
         os.kill(victim["pid"], signal.SIGKILL)
         st = _status_when(job, lambda s: s["master"].get("recoveries"))
         rec = st["master"]["recoveries"][0]
-        assert rec["lost"] == "s1" and rec["shards"] == len(lost_shards) and rec["restored_from"]
+        assert rec["lost"] == "s1" and rec["restored"] == len(lost_shards) and rec["restored_from"]
         servers = {p["id"]: p["shards"] for p in st["processes"] if p["role"] == "server" and p["id"] != "s1"}
         assert sorted(s for v in servers.values() for s in v) == list(range(64))
         time.sleep(1.0)  # training goes on over the restored shards
@@ -131,5 +131,61 @@ def test_mlr_reaches_its_accuracy_after_losing_a_server(tmp_path: Path, monkeypa
     accuracy = out["res"].value["test_accuracy"]
     assert accuracy >= baseline - 0.005, (accuracy, baseline)
     [rec] = out["res"].stats["master"]["recoveries"]
-    assert rec["lost"] == "s1" and rec["restored_from"] and rec["shards"] == 32
+    assert rec["lost"] == "s1" and rec["restored_from"] and rec["restored"] == 32
+    assert processes_mentioning(job) == []
+
+
+def test_killed_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"scar-w-{time.time_ns()}"
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    t, out = _start(app, workers=3, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+                    checkpoint_every="0.5s", recovery="partial")
+    try:
+        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        victim = next(p for p in st["processes"] if p["id"] == "w1")
+        os.kill(victim["pid"], signal.SIGKILL)
+        st = _status_when(job, lambda s: s["master"].get("recoveries"))
+        rec = st["master"]["recoveries"][0]
+        assert rec["lost"] == "w1" and rec["role"] == "worker" and rec["restored"] == len(victim["executors"])
+        workers = {p["id"]: p["executors"] for p in st["processes"] if p["role"] == "worker" and p["id"] != "w1"}
+        assert sorted(e for v in workers.values() for e in v) == list(range(6))
+        time.sleep(1.0)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    res = out["res"].value
+    for e, seqs in enumerate(res["done_seq"]):
+        if e in victim["executors"]:  # rolled back to the checkpoint: counts repeat, with no gap
+            assert set(seqs) == set(range(max(seqs) + 1)) and len(seqs) > len(set(seqs)) >= 1
+        else:  # the others never rolled back
+            assert sorted(seqs) == list(range(len(seqs)))
+    assert processes_mentioning(job) == []
+
+
+@needs_data
+def test_mlr_reaches_its_accuracy_after_losing_a_worker(tmp_path: Path, monkeypatch) -> None:
+    from apps import mlr
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    argv = ["--epochs", "16", "--quiet"]
+    baseline = litz.run(mlr.make_app(argv), workers=2, servers=1, num_executors=8).value["test_accuracy"]
+    job = f"mlr-scar-w-{time.time_ns()}"
+    t, out = _start(mlr.make_app(argv), workers=2, servers=1, num_executors=8, job=job,
+                    checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="20", recovery="partial")
+    try:
+        st = _status_when(job, lambda s: _epoch(s) >= 4)
+        assert _epoch(st) < 12, "the job must still be running when the worker dies"
+        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "w1"), signal.SIGKILL)
+    finally:
+        t.join(120)
+    assert "error" not in out, out.get("error")
+    accuracy = out["res"].value["test_accuracy"]
+    assert accuracy >= baseline - 0.005, (accuracy, baseline)
+    [rec] = out["res"].stats["master"]["recoveries"]
+    assert rec["lost"] == "w1" and rec["restored"] == 4
     assert processes_mentioning(job) == []

@@ -432,8 +432,8 @@ class Master:
             if msg["mid"] in self.state.shard_migrations:
                 self.state.finish_shard_migration(msg["mid"])
                 self.elastic.tick()
-        elif msg.type == "shards_restored":
-            self._shards_restored(msg.sender)
+        elif msg.type in ("shards_restored", "executors_restored"):
+            self._restored(msg.sender)
         elif msg.type == "checkpoint_snapshot":
             if self.checkpoints is not None and self.checkpoints.snapshot_taken(msg["cid"], msg.sender):
                 assert self.state is not None
@@ -571,67 +571,92 @@ class Master:
             if ident in self.lost:
                 return
             raise ProcessLost(reason, ident)
-        recoverable = (self.recovery == "partial" and ident in st.servers and len(st.servers) > 1
-                       and self._restoring is None and self.elastic.op is None
-                       and not any(ident in (src, dest) for _, src, dest in st.shard_migrations.values()))
+        group = st.servers if ident in st.servers else st.workers if ident in st.workers else None
+        moving = [m for m in (*st.shard_migrations.values(), *st.migrations.values()) if ident in m[1:]]
+        recoverable = (self.recovery == "partial" and group is not None and len(group) > 1
+                       and self._restoring is None and self.elastic.op is None and not moving)
         if not recoverable:
             why = "" if self.recovery else " (launch with --recovery partial and --checkpoint-dir to survive this)"
             raise ProcessLost(reason + why, ident)
-        log.error("%s; restoring its shards on the other servers", reason)
-        self._recover_server(ident)
+        log.error("%s; restoring its %s on the others", reason, "shards" if group is st.servers else "executors")
+        self._recover(ident, "server" if group is st.servers else "worker")
 
-    def _recover_server(self, lost: str) -> None:
-        """SCAR: restore only the dead server's shards, from the running checkpoint, on the survivors."""
+    def _recover(self, lost: str, role: str) -> None:
+        """SCAR: restore only what the dead process held, from the running checkpoint, on the survivors.
+
+        A server's shards get their checkpointed rows; a worker's executors their checkpointed
+        states (input reloaded) and their unfinished tasks are dispatched again. Nothing else
+        rolls back, the driver included.
+        """
         st = self.state
         assert st is not None
         self.lost.add(lost)
         self.procs.pop(lost, None)
-        st.servers.remove(lost)
-        shards = st.shards_of(lost)
-        load = {s: len(st.shards_of(s)) for s in st.servers}
+        group = st.servers if role == "server" else st.workers
+        group.remove(lost)
+        items = st.shards_of(lost) if role == "server" else st.executors_of(lost)
+        load = {p: len(st.shards_of(p) if role == "server" else st.executors_of(p)) for p in group}
         assign: dict[str, list[int]] = {}
-        for shard in shards:  # each to the least loaded survivor
-            dest = min(st.servers, key=lambda s: (load[s], s))
+        for item in items:  # each to the least loaded survivor
+            dest = min(group, key=lambda p: (load[p], p))
             load[dest] += 1
-            assign.setdefault(dest, []).append(shard)
+            assign.setdefault(dest, []).append(item)
         where = None
+        kind = "shards" if role == "server" else "executors"
         if self.checkpoints is not None:
             try:
                 _, path, manifest = storage.find_checkpoint(self.checkpoints.location)
-                where = {"location": self.checkpoints.location, "path": path, "files": manifest["shards_files"]}
+                where = {"location": self.checkpoints.location, "path": path, "files": manifest[f"{kind}_files"]}
             except storage.CheckpointError:
-                log.error("no complete checkpoint yet: the shards of %s restart from their initial values", lost)
-        for dest, ss in assign.items():
-            self.endpoint.send(dest, "restore_shards", shards=ss, **({"restore": where} if where else {}))
-        self._restoring = {"server": lost, "assign": assign, "waiting": set(assign), "started": time.monotonic(),
-                           "from": where["path"] if where else None}
+                log.error("no complete checkpoint yet: the %s of %s start afresh", kind, lost)
+        for dest, part in assign.items():
+            self.endpoint.send(dest, f"restore_{kind}", **{kind: part}, **({"restore": where} if where else {}))
+        self._restoring = {"lost": lost, "role": role, "assign": assign, "waiting": set(assign),
+                           "started": time.monotonic(), "from": where["path"] if where else None}
         ck = self.checkpoints
-        if ck is not None and ck.round is not None:  # a round in progress can no longer be complete
-            r = ck.round
+        r = ck.round if ck is not None else None
+        if r is not None and lost in r.waiting_written:  # a round it was part of can no longer be complete
+            assert ck is not None
             if ck.snapshot_taken(r.cid, lost):
                 st.release_paused()
             if ck.written(r.cid, lost, [], f"{lost} died during the checkpoint"):
                 self._finish_checkpoint()
+        if not assign:
+            self._restored(lost)
 
-    def _shards_restored(self, sender: str) -> None:
+    def _restored(self, sender: str) -> None:
+        """A survivor took its part; once all did, route to them and carry on."""
         rec, st = self._restoring, self.state
         if rec is None or st is None:
             return
         rec["waiting"].discard(sender)
         if rec["waiting"]:
             return
-        for dest, ss in rec["assign"].items():
-            for shard in ss:
-                st.shard_map[shard] = dest
-        for ident in st.workers + st.servers:  # only now may requests reach the new owners
-            self.endpoint.send(ident, "server_lost", server=rec["server"], shard_map=st.shard_map)
+        if rec["role"] == "server":
+            for dest, shards in rec["assign"].items():
+                for shard in shards:
+                    st.shard_map[shard] = dest
+            for ident in st.workers + st.servers:  # only now may requests reach the new owners
+                self.endpoint.send(ident, "server_lost", server=rec["lost"], shard_map=st.shard_map)
+        else:
+            for dest, eids in rec["assign"].items():
+                for eid in eids:
+                    st.placement[eid] = dest
+            st.outbox.pop(rec["lost"], None)
+            held = {item[0] for item in st.paused_items}
+            for task in st.inflight.values():  # its unfinished tasks run again, with their ids
+                if task.worker == rec["lost"] and task.task_id not in held:
+                    task.worker = st.placement[task.executor_id]
+                    st.outbox.setdefault(task.worker, []).append(
+                        [task.task_id, task.executor_id, task.version, task.args])
         self._restoring = None
-        self.recoveries.append({"lost": rec["server"], "role": "server", "strategy": "partial",
-                                "shards": sum(len(v) for v in rec["assign"].values()),
+        self.recoveries.append({"lost": rec["lost"], "role": rec["role"], "strategy": "partial",
+                                "restored": sum(len(v) for v in rec["assign"].values()),
                                 "restored_from": rec["from"], "onto": sorted(rec["assign"]),
                                 "seconds": time.monotonic() - rec["started"], "time": time.time()})
-        log.warning("recovered from the loss of %s: %d shards restored from %s", rec["server"],
-                    self.recoveries[-1]["shards"], rec["from"] or "their initial values")
+        log.warning("recovered from the loss of %s: %d %s restored from %s", rec["lost"],
+                    self.recoveries[-1]["restored"], "shards" if rec["role"] == "server" else "executors",
+                    rec["from"] or "scratch")
 
     # -- checkpoints (litz.ft.checkpoint) ------------------------------------------------------
     def _restore_fields(self) -> dict[str, dict[str, Any]]:

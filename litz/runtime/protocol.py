@@ -140,6 +140,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> workers and servers, once its shards are restored: route around the dead
     # server and send again every request it never answered
     MessageType("server_lost", {"server": "str", "shard_map": "list"}),
+    # master -> surviving worker: host these executors of a dead worker, their states from
+    # the checkpoint (fresh ones if there is none); input is reloaded
+    MessageType("restore_executors", {"executors": "list", "restore?": "dict"}),
+    MessageType("executors_restored", {"executors": "list"}),
     # -- checkpoints (DESIGN.md §5) --
     # master -> workers and servers (all tasks completed, none running): copy your state in
     # memory, answer checkpoint_snapshot at once, then write it under path and answer

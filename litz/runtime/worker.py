@@ -176,6 +176,17 @@ class Worker(Node):
             raise LitzError(f"checkpoint {where['path']} holds no state for executors {missing}")
         return out
 
+    def on_restore_executors(self, msg: Message) -> None:
+        """Take over executors of a worker that died (SCAR): states from the running checkpoint,
+        input reloaded from shared storage. The master then dispatches their tasks again."""
+        eids = list(msg["executors"])
+        saved = self._saved_states(msg["restore"], eids) if msg.get("restore") else {}
+        for eid in eids:
+            self.moved_to.pop(eid, None)
+            self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
+        self.migrations_in += len(eids)
+        self.endpoint.send(msg.sender, "executors_restored", executors=eids)
+
     # -- checkpoints ----------------------------------------------------------------------
     def on_checkpoint(self, msg: Message) -> None:
         """Pickle every executor's state now (no task runs: the master waited for them all),
