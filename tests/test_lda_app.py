@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import litz
 from apps import lda
 from apps import lda_kernels as lk
 from apps.datasets import build_corpus, load_text_corpus, read_fortunes, read_wordnet_glosses, tokenize
+from litz.cli import job_status, scale
 from tests.conftest import processes_mentioning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,6 +168,46 @@ def test_multiprocess_run_keeps_counts_exact_and_recovers_topics(etcd) -> None:
     # recovery: every true topic has a learned one within total variation distance 0.15
     _, phi = lda.synthetic_corpus(num_docs=400, doc_len=40, num_topics=5, seed=0)
     assert _topic_similarity(out["word_topic"], phi, 0.01).min() > 0.85
+
+
+def test_executors_migrate_with_their_assignments_and_counts_stay_exact(tmp_path: Path, monkeypatch) -> None:
+    """Scale-in from 2 workers to 1 while the job samples: the leaving worker's executors move with their
+    state (topics, document lists) and reload their documents; the counts must still add up exactly."""
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"lda-scale-{time.time_ns()}"
+    app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--iterations", "400", "--collect", "--quiet",
+                        "--ll-every", "100", "--synthetic-docs", "100", "--synthetic-doc-len", "20"])
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["res"] = litz.run(app, workers=2, servers=1, num_executors=4, job=job)
+        except BaseException as exc:  # reported below
+            out["error"] = exc
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if job_status(job)["master"].get("phase") == "running":
+                    break
+            except litz.LitzError:
+                pass
+            time.sleep(0.05)
+        assert scale(["--job", job, "--workers", "1", "--wait", "--timeout", "30"]) == 0
+    finally:
+        thread.join(120)
+    assert "error" not in out, out.get("error")
+    res = out["res"]
+    assert res.total("migrations_in", "worker") == 2  # the leaving worker's two executors
+    value = res.value
+    recount = np.zeros_like(value["word_topic"])
+    for part in value["assignments"]:
+        np.add.at(recount, (part["words"], part["z"]), 1)
+    assert (value["word_topic"] == recount).all() and (value["totals"] == recount.sum(0)).all()
+    assert value["history"][-1]["loglik"] > value["history"][0]["loglik"]
 
 
 def _litz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
