@@ -46,6 +46,8 @@ def load_data(rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
 class MLRDriver(litz.SSPDriver):
     """Dispatches SSP clocks, reports progress per epoch, evaluates on the test set."""
 
+    transient = ("X_test", "y_test")  # reloaded on resume, not checkpointed
+
     def dispatch_initial_tasks(self) -> None:
         cfg = self.config
         if cfg.get("rows_per_task"):  # fixed work per task: more executors means fewer clocks per epoch
@@ -66,6 +68,9 @@ class MLRDriver(litz.SSPDriver):
 
     def resumed(self) -> None:
         """Back from a checkpoint: this process's clock restarts, so time the epoch from now."""
+        self.X_test, self.y_test = load_data(self.config["precondition_rank"])[2:]
+        self.iterations = int(self.config["epochs"]) * self.T  # the new launch may ask for more epochs
+        super().resumed()
         now = time.perf_counter()
         self._start = now - sum(h["seconds"] for h in self.history)
         self._epoch_start = now

@@ -139,6 +139,8 @@ class Driver:
 
     num_executors: int
     config: dict[str, Any]
+    #: attributes left out of checkpoints (large reloadable data): set them again in ``resumed``
+    transient: tuple[str, ...] = ()
     _master: Master | None = None
     _finished: bool = False
     _result: Any = None

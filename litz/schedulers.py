@@ -40,6 +40,14 @@ class SSPDriver(Driver):
         """The job's result, returned by ``litz.run`` after the last iteration."""
         return None
 
+    def resumed(self) -> None:
+        """Back from a checkpoint: take the number of iterations and the staleness from the new
+        launch (e.g. more epochs); iterations continue from where the checkpoint stood."""
+        self._iters, self._stale = self._settings()
+        top = max([*self._iteration_of.values(), self.iteration - 1])
+        for i in range(top + 1, min(self.iteration + self._stale + 1, self._iters)):  # more iterations now
+            self._dispatch_iteration(i)
+
     @property
     def iteration(self) -> int:
         """Iterations every executor has completed (checkpoint policies count these)."""

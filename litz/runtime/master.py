@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -327,6 +329,7 @@ class Master:
         ckpt_dir = self.options.get("checkpoint_dir")
         self.checkpoints = CheckpointCoordinator(ckpt_dir, self.options.get("checkpoint_every")) if ckpt_dir else None
         self._ckpt_commands: list[str] = []  # `litz checkpoint` command ids waiting for a round
+        self._written: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()  # driver files written
         self.recovery = self.options.get("recovery")  # None: a lost process stops the job; "partial": SCAR
         self.lost: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
@@ -703,6 +706,10 @@ class Master:
         ck, st = self.checkpoints, self.state
         if ck is None or st is None or self.driver is None:
             return
+        while not self._written.empty():
+            cid, error = self._written.get()
+            if ck.written(cid, "master", ["driver.pkl"], error):
+                self._finish_checkpoint()
         if ck.round is None and (self._ckpt_commands or ck.due(self.driver.iteration)):
             self.checkpoint("command" if self._ckpt_commands else "policy")
         r = ck.round
@@ -715,13 +722,20 @@ class Master:
         r.version = st.version
         for ident in processes:
             self.endpoint.send(ident, "checkpoint", cid=r.cid, location=ck.location, path=path)
-        saved = {"driver": {k: v for k, v in self.driver.__dict__.items() if k != "_master"},
-                 "tasks": st.paused_items, "version": st.version, "completed": st.completed,
-                 "next_id": st._next_id}
-        try:
-            storage.write_bytes(fs, f"{path}/driver.pkl", cloudpickle.dumps(saved))
-        except Exception as exc:  # the round gets no manifest; training goes on
-            r.errors.append(f"master: cannot save the driver: {type(exc).__name__}: {exc}")
+        skip = {"_master", *type(self.driver).transient}
+        blob = cloudpickle.dumps({"driver": {k: v for k, v in self.driver.__dict__.items() if k not in skip},
+                                  "tasks": st.paused_items, "version": st.version, "completed": st.completed,
+                                  "next_id": st._next_id})
+        r.waiting_written.add("master")  # the driver's file is written in the background too
+
+        def write_driver(cid: int = r.cid) -> None:
+            try:
+                storage.write_bytes(fs, f"{path}/driver.pkl", blob)
+                self._written.put((cid, None))
+            except Exception as exc:  # the round gets no manifest; training goes on
+                self._written.put((cid, f"master: cannot save the driver: {type(exc).__name__}: {exc}"))
+
+        threading.Thread(target=write_driver, daemon=True, name="checkpoint-driver").start()
 
     def _finish_checkpoint(self) -> None:
         ck, st = self.checkpoints, self.state
