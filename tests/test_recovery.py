@@ -53,7 +53,7 @@ def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_pa
     stop = tmp_path / "stop"
     app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=60.0, stop_file=str(stop))
+    app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=True)  # reads pending at the death too
     t, out = _start(app, workers=2, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
                     checkpoint_every="0.5s", recovery="partial")
     try:

@@ -249,6 +249,10 @@ class MigratingDriver(litz.Driver):
             for _ in range(2):
                 self._send(e)
 
+    def _maybe_read(self) -> None:
+        if self.config.get("driver_reads"):  # the driver reads the table all the time (recovery tests)
+            self.ps.get_many("s", range(self.config["rows"]))
+
     def _send(self, e: int) -> None:
         if sum(self.next_seq) >= self.config["tasks"]:
             return  # exactly `tasks` tasks: at the end none is in flight, so the sums are final
@@ -267,6 +271,7 @@ class MigratingDriver(litz.Driver):
                          "shard_moves": self.shard_moves})
             return
         self._send(result.executor_id)
+        self._maybe_read()
         if self.rng.random() < self.config.get("shard_move_prob", 0.0):
             master = self._master  # test-only, as below
             shard = self.rng.randrange(self.config["rows"])  # the shards that hold rows (key % 64)
@@ -338,6 +343,7 @@ class TimedMigratingDriver(MigratingDriver):
             self.finish({"truth": self.truth, "final": final, "done_seq": self.done_seq, "moves": self.moves})
             return
         self._send(result.executor_id)
+        self._maybe_read()
 
 
 _LOADS = [0]

@@ -525,31 +525,49 @@ class Master:
 
     def read(self, table: Table, keys: list[Hashable]) -> np.ndarray:
         """Read rows of checked keys straight from the servers (used by the driver)."""
-        assert self.state is not None
-        groups: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(self.state.shard_map[shard_of(key, self.num_shards)], []).append(i)
-        rids = {srv: self._request(srv, "get", items=[[table.name, [keys[i] for i in idx]]])
-                for srv, idx in groups.items()}
         out = np.empty((len(keys), *table.shape), table.dtype)
-        for srv, reply in zip(rids, self._await(list(rids.values()), f"reading table {table.name!r}"),
-                              strict=True):
-            if reply["errors"][0] is not None:
-                raise TableError(reply["errors"][0])
-            out[groups[srv]] = reply["values"][0]
+        self._sync(table, keys, None, out)
         return out
 
     def write(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
         """Apply updates from the driver and wait until the servers acknowledge them."""
+        self._sync(table, keys, deltas, None)
+
+    def _sync(self, table: Table, keys: list[Hashable], deltas: np.ndarray | None, out: np.ndarray | None) -> None:
+        """Send a read (``out``) or an update (``deltas``) to the owners of the keys and wait.
+
+        If an owner dies meanwhile and is recovered (SCAR), its part is sent again to the new
+        owners of its shards; the other parts are not repeated.
+        """
         assert self.state is not None
-        groups: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(self.state.shard_map[shard_of(key, self.num_shards)], []).append(i)
-        rids = [self._request(srv, "update", items=[[table.name, [keys[i] for i in idx], deltas[idx]]])
-                for srv, idx in groups.items()]
-        for reply in self._await(rids, f"updating table {table.name!r}"):
-            if reply["errors"][0] is not None:
-                raise TableError(reply["errors"][0])
+        what = f"{'reading' if deltas is None else 'updating'} table {table.name!r}"
+        pending = list(range(len(keys)))
+        while pending:
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                groups.setdefault(self.state.shard_map[shard_of(keys[i], self.num_shards)], []).append(i)
+            sent: dict[int, tuple[str, list[int]]] = {}
+            for srv, idx in groups.items():
+                item = [table.name, [keys[i] for i in idx]] + ([] if deltas is None else [deltas[idx]])
+                sent[self._request(srv, "get" if deltas is None else "update", items=[item])] = (srv, idx)
+
+            def settled(sent: dict[int, tuple[str, list[int]]] = sent) -> bool:
+                return all(r in self._replies or (srv in self.lost and self._restoring is None)
+                           for r, (srv, _) in sent.items())
+
+            self._wait(settled, what, 60.0, self._handle_aside)
+            pending = []
+            for rid, (_, idx) in sent.items():
+                reply = self._replies.pop(rid, None)
+                if reply is None:  # its server died: send this part again to the new owners
+                    pending.extend(idx)
+                    continue
+                if reply.type == "error":
+                    raise LitzError(f"{what} failed on {reply.sender}: {reply['reason']}")
+                if reply["errors"][0] is not None:
+                    raise TableError(reply["errors"][0])
+                if out is not None:
+                    out[idx] = reply["values"][0]
 
     def collect_stats(self) -> dict[str, dict[str, Any]]:
         """Ask every process for its counters (benchmarks)."""
