@@ -163,7 +163,7 @@ def test_multiprocess_run_keeps_counts_exact_and_recovers_topics(etcd) -> None:
     # progress: one report every 5 iterations, improving; the last is the final one
     hist = out["history"]
     assert [h["iteration"] for h in hist] == list(range(5, 61, 5))
-    assert hist[-1]["loglik"] > hist[0]["loglik"] + 0.5
+    assert hist[-1]["loglik"] > hist[0]["loglik"] + 0.3
     assert out["loglik"] == hist[-1]["loglik"]
     # recovery: every true topic has a learned one within total variation distance 0.15
     _, phi = lda.synthetic_corpus(num_docs=400, doc_len=40, num_topics=5, seed=0)
@@ -176,7 +176,7 @@ def test_executors_migrate_with_their_assignments_and_counts_stay_exact(tmp_path
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"lda-scale-{time.time_ns()}"
     app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--iterations", "400", "--collect", "--quiet",
-                        "--ll-every", "100", "--synthetic-docs", "100", "--synthetic-doc-len", "20"])
+                        "--ll-every", "1", "--synthetic-docs", "100", "--synthetic-doc-len", "20"])
     out: dict = {}
 
     def body() -> None:
@@ -207,7 +207,8 @@ def test_executors_migrate_with_their_assignments_and_counts_stay_exact(tmp_path
     for part in value["assignments"]:
         np.add.at(recount, (part["words"], part["z"]), 1)
     assert (value["word_topic"] == recount).all() and (value["totals"] == recount.sum(0)).all()
-    assert value["history"][-1]["loglik"] > value["history"][0]["loglik"]
+    assert value["history"][0]["iteration"] == 1 and len(value["history"]) == 400
+    assert value["history"][-1]["loglik"] > value["history"][0]["loglik"] + 0.2  # the first report is near random
 
 
 def _litz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
