@@ -245,13 +245,28 @@ def status(argv: list[str]) -> int:
     return 0
 
 
+def _command(mem: Any, key: str, command: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+    """Write a command for the master (``command["id"]`` names it) and wait for its answer
+    under ``commands/result/<id>``; None if none came before ``deadline``."""
+    import time
+
+    from litz.runtime.elastic import RESULTS
+
+    mem.put(key, {**command, "time": time.time()})
+    while (result := mem.get(f"{RESULTS}{command['id']}")) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return result
+
+
 def scale(argv: list[str]) -> int:
     """``litz scale --job NAME (--workers N | --servers M | --drain-host HOST) [--etcd URL] [--wait]``."""
     import secrets as _secrets
     import time
 
     from litz.runtime import jobs
-    from litz.runtime.elastic import RESULTS, SCALE_KEY
+    from litz.runtime.elastic import SCALE_KEY
     from litz.runtime.master import STATUS_KEY
     from litz.runtime.membership import Membership
 
@@ -272,16 +287,11 @@ def scale(argv: list[str]) -> int:
         with Membership(url, args.job) as mem:
             kind, want = next((k, v) for k, v in (("workers", args.workers), ("servers", args.servers),
                                                    ("drain_host", args.drain_host)) if v is not None)
-            mem.put(SCALE_KEY, {"id": cid, kind: want, "time": time.time()})
             deadline = time.monotonic() + args.timeout
-            while (result := mem.get(f"{RESULTS}{cid}")) is None:
-                if time.monotonic() > deadline:
-                    print(f"litz: the master did not answer scale command {cid} in {args.timeout:.0f} s",
-                          file=sys.stderr)
-                    return 1
-                time.sleep(0.05)
-            if not result["ok"]:
-                print(f"litz: scale refused: {result['reason']}", file=sys.stderr)
+            result = _command(mem, SCALE_KEY, {"id": cid, kind: want}, deadline)
+            if result is None or not result["ok"]:
+                print(f"litz: scale refused: {result['reason']}" if result else
+                      f"litz: the master did not answer scale command {cid} in {args.timeout:.0f} s", file=sys.stderr)
                 return 1
             print(f"scale {cid}: {result['reason']}")
             while args.wait:
@@ -306,7 +316,6 @@ def checkpoint(argv: list[str]) -> int:
     import time
 
     from litz.runtime import jobs
-    from litz.runtime.elastic import RESULTS
     from litz.runtime.master import CHECKPOINT_KEY
     from litz.runtime.membership import Membership
 
@@ -317,19 +326,15 @@ def checkpoint(argv: list[str]) -> int:
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
-    cid = _secrets.token_hex(4)
     try:
         url = args.etcd or jobs.lookup(args.job)["etcd"]
         with Membership(url, args.job) as mem:
-            mem.put(CHECKPOINT_KEY, {"id": cid, "time": time.time()})
-            deadline = time.monotonic() + args.timeout
-            while (result := mem.get(f"{RESULTS}{cid}")) is None:
-                if time.monotonic() > deadline:
-                    print(f"litz: no checkpoint within {args.timeout:.0f} s", file=sys.stderr)
-                    return 1
-                time.sleep(0.05)
+            result = _command(mem, CHECKPOINT_KEY, {"id": _secrets.token_hex(4)}, time.monotonic() + args.timeout)
     except LitzError as exc:
         print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    if result is None:
+        print(f"litz: no checkpoint within {args.timeout:.0f} s", file=sys.stderr)
         return 1
     if not result["ok"]:
         print(f"litz: checkpoint failed: {result['reason']}", file=sys.stderr)

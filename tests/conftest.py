@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -34,3 +35,21 @@ def etcd() -> Iterator[LocalEtcd]:
         yield server
     finally:
         server.stop()
+
+
+def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, dict]:
+    """Run ``litz.run(app, **kw)`` on a thread (while the test scales, kills, ...); the dict
+    gets ``res`` (the JobResult) or ``error`` (the exception)."""
+    import litz
+
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["res"] = litz.run(app, **kw)  # type: ignore[arg-type]
+        except BaseException as exc:  # reported by the test
+            out["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t, out

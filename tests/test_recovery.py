@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -17,21 +16,8 @@ from litz.errors import ConfigError
 from litz.ps.tables import shard_of
 from tests import testapps
 from tests.conftest import processes_mentioning
+from tests.conftest import run_in_thread as _start
 from tests.test_mlr_app import needs_data
-
-
-def _start(app: litz.App, **kw) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def body() -> None:
-        try:
-            out["res"] = litz.run(app, **kw)
-        except BaseException as exc:  # reported by the test
-            out["error"] = exc
-
-    t = threading.Thread(target=body)
-    t.start()
-    return t, out
 
 
 def _status_when(job: str, cond, timeout: float = 120.0) -> dict:  # noqa: ANN001
@@ -111,30 +97,6 @@ def _epoch(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("epoch ") else -1
 
 
-@needs_data
-def test_mlr_reaches_its_accuracy_after_losing_a_server(tmp_path: Path, monkeypatch) -> None:
-    from apps import mlr
-
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
-    argv = ["--epochs", "16", "--quiet"]
-    baseline = litz.run(mlr.make_app(argv), workers=2, servers=2, num_executors=8).value["test_accuracy"]
-    job = f"mlr-scar-{time.time_ns()}"
-    t, out = _start(mlr.make_app(argv), workers=2, servers=2, num_executors=8, job=job,
-                    checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="20", recovery="partial")
-    try:
-        st = _status_when(job, lambda s: _epoch(s) >= 4)
-        assert _epoch(st) < 12, "the job must still be running when the server dies"
-        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "s1"), signal.SIGKILL)
-    finally:
-        t.join(120)
-    assert "error" not in out, out.get("error")
-    accuracy = out["res"].value["test_accuracy"]
-    assert accuracy >= baseline - 0.005, (accuracy, baseline)
-    [rec] = out["res"].stats["master"]["recoveries"]
-    assert rec["lost"] == "s1" and rec["restored_from"] and rec["restored"] == 32
-    assert processes_mentioning(job) == []
-
-
 def test_killed_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     job = f"scar-w-{time.time_ns()}"
@@ -168,24 +130,26 @@ def test_killed_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_pat
 
 
 @needs_data
-def test_mlr_reaches_its_accuracy_after_losing_a_worker(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize(("victim", "servers", "restored"), [("s1", 2, 32), ("w1", 1, 4)])
+def test_mlr_reaches_its_accuracy_after_losing_a_process(tmp_path: Path, monkeypatch, victim: str, servers: int,
+                                                         restored: int) -> None:
     from apps import mlr
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     argv = ["--epochs", "16", "--quiet"]
-    baseline = litz.run(mlr.make_app(argv), workers=2, servers=1, num_executors=8).value["test_accuracy"]
-    job = f"mlr-scar-w-{time.time_ns()}"
-    t, out = _start(mlr.make_app(argv), workers=2, servers=1, num_executors=8, job=job,
+    baseline = litz.run(mlr.make_app(argv), workers=2, servers=servers, num_executors=8).value["test_accuracy"]
+    job = f"mlr-scar-{victim}-{time.time_ns()}"
+    t, out = _start(mlr.make_app(argv), workers=2, servers=servers, num_executors=8, job=job,
                     checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="20", recovery="partial")
     try:
         st = _status_when(job, lambda s: _epoch(s) >= 4)
-        assert _epoch(st) < 12, "the job must still be running when the worker dies"
-        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "w1"), signal.SIGKILL)
+        assert _epoch(st) < 12, "the job must still be running when the process dies"
+        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == victim), signal.SIGKILL)
     finally:
         t.join(120)
     assert "error" not in out, out.get("error")
     accuracy = out["res"].value["test_accuracy"]
     assert accuracy >= baseline - 0.005, (accuracy, baseline)
     [rec] = out["res"].stats["master"]["recoveries"]
-    assert rec["lost"] == "w1" and rec["restored"] == 4
+    assert rec["lost"] == victim and rec["restored_from"] and rec["restored"] == restored
     assert processes_mentioning(job) == []

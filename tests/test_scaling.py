@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -10,21 +9,8 @@ import litz
 from litz.cli import job_status, scale
 from tests import testapps
 from tests.conftest import processes_mentioning
+from tests.conftest import run_in_thread as _run_in_thread
 from tests.test_mlr_app import needs_data
-
-
-def _run_in_thread(app: litz.App, **kw) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def body() -> None:
-        try:
-            out["res"] = litz.run(app, **kw)
-        except BaseException as exc:  # reported by the test
-            out["error"] = exc
-
-    t = threading.Thread(target=body)
-    t.start()
-    return t, out
 
 
 def _wait_running(job: str, timeout: float = 30) -> dict:
