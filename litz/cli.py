@@ -90,6 +90,12 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", default=None, metavar="C",
                    help="checkpoint every C iterations of the driver (5) or seconds (30s); also on demand "
                         "with litz checkpoint --job NAME")
+    p.add_argument("--checkpoint", default="full", choices=["full", "priority", "round-robin", "random"],
+                   dest="checkpoint_policy",
+                   help="full checkpoints every C, or (SCAR) after a full one a fraction r of the rows every r*C: "
+                        "those farthest from their saved value (priority), the longest unsaved, or at random")
+    p.add_argument("--checkpoint-fraction", type=float, default=1.0, metavar="R",
+                   help="the fraction r of rows a partial checkpoint saves (default 1)")
     p.add_argument("--recovery", default=None, choices=["partial", "full"],
                    help="survive the loss of a server: partial (SCAR) restores only its shards from the newest "
                         "checkpoint onto the others (full: not implemented yet)")
@@ -128,7 +134,8 @@ def launch(argv: list[str]) -> int:
         result = run(app, workers=opts.workers, servers=opts.servers, num_executors=opts.executors,
                      job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
                      host=opts.host, checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
-                     resume=opts.resume, recovery=opts.recovery)
+                     resume=opts.resume, recovery=opts.recovery, checkpoint_policy=opts.checkpoint_policy,
+                     checkpoint_fraction=opts.checkpoint_fraction)
     except TaskError as exc:
         print(f"litz: job failed: {exc}", file=sys.stderr)
         return 1

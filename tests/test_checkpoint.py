@@ -151,3 +151,70 @@ def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -
     assert len(dirs) == 2 and all(storage.has_manifest(fs, p) for _, p in dirs)
     res = out["with"].value
     np.testing.assert_array_equal(res["final"], res["truth"])  # checkpoints changed nothing
+
+
+def test_select_top_picks_exactly_the_global_top_fraction() -> None:
+    import math
+
+    from litz.ft.checkpoint import select_top
+
+    rng = np.random.default_rng(7)
+    for trial in range(50):
+        scores = {f"s{i}": rng.integers(0, 5, size=rng.integers(0, 30)).astype(float) for i in range(3)}
+        scores["s1"][:2] = np.inf if len(scores["s1"]) >= 2 else scores["s1"][:2]
+        fraction = rng.choice([0.125, 0.25, 0.5, 1.0])
+        chosen = select_top(scores, fraction)
+        total = sum(len(v) for v in scores.values())
+        k = math.ceil(fraction * total)
+        assert sum(len(v) for v in chosen.values()) == k
+        everything = sorted(((-v, srv, i) for srv, arr in scores.items() for i, v in enumerate(arr)))
+        expect: dict[str, list[int]] = {srv: [] for srv in scores}
+        for _, srv, i in everything[:k]:
+            expect[srv].append(i)
+        assert chosen == {srv: sorted(v) for srv, v in expect.items()}, trial
+
+
+def test_server_scores_rows_by_distance_age_or_chance() -> None:
+    from litz.ps.server import ShardStore
+
+    table = litz.Table("w", (2,), "float64")
+    store = ShardStore({"w": table}, shards=[0, 1], num_shards=2)
+    store.update("w", [0, 1, 2], np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]]))
+    entries, scores = store.scores("priority", 0)
+    assert np.isinf(scores).all()  # never saved: first in line
+    store.remember(store.rows_snapshot())
+    store.update("w", [1, 2], np.array([[0.0, 1.0], [3.0, 4.0]]))
+    entries, scores = store.scores("priority", 0)
+    dist = dict(zip([k for _, _, k in entries], scores, strict=True))
+    assert dist == {0: 0.0, 1: 1.0, 2: 5.0}
+    store.remember([(n, s, k, store.shards[s][n][k].copy()) for n, s, k in entries if k == 2])
+    entries, scores = store.scores("round-robin", 0)
+    assert dict(zip([k for _, _, k in entries], scores, strict=True)) == {0: 2, 1: 2, 2: 1}
+    _, a = store.scores("random", 3)
+    _, b = store.scores("random", 4)
+    assert len(a) == 3 and not np.array_equal(a, b)
+
+
+def test_priority_partial_checkpoints_save_the_top_fraction_after_a_full_base(tmp_path: Path) -> None:
+    import math
+
+    app = testapps.migrating_app(tasks=3000, executors=4, move_prob=0.0)
+    res = litz.run(app, workers=2, servers=2, checkpoint_dir=str(tmp_path), checkpoint_every="0.2s",
+                   checkpoint_policy="priority", checkpoint_fraction=0.25)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])  # no pause, nothing changed
+    records = [c for c in res.stats["master"]["checkpoints"] if c["ok"]]
+    assert records and records[0]["kind"] == "full"
+    running = storage.running_checkpoint(str(tmp_path))
+    assert running is not None
+    base, manifest, partials = running
+    assert "partial_of" not in manifest
+    if not partials:
+        pytest.skip("the job ended before a partial checkpoint (machine too slow)")
+    fs, _ = storage.filesystem(str(tmp_path))
+    for path, files in partials:
+        rows = [r for name in files for r in storage.read_shards(fs, f"{path}/{name}")]
+        assert len(rows) == math.ceil(0.25 * 16)  # the table has 16 rows, all touched
+    with pytest.raises(ConfigError):
+        litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_policy="best")
+    with pytest.raises(ConfigError):
+        litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_policy="priority", checkpoint_fraction=1.5)

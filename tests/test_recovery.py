@@ -33,7 +33,9 @@ def _status_when(job: str, cond, timeout: float = 120.0) -> dict:  # noqa: ANN00
     raise AssertionError(f"job {job}: condition not met in {timeout} s")
 
 
-def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("policy", ["full", "priority"])
+def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_path: Path, monkeypatch,
+                                                                          policy: str) -> None:
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     job = f"scar-{time.time_ns()}"
     stop = tmp_path / "stop"
@@ -41,9 +43,11 @@ def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_pa
     app.driver = testapps.TimedMigratingDriver
     app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=True)  # reads pending at the death too
     t, out = _start(app, workers=2, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                    checkpoint_every="0.5s", recovery="partial")
+                    checkpoint_every="0.5s", recovery="partial", checkpoint_policy=policy, checkpoint_fraction=0.5)
     try:
-        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        want = "partial" if policy != "full" else "full"  # priority: a full base, then partial ones
+        st = _status_when(job, lambda s: any(c.get("ok") and c.get("kind") == want
+                                             for c in s["master"].get("checkpoints", [])))
         victim = next(p for p in st["processes"] if p["role"] == "server" and p["id"] == "s1")
         lost_shards = victim["shards"]
         os.kill(victim["pid"], signal.SIGKILL)

@@ -16,11 +16,40 @@ A round, driven by the master:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from litz.errors import ConfigError
+
+POLICIES = ("full", "priority", "round-robin", "random")
+
+
+def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list[int]]:
+    """The global top ``fraction`` of rows by score, across all servers (SCAR's coordinator).
+
+    ``scores[server][i]`` is row i's score on that server. Returns, per server, the positions
+    of its rows that are chosen: exactly ``ceil(fraction * total)`` rows in all; ties are
+    broken by server name, then position, so the choice is deterministic.
+    """
+    servers = sorted(scores)
+    total = sum(len(scores[s]) for s in servers)
+    k = min(total, math.ceil(fraction * total))
+    out: dict[str, list[int]] = {s: [] for s in servers}
+    if k == 0:
+        return out
+    flat = np.concatenate([np.asarray(scores[s], dtype=np.float64) for s in servers])
+    owner = np.repeat(np.arange(len(servers)), [len(scores[s]) for s in servers])
+    pos = np.concatenate([np.arange(len(scores[s])) for s in servers])
+    order = np.lexsort((pos, owner, -flat))[:k]  # highest score first; ties: server, then position
+    for j in order:
+        out[servers[owner[j]]].append(int(pos[j]))
+    for s in servers:
+        out[s].sort()
+    return out
 
 
 def parse_every(text: str | float | int | None) -> tuple[float | None, int | None]:
@@ -49,7 +78,9 @@ class CheckpointRound:
     cid: int
     reason: str
     started: float
-    phase: str = "pausing"  # pausing -> snapshot -> writing
+    kind: str = "full"  # full (consistent) or partial (SCAR: the top fraction of rows)
+    phase: str = "pausing"  # full: pausing -> snapshot -> writing; partial: scoring -> snapshot -> writing
+    scores: dict[str, Any] = field(default_factory=dict)  # partial: server -> scores of its rows
     path: str | None = None
     waiting_snapshot: set[str] = field(default_factory=set)
     waiting_written: set[str] = field(default_factory=set)
@@ -62,8 +93,15 @@ class CheckpointRound:
 class CheckpointCoordinator:
     """Decides when a checkpoint is due and tracks the round in progress."""
 
-    def __init__(self, location: str, every: str | float | int | None = None) -> None:
+    def __init__(self, location: str, every: str | float | int | None = None, policy: str = "full",
+                 fraction: float = 1.0) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"--checkpoint takes one of {', '.join(POLICIES)}, got {policy!r}")
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"--checkpoint-fraction must be in (0, 1], got {fraction!r}")
         self.location = location
+        self.policy = policy
+        self.fraction = fraction if policy != "full" else 1.0
         self.every_seconds, self.every_iterations = parse_every(every)
         self.round: CheckpointRound | None = None
         self.completed: list[dict[str, Any]] = []  # finished rounds, newest last
@@ -75,25 +113,33 @@ class CheckpointCoordinator:
         """Whether the policy asks for a checkpoint now (none while one is in progress)."""
         if self.round is not None:
             return False
+        # SCAR: a fraction r of the parameters every r*C, once a full base exists
+        scale = self.fraction if self.partial_next() else 1.0
         if self.every_seconds is not None:
-            return time.monotonic() - self._last_time >= self.every_seconds
+            return time.monotonic() - self._last_time >= self.every_seconds * scale
         if self.every_iterations is not None and iteration is not None:
-            return iteration - self._last_iteration >= self.every_iterations
+            return iteration - self._last_iteration >= max(1, round(self.every_iterations * scale))
         return False
 
-    def begin(self, reason: str, iteration: int | None = None) -> CheckpointRound | None:
-        """Start a round (None if one is already running)."""
+    def partial_next(self) -> bool:
+        """Whether the next policy round saves only a fraction of the rows (a full base exists)."""
+        return self.policy != "full" and any(c["ok"] and c["kind"] == "full" for c in self.completed)
+
+    def begin(self, reason: str, iteration: int | None = None, kind: str = "full") -> CheckpointRound | None:
+        """Start a round, ``full`` (consistent, everything) or ``partial`` (a fraction of the rows,
+        no pause); None if one is already running."""
         if self.round is not None:
             return None
         self._next_cid += 1
         self._last_time = time.monotonic()
         if iteration is not None:
             self._last_iteration = iteration
-        self.round = CheckpointRound(self._next_cid, reason, time.monotonic())
+        self.round = CheckpointRound(self._next_cid, reason, time.monotonic(), kind=kind,
+                                     phase="pausing" if kind == "full" else "scoring")
         return self.round
 
     def snapshotting(self, path: str, processes: list[str]) -> None:
-        assert self.round is not None and self.round.phase == "pausing"
+        assert self.round is not None and self.round.phase in ("pausing", "scoring")
         self.round.phase = "snapshot"
         self.round.path = path
         self.round.waiting_snapshot = set(processes)
@@ -127,7 +173,8 @@ class CheckpointCoordinator:
         r = self.round
         assert r is not None
         self.round = None
-        record = {"cid": r.cid, "reason": r.reason, "path": r.path, "ok": not r.errors, "errors": r.errors,
+        record = {"cid": r.cid, "kind": r.kind, "reason": r.reason, "path": r.path, "ok": not r.errors,
+                  "errors": r.errors,
                   "seconds": time.monotonic() - r.started, "paused_seconds": r.paused_for}
         self.completed.append(record)
         return record

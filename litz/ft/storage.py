@@ -137,14 +137,37 @@ def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> 
     fs.move(tmp, f"{path}/{MANIFEST}")
 
 
+def read_manifest(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
+    return json.loads(read_bytes(fs, f"{path}/{MANIFEST}"))
+
+
+def running_checkpoint(location: str) -> tuple[str, dict[str, Any], list[tuple[str, list[str]]]] | None:
+    """The newest complete full checkpoint and the complete partial ones taken after it, oldest
+    first, as ``(base path, base manifest, [(partial path, its shard files)])``; None if none.
+
+    Restoring a row means: its value in the base, overwritten by each partial that saved it.
+    """
+    fs, root = filesystem(location)
+    dirs = [p for _, p in checkpoint_dirs(fs, root) if has_manifest(fs, p)]
+    manifests = {p: read_manifest(fs, p) for p in dirs}
+    full = [p for p in dirs if not manifests[p].get("partial_of")]
+    if not full:
+        return None
+    base = full[-1]
+    partials = [(p, manifests[p]["shards_files"]) for p in dirs[dirs.index(base) + 1:]
+                if manifests[p].get("partial_of") == base]
+    return base, manifests[base], partials
+
+
 def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]]:
     """The checkpoint to resume from: ``location`` itself if it holds a manifest, else the newest
-    complete ``ckpt-*`` under it. Directories without a manifest are skipped, never used."""
+    complete full ``ckpt-*`` under it. Directories without a manifest are skipped, never used."""
     fs, path = filesystem(location)
     if has_manifest(fs, path):
         chosen = path
     else:
-        complete = [p for _, p in checkpoint_dirs(fs, path) if has_manifest(fs, p)]
+        complete = [p for _, p in checkpoint_dirs(fs, path)
+                    if has_manifest(fs, p) and not read_manifest(fs, p).get("partial_of")]
         if not complete:
             raise CheckpointError(f"no complete checkpoint in {location} (a checkpoint is complete once its "
                                   f"{MANIFEST} is written)")

@@ -37,6 +37,10 @@ class ShardStore:
         self.gets = 0
         self.updates = 0
         self.forward: dict[int, str] = {}  # shards that moved away -> where they went
+        # SCAR: each row's value as last saved in a checkpoint, and the round it was saved in
+        self.saved: dict[tuple[str, Hashable], np.ndarray] = {}
+        self.saved_round: dict[tuple[str, Hashable], int] = {}
+        self.rounds = 0
 
     def split(self, keys: list[Hashable]) -> tuple[list[int], dict[str, list[int]]]:
         """Positions of keys served here, and of keys whose shard moved (grouped by new server)."""
@@ -91,15 +95,45 @@ class ShardStore:
             self.restore(where, only=set(shards))
 
     def restore(self, where: dict[str, Any], only: set[int] | None = None) -> None:
-        """Load this server's shards' rows from a checkpoint (every server file is read; the
-        rows of shards hosted elsewhere are skipped)."""
+        """Load this server's shards' rows from a checkpoint: the base, then each partial one
+        after it (SCAR), in order. Every file is read; rows of shards hosted elsewhere are skipped."""
         fs, _ = storage.filesystem(where["location"])
-        for name in where["files"]:
-            for table_name, shard, key, raw in storage.read_shards(fs, f"{where['path']}/{name}"):
-                if shard in self.shards and (only is None or shard in only):
-                    table = lookup(self.tables, table_name)
-                    row = np.frombuffer(raw, dtype=table.dtype).reshape(table.shape).copy()
-                    self.shards[shard][table.name][key] = row
+        restored = []
+        for path, files in [(where["path"], where["files"]), *where.get("partials", [])]:
+            for name in files:
+                for table_name, shard, key, raw in storage.read_shards(fs, f"{path}/{name}"):
+                    if shard in self.shards and (only is None or shard in only):
+                        table = lookup(self.tables, table_name)
+                        row = np.frombuffer(raw, dtype=table.dtype).reshape(table.shape).copy()
+                        self.shards[shard][table.name][key] = row
+                        restored.append((table.name, shard, key, row.copy()))
+        self.remember(restored)
+
+    def remember(self, rows: list[tuple[str, int, Hashable, np.ndarray]]) -> None:
+        """These copies are now what the checkpoint holds for their rows."""
+        for name, _, key, row in rows:
+            self.saved[(name, key)] = row
+            self.saved_round[(name, key)] = self.rounds
+        self.rounds += 1
+
+    def scores(self, policy: str, seed: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
+        """Every row hosted here with its claim to be saved next: ``priority``, the L2 distance
+        from its saved value; ``round-robin``, the rounds since it was saved; ``random``, a draw.
+        A row never saved comes first under the first two."""
+        entries = [(name, shard, key) for shard, tables in self.shards.items()
+                   for name, rows in tables.items() for key in rows]
+        if policy == "random":
+            return entries, np.random.default_rng(seed).random(len(entries))
+        out = np.empty(len(entries))
+        for i, (name, shard, key) in enumerate(entries):
+            saved = self.saved.get((name, key))
+            if saved is None:
+                out[i] = np.inf
+            elif policy == "priority":
+                out[i] = float(np.linalg.norm((self.shards[shard][name][key] - saved).astype(np.float64).ravel()))
+            else:
+                out[i] = self.rounds - self.saved_round[(name, key)]
+        return entries, out
 
     def _rows(self, table: Table, key: Hashable) -> dict[Hashable, np.ndarray]:
         shard = shard_of(key, self.num_shards)
@@ -207,6 +241,7 @@ class ServerNode(Node):
         # forwarded request id -> (the request, its parts [(item, positions)], where to, the sub-items)
         self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]], str, list[Any]]] = {}
         self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
+        self._scored: dict[int, list[tuple[str, int, Hashable]]] = {}  # partial round -> rows scored
         self.forwarded = 0
         self.shards_out = 0
         self.shards_in = 0
@@ -359,6 +394,22 @@ class ServerNode(Node):
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
 
+    # -- SCAR partial checkpoints -----------------------------------------------------------------
+    def on_ckpt_scores(self, msg: Message) -> None:
+        """Score every row for a partial checkpoint; the master picks the global top fraction."""
+        entries, scores = self._store().scores(msg["policy"], msg["cid"])
+        self._scored[msg["cid"]] = entries
+        self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=msg["cid"], scores=scores)
+
+    def on_ckpt_save(self, msg: Message) -> None:
+        """Save the chosen rows (as they are now) into a partial checkpoint, in the background."""
+        store = self._store()
+        entries = self._scored.pop(msg["cid"], [])
+        rows = [(name, shard, key, store.shards[shard][name][key].copy())
+                for name, shard, key in (entries[i] for i in msg["rows"]) if shard in store.shards]
+        store.remember(rows)
+        self.checkpoint_part(msg, f"shards-{self.ident}.arrow", lambda fs, path: storage.write_shards(fs, path, rows))
+
     # -- SCAR partial recovery --------------------------------------------------------------------
     def on_restore_shards(self, msg: Message) -> None:
         """Host shards of a server that died, with their rows from the running checkpoint (or
@@ -395,6 +446,7 @@ class ServerNode(Node):
     def on_checkpoint(self, msg: Message) -> None:
         """Copy every row now (training resumes at once), write the copy in the background."""
         rows = self._store().rows_snapshot()
+        self._store().remember(rows)
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow",
                              lambda fs, path: storage.write_shards(fs, path, rows))
 

@@ -25,7 +25,7 @@ from typing import Any
 from litz.api import App, JobResult
 from litz.errors import ConfigError, ProcessLost
 from litz.ft import storage
-from litz.ft.checkpoint import parse_every
+from litz.ft.checkpoint import CheckpointCoordinator
 from litz.runtime import jobs, security
 from litz.runtime.elastic import AGENTS
 from litz.runtime.etcd_server import LocalEtcd
@@ -197,7 +197,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         job: str | None = None, etcd: str | None = None, options: dict[str, Any] | None = None,
         startup_timeout: float = 60.0, secret_file: str | os.PathLike[str] | None = None,
         host: str = "127.0.0.1", checkpoint_dir: str | None = None, checkpoint_every: str | None = None,
-        resume: str | None = None, recovery: str | None = None) -> JobResult:
+        resume: str | None = None, recovery: str | None = None, checkpoint_policy: str = "full",
+        checkpoint_fraction: float = 1.0) -> JobResult:
     """Run a job to completion and return its result.
 
     With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
@@ -212,6 +213,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     on demand (``litz checkpoint``, ``Driver.checkpoint()``) and every ``checkpoint_every``
     (``"30s"``: seconds; ``"5"``: driver iterations). ``resume`` starts from the newest
     complete checkpoint there (or the one named): tables, executor states and the driver.
+    ``checkpoint_policy`` ``priority``, ``round-robin`` or ``random`` (SCAR): after a first full
+    checkpoint, save only the fraction ``checkpoint_fraction`` r of the rows, every r·C.
     ``recovery="partial"`` (SCAR) survives the loss of a server: only its shards are restored,
     from the newest checkpoint, onto the other servers; nothing else rolls back.
     """
@@ -222,10 +225,11 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     if resumed is not None:
         num_executors = resumed.manifest["num_executors"]
     n_exec = num_executors or app.num_executors or 4 * workers
-    if checkpoint_dir:
-        parse_every(checkpoint_every)  # a bad policy is refused before anything starts
+    if checkpoint_dir:  # a bad policy is refused before anything starts
+        CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction)
         storage.filesystem(checkpoint_dir)
-        options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+        options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                       checkpoint_policy=checkpoint_policy, checkpoint_fraction=checkpoint_fraction)
     elif checkpoint_every:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
     if recovery is not None:

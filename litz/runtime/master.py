@@ -28,7 +28,7 @@ import zmq
 from litz.api import App, Driver, JobResult, ParameterServer, TaskFailure, TaskResult
 from litz.errors import LitzError, ProcessLost, TableError
 from litz.ft import storage
-from litz.ft.checkpoint import CheckpointCoordinator
+from litz.ft.checkpoint import CheckpointCoordinator, select_top
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
@@ -327,7 +327,9 @@ class Master:
         self.elastic = Elasticity(self)
         self.resume = resume
         ckpt_dir = self.options.get("checkpoint_dir")
-        self.checkpoints = CheckpointCoordinator(ckpt_dir, self.options.get("checkpoint_every")) if ckpt_dir else None
+        self.checkpoints = CheckpointCoordinator(
+            ckpt_dir, self.options.get("checkpoint_every"), self.options.get("checkpoint_policy", "full"),
+            float(self.options.get("checkpoint_fraction", 1.0))) if ckpt_dir else None
         self._ckpt_commands: list[str] = []  # `litz checkpoint` command ids waiting for a round
         self._written: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()  # driver files written
         self.recovery = self.options.get("recovery")  # None: a lost process stops the job; "partial": SCAR
@@ -442,6 +444,8 @@ class Master:
                 assert self.state is not None
                 self.state.release_paused()
                 self.elastic.tick()
+        elif msg.type == "ckpt_scores_reply":
+            self._scores_in(msg["cid"], msg.sender, msg["scores"])
         elif msg.type == "checkpoint_written":
             if self.checkpoints is not None and self.checkpoints.written(msg["cid"], msg.sender, msg["files"],
                                                                          msg.get("error")):
@@ -625,10 +629,12 @@ class Master:
         where = None
         kind = "shards" if role == "server" else "executors"
         if self.checkpoints is not None:
-            try:
-                _, path, manifest = storage.find_checkpoint(self.checkpoints.location)
-                where = {"location": self.checkpoints.location, "path": path, "files": manifest[f"{kind}_files"]}
-            except storage.CheckpointError:
+            running = storage.running_checkpoint(self.checkpoints.location)
+            if running is not None:
+                path, manifest, partials = running
+                where = {"location": self.checkpoints.location, "path": path, "files": manifest[f"{kind}_files"],
+                         **({"partials": partials} if role == "server" else {})}
+            else:
                 log.error("no complete checkpoint yet: the %s of %s start afresh", kind, lost)
         for dest, part in assign.items():
             self.endpoint.send(dest, f"restore_{kind}", **{kind: part}, **({"restore": where} if where else {}))
@@ -636,6 +642,8 @@ class Master:
                            "started": time.monotonic(), "from": where["path"] if where else None}
         ck = self.checkpoints
         r = ck.round if ck is not None else None
+        if r is not None and r.phase == "scoring" and role == "server":
+            self._scores_in(r.cid, lost, np.empty(0))  # a partial round goes on without it
         if r is not None and lost in r.waiting_written:  # a round it was part of can no longer be complete
             assert ck is not None
             if ck.snapshot_taken(r.cid, lost):
@@ -728,8 +736,15 @@ class Master:
             cid, error = self._written.get()
             if ck.written(cid, "master", ["driver.pkl"], error):
                 self._finish_checkpoint()
-        if ck.round is None and (self._ckpt_commands or ck.due(self.driver.iteration)):
-            self.checkpoint("command" if self._ckpt_commands else "policy")
+        if ck.round is None and self._ckpt_commands:
+            self.checkpoint("command")
+        elif ck.round is None and ck.due(self.driver.iteration):
+            if not ck.partial_next():
+                self.checkpoint("policy")
+            elif st.servers and ck.begin("policy", self.driver.iteration, kind="partial") is not None:
+                assert ck.round is not None
+                for srv in st.servers:  # SCAR: no pause; servers score their rows
+                    self.endpoint.send(srv, "ckpt_scores", cid=ck.round.cid, policy=ck.policy)
         r = ck.round
         if r is None or r.phase != "pausing" or not st.quiescent() or self.elastic.op is not None:
             return
@@ -755,11 +770,42 @@ class Master:
 
         threading.Thread(target=write_driver, daemon=True, name="checkpoint-driver").start()
 
+    def _scores_in(self, cid: int, sender: str, scores: np.ndarray) -> None:
+        """A server scored its rows for a partial checkpoint; with all scores in, pick the global
+        top fraction and have each server save its chosen rows."""
+        ck, st = self.checkpoints, self.state
+        r = ck.round if ck is not None else None
+        if r is None or st is None or r.cid != cid or r.phase != "scoring":
+            return
+        assert ck is not None
+        r.scores[sender] = scores
+        if any(srv not in r.scores for srv in st.servers):
+            return
+        chosen = select_top({srv: r.scores[srv] for srv in st.servers}, ck.fraction)
+        fs, root = storage.filesystem(ck.location)
+        path = storage.new_checkpoint_dir(fs, root)
+        ck.snapshotting(path, list(st.servers))
+        for srv in st.servers:
+            self.endpoint.send(srv, "ckpt_save", cid=cid, location=ck.location, path=path, rows=chosen[srv])
+
     def _finish_checkpoint(self) -> None:
         ck, st = self.checkpoints, self.state
         assert ck is not None and ck.round is not None and st is not None
         r = ck.round
-        if not r.errors:
+        base = storage.running_checkpoint(ck.location) if r.kind == "partial" and not r.errors else None
+        if r.kind == "partial" and base is None:
+            r.errors.append("a partial checkpoint needs a complete full one before it")
+        if not r.errors and base is not None:
+            manifest: dict[str, Any] = {
+                "job": self.job, "created": time.time(), "reason": r.reason, "partial_of": base[0],
+                "policy": ck.policy, "fraction": ck.fraction, "num_shards": st.num_shards,
+                "shards_files": sorted(f for p in st.servers for f in r.files.get(p, [])),
+            }
+            try:
+                storage.write_manifest(storage.filesystem(ck.location)[0], r.path, manifest)
+            except Exception as exc:
+                r.errors.append(f"master: cannot write the manifest: {type(exc).__name__}: {exc}")
+        elif not r.errors:
             manifest = {
                 "job": self.job, "created": time.time(), "reason": r.reason, "version": r.version,
                 "num_executors": st.num_executors, "num_shards": st.num_shards, "driver": "driver.pkl",
