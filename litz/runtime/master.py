@@ -447,6 +447,11 @@ class Master:
         elif msg.type == "ckpt_scores_reply":
             self._scores_in(msg["cid"], msg.sender, msg["scores"])
         elif msg.type == "checkpoint_written":
+            # a written part implies its snapshot: the snapshot message may still wait in an outer
+            # batch while a driver's synchronous read handles this one first
+            if self.checkpoints is not None and self.checkpoints.snapshot_taken(msg["cid"], msg.sender):
+                assert self.state is not None
+                self.state.release_paused()
             if self.checkpoints is not None and self.checkpoints.written(msg["cid"], msg.sender, msg["files"],
                                                                          msg.get("error")):
                 self._finish_checkpoint()
