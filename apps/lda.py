@@ -507,8 +507,10 @@ def make_app(argv: list[str]) -> litz.App:
                   count_dtype="int16" if max_word_count <= np.iinfo(np.int16).max else "int32",
                   chunks=max(1, min(args.chunks, corpus.num_words)))
     layout = _layout(config)
+    # priority (SCAR) checkpoints rank word chunks by how far each word's topic mix moved,
+    # weighted by the word's count: the length-scaled total variation
     tables = [litz.Table("word_topic", shape=(layout.chunk_words, args.topics), dtype=config["count_dtype"],
-                         num_rows=layout.num_chunks),
+                         num_rows=layout.num_chunks, distance="tv"),
               litz.Table("topic_totals", shape=(args.topics,), dtype="int64", num_rows=1)]
     return litz.App(LDADriver, LDAExecutor, tables=tables, config=config, name="lda")
 

@@ -227,3 +227,58 @@ def test_priority_partial_checkpoints_save_the_top_fraction_after_a_full_base(tm
         litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_policy="best")
     with pytest.raises(ConfigError):
         litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_policy="priority", checkpoint_fraction=1.5)
+
+
+def test_tables_say_what_distance_ranks_their_rows() -> None:
+    """Priority checkpoints rank rows by each table's own distance; a broken one names its table."""
+    from litz.errors import TableError
+    from litz.ps.server import ShardStore
+    from litz.ps.tables import DISTANCES
+
+    tv = DISTANCES["tv"]
+    # the same mix at double the length has moved by its length times TV = 0 ...
+    assert tv(np.array([2.0, 2.0]), np.array([1.0, 1.0])) == 0.0
+    # ... a document of 10 tokens that moved all its mass: 10 * 1; one of 2 tokens, half: 2 * 0.5
+    assert tv(np.array([[0.0, 10.0], [1.0, 1.0]]), np.array([[5.0, 0.0], [2.0, 0.0]])) == 10.0 + 1.0
+    assert tv(np.array([0.0, 0.0]), np.array([3.0, 1.0])) == 4.0  # emptied: its old length, fully
+    with pytest.raises(TableError, match="unknown distance 'cosine'"):
+        litz.Table("w", (2,), distance="cosine")
+
+    tables = {"c": litz.Table("c", (2,), "float64", distance="tv"),
+              "w": litz.Table("w", (2,), "float64", distance=lambda v, s: float(abs(v[0] - s[0])))}
+    store = ShardStore(tables, shards=[0], num_shards=1)
+    store.update("c", [0, 1], np.array([[4.0, 4.0], [1.0, 3.0]]))
+    store.update("w", [0], np.array([[1.0, 1.0]]))
+    store.remember(store.rows_snapshot())
+    store.update("c", [0, 1], np.array([[4.0, 4.0], [3.0, -1.0]]))  # c0 keeps its mix; c1 -> (4, 2)
+    store.update("w", [0], np.array([[0.5, 100.0]]))  # only column 0 counts for w
+    entries, scores = store.scores("priority", 0)
+    got = {(name, key): s for (name, _, key), s in zip(entries, scores, strict=True)}
+    assert got == pytest.approx({("c", 0): 0.0, ("c", 1): 6 * 0.5 * (abs(4 / 6 - 1 / 4) + abs(2 / 6 - 3 / 4)),
+                                 ("w", 0): 0.5})
+
+    broken = {"w": litz.Table("w", (2,), "float64", distance=lambda v, s: float("nan"))}
+    store = ShardStore(broken, shards=[0], num_shards=1)
+    store.update("w", [0], np.array([[1.0, 1.0]]))
+    store.remember(store.rows_snapshot())
+    with pytest.raises(TableError, match="table 'w': distance function returned nan"):
+        store.scores("priority", 0)
+    store.tables["w"] = litz.Table("w", (2,), "float64", distance=lambda v, s: 1 / 0)
+    with pytest.raises(TableError, match="table 'w': distance function failed: ZeroDivisionError"):
+        store.scores("priority", 0)
+
+
+def test_a_failing_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: Path) -> None:
+    app = testapps.migrating_app(tasks=2000, executors=4, move_prob=0.0, distance=testapps.failing_distance)
+    res = litz.run(app, workers=2, servers=2, checkpoint_dir=str(tmp_path), checkpoint_every="0.2s",
+                   checkpoint_policy="priority", checkpoint_fraction=0.25)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    records = res.stats["master"]["checkpoints"]
+    assert records[0]["ok"] and records[0]["kind"] == "full"  # the base needs no distance
+    failed = [c for c in records if not c["ok"]]
+    if not failed:
+        pytest.skip("the job ended before a partial round (machine too slow)")
+    assert all(c["kind"] == "partial" for c in failed)
+    assert "table 's': distance function failed: RuntimeError: no distance today" in failed[0]["errors"][0]
+    base, _, partials = storage.running_checkpoint(str(tmp_path))  # type: ignore[misc]
+    assert base == records[0]["path"] and partials == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import Any
 
 import numpy as np
 
@@ -306,9 +307,15 @@ class CountingStateExecutor(litz.Executor):
         return seen, keys, deltas
 
 
+def failing_distance(value: np.ndarray, saved: np.ndarray) -> float:
+    """A table distance with a bug, for the checkpoint error path."""
+    raise RuntimeError("no distance today")
+
+
 def migrating_app(tasks: int = 1500, executors: int = 12, move_prob: float = 0.25, seed: int = 0,
-                  shard_move_prob: float = 0.0) -> litz.App:
-    return litz.App(MigratingDriver, CountingStateExecutor, tables=[litz.Table("s", (3,), "float64", num_rows=16)],
+                  shard_move_prob: float = 0.0, distance: Any = "l2") -> litz.App:
+    return litz.App(MigratingDriver, CountingStateExecutor,
+                    tables=[litz.Table("s", (3,), "float64", num_rows=16, distance=distance)],
                     num_executors=executors,
                     config={"rows": 16, "tasks": tasks, "move_prob": move_prob, "seed": seed,
                             "shard_move_prob": shard_move_prob})

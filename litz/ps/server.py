@@ -117,8 +117,9 @@ class ShardStore:
         self.rounds += 1
 
     def scores(self, policy: str, seed: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
-        """Every row hosted here with its claim to be saved next: ``priority``, the L2 distance
-        from its saved value; ``round-robin``, the rounds since it was saved; ``random``, a draw.
+        """Every row hosted here with its claim to be saved next: ``priority``, the table's
+        distance (L2 unless the table says otherwise) from its saved value; ``round-robin``, the
+        rounds since it was saved; ``random``, a draw.
         A row never saved comes first under the first two."""
         entries = [(name, shard, key) for shard, tables in self.shards.items()
                    for name, rows in tables.items() for key in rows]
@@ -130,7 +131,7 @@ class ShardStore:
             if saved is None:
                 out[i] = np.inf
             elif policy == "priority":
-                out[i] = float(np.linalg.norm((self.shards[shard][name][key] - saved).astype(np.float64).ravel()))
+                out[i] = self.tables[name].distance_from_saved(self.shards[shard][name][key], saved)
             else:
                 out[i] = self.rounds - self.saved_round[(name, key)]
         return entries, out
@@ -397,7 +398,12 @@ class ServerNode(Node):
     # -- SCAR partial checkpoints -----------------------------------------------------------------
     def on_ckpt_scores(self, msg: Message) -> None:
         """Score every row for a partial checkpoint; the master picks the global top fraction."""
-        entries, scores = self._store().scores(msg["policy"], msg["cid"])
+        try:
+            entries, scores = self._store().scores(msg["policy"], msg["cid"])
+        except LitzError as exc:  # e.g. an application's distance function failed: this round is lost
+            self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=msg["cid"], scores=np.empty(0),
+                               error=f"{self.ident}: {exc}")
+            return
         self._scored[msg["cid"]] = entries
         self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=msg["cid"], scores=scores)
 

@@ -83,6 +83,39 @@ COMBINERS: dict[str, Combiner] = {
 }
 
 
+def _l2(value: np.ndarray, saved: np.ndarray) -> float:
+    return float(np.linalg.norm((value.astype(np.float64) - saved).ravel()))
+
+
+def _l1(value: np.ndarray, saved: np.ndarray) -> float:
+    return float(np.abs(value.astype(np.float64) - saved).sum())
+
+
+def _scaled_total_variation(value: np.ndarray, saved: np.ndarray) -> float:
+    """Length-scaled total variation, for rows of counts (topic counts of documents or words).
+
+    The row's last axis holds one count vector per entry: each contributes ``|a|_1`` times the
+    total variation between the distributions ``a/|a|_1`` and ``b/|b|_1`` (SCAR's distance for
+    LDA). Scaling by the length makes a long document that changed its mix weigh more than a
+    short one that changed as much; a vector that became empty, or was empty when saved, counts as fully changed.
+    """
+    a = value.astype(np.float64).reshape(-1, value.shape[-1] if value.ndim else 1)
+    b = saved.astype(np.float64).reshape(a.shape)
+    na = np.abs(a).sum(axis=1)
+    nb = np.abs(b).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tv = 0.5 * np.abs(a / na[:, None] - b / nb[:, None]).sum(axis=1)
+    tv = np.where((na == 0) | (nb == 0), np.where(na == nb, 0.0, 1.0), tv)
+    return float((np.where(na > 0, na, nb) * tv).sum())
+
+
+DISTANCES: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+    "l2": _l2,
+    "l1": _l1,
+    "tv": _scaled_total_variation,
+}
+
+
 def _key_seed(key: Key) -> int:
     if isinstance(key, (int, np.integer)):
         return int(key) & 0xFFFFFFFF
@@ -102,6 +135,10 @@ class Table:
         combiner: ``"add"``, ``"min"``, ``"max"``, ``"assign"`` or a ``Combiner``.
         num_rows: if set, keys must be ints in ``[0, num_rows)``; otherwise ints or strings.
         seed: seeds the random initializers (per key, so any server makes the same row).
+        distance: how far a row has moved from its checkpointed copy, for priority (SCAR)
+            checkpoints: ``"l2"`` (default), ``"l1"``, ``"tv"`` (length-scaled total variation of
+            count vectors along the last axis) or ``fn(value, saved) -> float``. Rows that moved
+            most are saved first, so the application says what "moved" means for its model.
     """
 
     name: str
@@ -111,7 +148,9 @@ class Table:
     combiner: Any = "add"
     num_rows: int | None = None
     seed: int = 0
+    distance: Any = "l2"
     _combiner: Combiner = field(init=False, repr=False)
+    _distance: Callable[[np.ndarray, np.ndarray], float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(s) for s in (self.shape if isinstance(self.shape, (tuple, list)) else
@@ -126,6 +165,25 @@ class Table:
             self._combiner = self.combiner
         else:
             raise TableError(f"table {self.name!r}: combiner must be a name or a Combiner")
+        if isinstance(self.distance, str):
+            if self.distance not in DISTANCES:
+                raise TableError(f"table {self.name!r}: unknown distance {self.distance!r} "
+                                 f"(choose from {sorted(DISTANCES)} or pass fn(value, saved) -> float)")
+            self._distance = DISTANCES[self.distance]
+        elif callable(self.distance):
+            self._distance = self.distance
+        else:
+            raise TableError(f"table {self.name!r}: distance must be a name or a function")
+
+    def distance_from_saved(self, value: np.ndarray, saved: np.ndarray) -> float:
+        """The row's priority for the next partial checkpoint; a bad answer names the table."""
+        try:
+            d = float(self._distance(value, saved))
+        except Exception as exc:
+            raise TableError(f"table {self.name!r}: distance function failed: {type(exc).__name__}: {exc}") from exc
+        if not d >= 0:  # NaN or negative would corrupt the global ranking
+            raise TableError(f"table {self.name!r}: distance function returned {d!r}, expected a number >= 0")
+        return d
 
     @property
     def comb(self) -> Combiner:

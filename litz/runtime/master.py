@@ -445,7 +445,7 @@ class Master:
                 self.state.release_paused()
                 self.elastic.tick()
         elif msg.type == "ckpt_scores_reply":
-            self._scores_in(msg["cid"], msg.sender, msg["scores"])
+            self._scores_in(msg["cid"], msg.sender, msg["scores"], msg.get("error"))
         elif msg.type == "checkpoint_written":
             # a written part implies its snapshot: the snapshot message may still wait in an outer
             # batch while a driver's synchronous read handles this one first
@@ -775,14 +775,20 @@ class Master:
 
         threading.Thread(target=write_driver, daemon=True, name="checkpoint-driver").start()
 
-    def _scores_in(self, cid: int, sender: str, scores: np.ndarray) -> None:
+    def _scores_in(self, cid: int, sender: str, scores: np.ndarray, error: str | None = None) -> None:
         """A server scored its rows for a partial checkpoint; with all scores in, pick the global
-        top fraction and have each server save its chosen rows."""
+        top fraction and have each server save its chosen rows. A server that could not score
+        (say, the application's distance function raised) fails the round: nothing is saved,
+        the previous checkpoints stay the running one, training goes on."""
         ck, st = self.checkpoints, self.state
         r = ck.round if ck is not None else None
         if r is None or st is None or r.cid != cid or r.phase != "scoring":
             return
         assert ck is not None
+        if error:
+            r.errors.append(error)
+            self._finish_checkpoint()
+            return
         r.scores[sender] = scores
         if any(srv not in r.scores for srv in st.servers):
             return
@@ -798,7 +804,7 @@ class Master:
         assert ck is not None and ck.round is not None and st is not None
         r = ck.round
         base = storage.running_checkpoint(ck.location) if r.kind == "partial" and not r.errors else None
-        if r.kind == "partial" and base is None:
+        if r.kind == "partial" and base is None and not r.errors:
             r.errors.append("a partial checkpoint needs a complete full one before it")
         if not r.errors and base is not None:
             manifest: dict[str, Any] = {
@@ -828,8 +834,8 @@ class Master:
             log.info("checkpoint %s written in %.2f s (training paused %.3f s)", record["path"], record["seconds"],
                      record["paused_seconds"])
         else:
-            log.error("checkpoint %s failed, it has no manifest and will never be used: %s", record["path"],
-                      "; ".join(record["errors"]))
+            log.error("checkpoint %s failed, it has no manifest and will never be used: %s",
+                      record["path"] or f"round {record['cid']}", "; ".join(record["errors"]))
             self.errors.extend(record["errors"])
         for cid in self._ckpt_commands:
             self.membership.put(f"{RESULTS}{cid}", {"ok": record["ok"], "time": time.time(),

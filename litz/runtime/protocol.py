@@ -154,7 +154,7 @@ MESSAGES: dict[str, MessageType] = _declare(
     # SCAR partial checkpoints: master -> servers, score your rows; the master picks the global
     # top fraction and asks each server to save its chosen rows (positions in its scored list)
     MessageType("ckpt_scores", {"cid": "int", "policy": "str"}),
-    MessageType("ckpt_scores_reply", {"cid": "int", "scores": "array"}),
+    MessageType("ckpt_scores_reply", {"cid": "int", "scores": "array", "error?": "str"}),
     MessageType("ckpt_save", {"cid": "int", "location": "str", "path": "str", "rows": "list"}),
 )
 
