@@ -1,0 +1,549 @@
+"""Approximate k-nearest-neighbour graph by NN-Descent, distributed over Litz executors.
+
+Also a building block: any driver can run an :class:`NNDescentPhase` and any executor can serve
+its tasks with :func:`nndescent_run_task` (apps/hdbscan.py builds its mutual-reachability graph so).
+
+**Where the graph lives.** Table ``knn`` (:func:`knn_table`) holds every point's list of ``k``
+neighbours; a row is a *block* of ``block`` consecutive points (default 64), shape
+``(block, 3k)`` float32: per point ``[ids | squared Euclidean distances | new flags]``, sorted by
+distance, padded with id -1 (layout and merge rule: apps/nndescent_kernels.py). Rows are blocks
+because the runtime pays per key: 70,000 points are 1,094 keys, not 70,000. Ids are exact in
+float32 below 2**24 points, far beyond what one host's executors can hold. The combiner
+(:class:`KeepKNearest`) keeps the ``k`` nearest distinct ids; it is associative, commutative and
+idempotent, so candidate lists from any executors merge in any order, in a worker's update log
+or on a server, and a list sent twice does no harm.
+
+**Who holds what.** Every executor holds the whole data matrix, read-only (:class:`NNDInput`):
+the join compares a point's candidates, which are anywhere in the data set, so a partition of the
+rows would force every distance through the network. On one host this costs nothing: Fashion-MNIST
+is a memory map of the decoded cache shared by all processes, and synthetic data is regenerated
+from its seed. The input is reloadable either way. An executor *owns* a partition of the points
+(``owned``): it samples their candidates, joins them, and maintains their new/old flags.
+
+**One round = one task per executor** (pynndescent's algorithm, distributed):
+
+1. read the whole graph (``get_many``; one fetch per worker process, shared through the cache);
+2. sample each owned point's candidates: its neighbours and its reverse neighbours (points that
+   list it), new and old separately, ``max_candidates`` each by a priority hashed from
+   (seed, round, edge), so every executor agrees on every edge's priority; mark the sampled new
+   neighbours old;
+3. local join: compare each owned point's new candidates with each other and with its old ones;
+   offer each point of a pair to the other's list;
+4. send the offers and the owned lists (with their marks) as updates of the ``knn`` table.
+
+The flags live in the table, not in executor state, because step 2 needs the flag of every edge
+that points *to* an owned point, and those edges belong to other points' lists; keeping them in
+the rows also leaves executors with no state to ship when they move.
+
+**The d_max filter.** ``d_max(x)``, the distance of ``x``'s k-th neighbour, reaches every executor
+with the rows it reads in step 1 (it is the row's last distance). An offer ``(x, y, d)`` with
+``d >= d_max(x)`` cannot enter ``x``'s list, so it is dropped before sending; offers that pass
+tighten the executor's copy of the list, so later offers face a smaller ``d_max``. Without the
+filter (``--no-filter``, for comparison) an executor sends, for every point it does not own, the
+``k`` nearest offers it found (combined locally, which is what its update log would do anyway).
+:attr:`NNDescentPhase.stats` counts the offers sent both ways.
+
+**Stopping.** A round's *updates* are the offers that entered the lists as the executors read
+them (an upper bound of the changes on the servers: two executors may find the same pair). The
+phase stops after the first round with fewer than ``delta * n * k`` updates (pynndescent's rule,
+``delta`` = 0.001) or after ``max_rounds``.
+
+**Scaling.** Step 1 moves the whole graph to every worker process each round (``3k`` floats per
+point). That is the price of reverse neighbours in one round and it is small on one host (12 MB
+at 70,000 points, k = 15); across many hosts a second wave per round that sends reverse edges to
+their owners would replace it.
+
+Run it:  ``litz launch apps/nndescent.py [--data fashion-mnist|blobs] [--k 15] [--points N]``
+Last line printed: ``recall 0.9xx`` (against exact neighbours of a sample of query points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import litz
+from apps import nndescent_kernels as nk
+
+#: Points per row of the ``knn`` table.
+BLOCK = 64
+#: Ids are stored in float32: exact below this.
+MAX_POINTS = 2**24
+#: Blocks per ``get_many`` when the driver reads the graph.
+READ_CHUNK = 512
+
+DEFAULTS: dict[str, Any] = {"k": 15, "delta": 0.001, "max_rounds": 30, "queries": 1000}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the table
+# ----------------------------------------------------------------------------------------------------
+
+
+class KeepKNearest(litz.Combiner):
+    """Merge neighbour lists: per point, the ``k`` nearest distinct ids, sorted (Numba kernel).
+
+    Associative, commutative and idempotent (see apps/nndescent_kernels.py): updates may merge in
+    any grouping and order, and a repeated one changes nothing.
+    """
+
+    name = "keep-k-nearest"
+
+    def __init__(self, k: int) -> None:
+        self.k = int(k)
+
+    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        width = 3 * self.k
+        if acc.shape[-1] != width or upd.shape != acc.shape:
+            raise ValueError(f"keep-k-nearest(k={self.k}): lists of width {width} expected, "
+                             f"got {acc.shape} and {upd.shape}")
+        work = acc if acc.flags.c_contiguous and acc.dtype == np.float32 else np.ascontiguousarray(acc, np.float32)
+        nk.merge_lists(work.reshape(-1, width), np.ascontiguousarray(upd, np.float32).reshape(-1, width), self.k)
+        if work is not acc:
+            acc[...] = work
+        return acc
+
+
+def _empty_block(key: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """The initial row: every list empty (id -1, distance +inf)."""
+    return nk.empty_lists(shape[0], shape[1] // 3).astype(dtype, copy=False)
+
+
+def num_blocks(n_points: int, block: int = BLOCK) -> int:
+    return -(-n_points // block)
+
+
+def knn_table(n_points: int, k: int, name: str = "knn", *, block: int = BLOCK) -> litz.Table:
+    """The neighbour-list table: ``ceil(n / block)`` rows of shape ``(block, 3k)`` float32, combiner
+    :class:`KeepKNearest`. Point ``i`` is list ``i % block`` of row ``i // block``."""
+    if not 0 < k < n_points:
+        raise litz.ConfigError(f"NN-Descent needs 0 < k < number of points, got k={k}, n={n_points}")
+    if n_points >= MAX_POINTS:
+        raise litz.ConfigError(f"NN-Descent stores ids in float32: at most {MAX_POINTS - 1} points, got {n_points}")
+    return litz.Table(name, shape=(block, 3 * k), dtype="float32", init=_empty_block, combiner=KeepKNearest(k),
+                      num_rows=num_blocks(n_points, block))
+
+
+def nndescent_tables(n_points: int, k: int, *, name: str = "knn", block: int = BLOCK) -> list[litz.Table]:
+    """Every table the phase needs (only the neighbour lists: candidates and flags travel in them)."""
+    return [knn_table(n_points, k, name, block=block)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the executor side
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NNDInput:
+    """What an executor serving NN-Descent tasks keeps in ``self.input`` (or in ``self.input.nnd``).
+
+    ``data``: float32 ``(n, d)``, C-contiguous, every point (read-only is fine; a memory map is best);
+    ``owned``: int64 ids of the points this executor owns. The executors' ``owned`` must partition
+    ``range(n)``: the phase checks the count and the sum of the ids at its start.
+    """
+
+    data: np.ndarray
+    owned: np.ndarray
+
+    @staticmethod
+    def partition(n: int, num_executors: int, executor_id: int) -> np.ndarray:
+        """Contiguous, nearly equal ranges: an executor's own lists then fill few table rows."""
+        bounds = np.linspace(0, n, num_executors + 1).round().astype(np.int64)
+        return np.arange(bounds[executor_id], bounds[executor_id + 1], dtype=np.int64)
+
+
+def _nnd_input(executor: litz.Executor) -> NNDInput:
+    inp = executor.input
+    inp = inp if isinstance(inp, NNDInput) else getattr(inp, "nnd", None)
+    if not isinstance(inp, NNDInput):
+        raise TypeError("an executor serving NN-Descent tasks needs self.input (or self.input.nnd) to be an "
+                        f"apps.nndescent.NNDInput, got {type(executor.input).__name__}")
+    return inp
+
+
+def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[str, Any]:
+    """Run one NN-Descent task (``args["phase"] == "nnd"``) on ``executor``; return its counters.
+
+    ``op == "init"``: random first lists for the owned points. ``op == "round"``: read the graph,
+    sample, join, send (module docstring). Everything the task needs is in ``args`` and the input.
+    """
+    inp = _nnd_input(executor)
+    n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
+    data, owned = inp.data, inp.owned
+    if data.shape[0] != n:
+        raise ValueError(f"NN-Descent over {n} points, but this executor's data has {data.shape[0]} rows")
+    if args["op"] == "init":
+        blocks, deltas, counts = nk.nnd_init(data, owned, k, int(args["seed"]), block)
+    else:
+        G = executor.ps.get_many(args["table"], range(num_blocks(n, block))).reshape(-1, 3 * k)[:n]
+        blocks, deltas, counts = nk.nnd_round(data, G, owned, k, int(args["max_candidates"]), int(args["seed"]),
+                                              int(args["round"]), bool(args["filter"]), block)
+    if len(blocks):
+        executor.ps.update_many(args["table"], blocks, deltas)
+    return {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum())}
+
+
+def nndescent_warmup() -> None:
+    """Compile (or load from Numba's cache) every kernel, for float32 data as a task passes it."""
+    rng = np.random.default_rng(0)
+    for data in (rng.standard_normal((40, 3)).astype(np.float32),):
+        for readonly in (False, True):
+            x = data.copy()
+            x.flags.writeable = not readonly
+            owned = np.arange(20, dtype=np.int64)
+            blocks, deltas, _ = nk.nnd_init(x, owned, 4, 0, 8)
+            G = nk.empty_lists(len(x), 4)
+            for b, d in zip(blocks, deltas, strict=True):
+                nk.merge_lists(G[b * 8:(b + 1) * 8], d, 4)
+            for use_filter in (True, False):
+                nk.nnd_round(x, G.copy(), owned, 4, 4, 0, 0, use_filter, 8)
+
+
+class NNDescentExecutorMixin:
+    """Serve NN-Descent tasks: call ``self.run_nnd_task(args)`` from ``run_task`` when
+    ``NNDescentPhase.is_task(args)``, and ``nndescent_warmup()`` from ``setup``."""
+
+    def run_nnd_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        return nndescent_run_task(self, args)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the driver side
+# ----------------------------------------------------------------------------------------------------
+
+
+class NNDescentPhase:
+    """Driver-side state machine of NN-Descent, usable inside any ``litz.Driver``.
+
+    ``start()`` dispatches the first tasks; pass every completion for which ``handles(result)`` is
+    true to ``on_complete(result)``, which dispatches what follows and returns True once the graph
+    has converged; then ``graph()`` reads it. Tasks go to executors ``0 .. num_executors - 1``,
+    one per executor per round, and carry ``"phase": "nnd"`` in their args.
+    """
+
+    def __init__(self, driver: litz.Driver, n_points: int, k: int, *, num_executors: int, delta: float = 0.001,
+                 max_rounds: int = 30, seed: int = 0, table: str = "knn", block: int = BLOCK,
+                 max_candidates: int | None = None, use_filter: bool = True,
+                 report: Callable[[str], None] | None = None) -> None:
+        if num_executors < 1 or max_rounds < 1 or not delta >= 0:
+            raise litz.ConfigError(f"NN-Descent needs executors >= 1, max_rounds >= 1 and delta >= 0, got "
+                                   f"{num_executors}, {max_rounds}, {delta}")
+        knn_table(n_points, k, table, block=block)  # checks n and k
+        self.driver = driver
+        self.n, self.k, self.E = int(n_points), int(k), int(num_executors)
+        self.delta, self.max_rounds, self.seed = float(delta), int(max_rounds), int(seed)
+        self.table, self.block = table, int(block)
+        self.max_candidates = int(max_candidates or min(60, k))  # pynndescent's default
+        self.use_filter = bool(use_filter)
+        self.report = report
+        self.round = -1  # -1: initial lists
+        self.converged = False
+        self.stats: dict[str, Any] = {"rounds": 0, "updates": [], "distances": [], "proposed": [], "sent": [],
+                                      "rows_sent": [], "marked": [], "seconds": [], "candidates_proposed": 0,
+                                      "candidates_sent": 0, "candidates_filtered": 0, "filter": self.use_filter}
+        self._pending = 0
+        self._counts = np.zeros(len(nk.COUNTERS), np.int64)
+        self._owned = [0, 0]
+
+    @staticmethod
+    def is_task(args: Any) -> bool:
+        """Whether task args belong to NN-Descent (what an executor's ``run_task`` tests)."""
+        return isinstance(args, dict) and args.get("phase") == "nnd"
+
+    def _dispatch(self, op: str) -> None:
+        base = {"phase": "nnd", "op": op, "round": self.round, "n": self.n, "k": self.k, "block": self.block,
+                "table": self.table, "seed": self.seed, "max_candidates": self.max_candidates,
+                "filter": self.use_filter}
+        self._counts[:] = 0
+        self._pending = self.E
+        self._t = time.perf_counter()
+        for e in range(self.E):
+            self.driver.dispatch_task(e, dict(base))
+
+    def start(self) -> None:
+        """Dispatch the initial lists (one task per executor)."""
+        self._t0 = time.perf_counter()
+        self._dispatch("init")
+
+    def handles(self, result: litz.TaskResult) -> bool:
+        """Whether this completion is one of this phase's tasks."""
+        return self.is_task(result.args) and result.args.get("table") == self.table
+
+    def on_complete(self, result: litz.TaskResult) -> bool:
+        """Account one completion; at the end of a round, stop or dispatch the next. True once converged."""
+        v = result.value
+        self._counts += np.asarray(v["counts"], np.int64)
+        if self.round < 0:
+            self._owned[0] += int(v["owned"])
+            self._owned[1] += int(v["owned_sum"])
+        self._pending -= 1
+        if self._pending:
+            return False
+        c = dict(zip(nk.COUNTERS, self._counts.tolist(), strict=True))
+        seconds = time.perf_counter() - self._t
+        if self.round < 0:
+            if self._owned != [self.n, self.n * (self.n - 1) // 2]:
+                raise RuntimeError(f"the executors' owned points do not partition range({self.n}): "
+                                   f"{self._owned[0]} points with id sum {self._owned[1]}")
+            self.stats["init_seconds"] = seconds
+            self._say(f"initial lists  {seconds:.3f} s")
+        else:
+            st = self.stats
+            st["rounds"] = self.round + 1
+            for name in ("updates", "distances", "proposed", "sent", "rows_sent", "marked"):
+                st[name].append(c[name])
+            st["seconds"].append(seconds)
+            st["candidates_proposed"] += c["proposed"]
+            st["candidates_sent"] += c["sent"]
+            st["candidates_filtered"] = st["candidates_proposed"] - st["candidates_sent"]
+            self._say(f"round {self.round + 1:3d}  updates {c['updates']:9d}  distances {c['distances']:10d}  "
+                      f"candidates sent {c['sent']:9d} of {c['proposed']:10d}  {seconds:.3f} s")
+            if c["updates"] < self.delta * self.n * self.k or self.round + 1 >= self.max_rounds:
+                self.converged = True
+                self.stats["seconds_total"] = time.perf_counter() - self._t0
+                return True
+        self.round += 1
+        self._dispatch("round")
+        return False
+
+    def _say(self, line: str) -> None:
+        if self.report is not None:
+            self.report(line)
+
+    def progress(self) -> str:
+        """One line for ``litz status``."""
+        if self.round < 0:
+            return "NN-Descent: initial lists"
+        ups = self.stats["updates"]
+        return f"NN-Descent round {self.round + 1}/{self.max_rounds}" + (f", {ups[-1]} updates" if ups else "")
+
+    def graph(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(indices int64 (n, k), Euclidean distances float32 (n, k))``, rows sorted ascending, from the PS."""
+        nb = num_blocks(self.n, self.block)
+        rows = np.empty((nb * self.block, 3 * self.k), np.float32)
+        for lo in range(0, nb, READ_CHUNK):
+            hi = min(nb, lo + READ_CHUNK)
+            rows[lo * self.block:hi * self.block] = self.driver.ps.get_many(self.table, range(lo, hi)).reshape(
+                -1, 3 * self.k)
+        rows = rows[:self.n]
+        return rows[:, :self.k].astype(np.int64), np.sqrt(rows[:, self.k:2 * self.k])
+
+
+# ----------------------------------------------------------------------------------------------------
+# data and the exact neighbours of a sample (for recall)
+# ----------------------------------------------------------------------------------------------------
+
+
+def blobs(n: int, dim: int = 10, centers: int = 10, seed: int = 0) -> np.ndarray:
+    """Gaussian blobs (unit variance, centres uniform in [-10, 10]^dim), float32 ``(n, dim)``."""
+    rng = np.random.default_rng([seed, 0xB10B])
+    c = rng.uniform(-10.0, 10.0, (centers, dim))
+    x = c[rng.integers(0, centers, n)] + rng.standard_normal((n, dim))
+    return x.astype(np.float32)
+
+
+def _fashion_mnist_all() -> np.ndarray:
+    """Train then test rows (70,000 x 784), as a read-only memory map of one cached file.
+
+    Every process maps the same file, so the executors of all workers share one copy in memory.
+    """
+    import hashlib
+
+    from apps.datasets import _save_npy_atomic, cache_dir, load_fashion_mnist
+
+    train, test = load_fashion_mnist("train")[0], load_fashion_mnist("test")[0]
+    names = [getattr(a, "filename", None) for a in (train, test)]
+    if None in names:  # no decoded cache (read-only home): keep it in memory
+        return np.concatenate([train, test])
+    path = cache_dir() / f"nnd-fashion-mnist-all-{hashlib.sha1(repr(names).encode()).hexdigest()[:16]}.npy"
+    if not path.is_file():
+        try:
+            _save_npy_atomic(path, np.concatenate([train, test]))
+        except OSError:
+            return np.concatenate([train, test])
+        for old in path.parent.glob("nnd-fashion-mnist-all-*.npy"):
+            if old != path:
+                old.unlink(missing_ok=True)
+    return np.asarray(np.load(path, mmap_mode="r"))
+
+
+@functools.lru_cache(maxsize=2)
+def _load(name: str, points: int | None, dim: int, centers: int, seed: int) -> np.ndarray:
+    if name == "blobs":
+        return blobs(points or 10_000, dim, centers, seed)
+    x = _fashion_mnist_all()
+    return x[:points] if points else x
+
+
+def load_points(config: dict[str, Any]) -> np.ndarray:
+    """The job's points, memoized per process (executors of one worker share them)."""
+    return _load(config["data"], config["points"], config["dim"], config["centers"], config["data_seed"])
+
+
+def exact_knn(data: np.ndarray, queries: np.ndarray, k: int, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Exact k nearest other points of ``queries`` (ids into ``data``): ``(ids, squared distances)``.
+
+    Brute force: a float32 matrix product proposes ``3k + 10`` candidates, refined in float64 (the
+    product's rounding could misorder near ties).
+    """
+    x = np.asarray(data, np.float32)
+    norms = np.einsum("ij,ij->i", x, x)
+    m = min(len(x) - 1, 3 * k + 10)
+    ids = np.empty((len(queries), k), np.int64)
+    d2 = np.empty((len(queries), k))
+    for lo in range(0, len(queries), chunk):
+        q = queries[lo:lo + chunk]
+        approx = norms[q][:, None] - 2.0 * (x[q] @ x.T) + norms[None, :]
+        approx[np.arange(len(q)), q] = np.inf
+        cand = np.argpartition(approx, m, axis=1)[:, :m]
+        exact = ((x[cand].astype(np.float64) - x[q][:, None, :].astype(np.float64)) ** 2).sum(-1)
+        order = np.argsort(exact, axis=1, kind="stable")[:, :k]
+        ids[lo:lo + chunk] = np.take_along_axis(cand, order, 1)
+        d2[lo:lo + chunk] = np.take_along_axis(exact, order, 1)
+    return ids, d2
+
+
+def recall(data: np.ndarray, indices: np.ndarray, queries: np.ndarray, k: int) -> float:
+    """Share of the true k nearest neighbours found, on ``queries``; ties at the k-th distance count as found."""
+    _, d2 = exact_knn(data, queries, k)
+    x = np.asarray(data, np.float64)
+    found = indices[queries]
+    got = ((x[found] - x[queries][:, None, :]) ** 2).sum(-1)
+    ok = (got <= d2[:, -1:] * (1 + 1e-9)) & (found >= 0) & (found != queries[:, None])
+    return float(ok.sum() / (len(queries) * k))
+
+
+def query_sample(n: int, size: int, seed: int) -> np.ndarray:
+    """All points when ``size >= n``, else a random sample of them (sorted)."""
+    if size >= n:
+        return np.arange(n, dtype=np.int64)
+    return np.sort(np.random.default_rng([seed, 0x51]).choice(n, size, replace=False)).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the standalone app
+# ----------------------------------------------------------------------------------------------------
+
+
+class NNDDriver(litz.Driver):
+    """Runs one NNDescentPhase, then measures recall on a sample of query points."""
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        self.phase = NNDescentPhase(self, cfg["n"], cfg["k"], num_executors=self.num_executors, delta=cfg["delta"],
+                                    max_rounds=cfg["max_rounds"], seed=cfg["seed"], block=cfg["block"],
+                                    max_candidates=cfg["max_candidates"], use_filter=cfg["filter"],
+                                    report=None if cfg["quiet"] else self._print)
+        self.phase.start()
+
+    @staticmethod
+    def _print(line: str) -> None:
+        print(line, flush=True)
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        if not (self.phase.handles(result) and self.phase.on_complete(result)):
+            return
+        cfg = self.config
+        t = time.perf_counter()
+        indices, distances = self.phase.graph()
+        read = time.perf_counter() - t
+        data = load_points(cfg)
+        queries = query_sample(cfg["n"], cfg["queries"], cfg["seed"])
+        r = recall(data, indices, queries, cfg["k"])
+        out: dict[str, Any] = {"recall": r, "stats": self.phase.stats, "read_seconds": read,
+                               "seconds": self.phase.stats["seconds_total"] + read}
+        if cfg["return_graph"]:
+            out.update(indices=indices, distances=distances)
+        if not cfg["quiet"]:
+            print(f"{cfg['n']} points, k={cfg['k']}: {self.phase.stats['rounds']} rounds, "
+                  f"{out['seconds']:.2f} s, candidates sent {self.phase.stats['candidates_sent']} of "
+                  f"{self.phase.stats['candidates_proposed']}", flush=True)
+            print(f"recall {r:.3f}", flush=True)
+        self.finish(out)
+
+    def progress(self) -> str:
+        phase = getattr(self, "phase", None)
+        return phase.progress() if phase is not None else ""
+
+
+class NNDExecutor(NNDescentExecutorMixin, litz.Executor):
+    """Holds every point (read-only) and owns a contiguous range of them."""
+
+    def load_input(self) -> NNDInput:
+        data = load_points(self.config)
+        return NNDInput(data, NNDInput.partition(len(data), self.num_executors, self.executor_id))
+
+    def setup(self) -> None:
+        nndescent_warmup()
+
+    def run_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        return self.run_nnd_task(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="litz launch apps/nndescent.py",
+                                description="Approximate k-nearest-neighbour graph by NN-Descent on Litz; prints "
+                                            "the recall against exact neighbours of a sample of points.")
+    p.add_argument("--data", choices=("fashion-mnist", "blobs"), default="fashion-mnist",
+                   help="Fashion-MNIST train + test (70,000 x 784, Debian package dataset-fashion-mnist) or "
+                        "Gaussian blobs")
+    p.add_argument("--k", type=int, default=DEFAULTS["k"], help="neighbours per point")
+    p.add_argument("--points", type=int, default=None,
+                   help="number of points (Fashion-MNIST: the first N; blobs: default 10,000)")
+    p.add_argument("--dim", type=int, default=10, help="blobs: dimensions")
+    p.add_argument("--centers", type=int, default=10, help="blobs: number of blobs")
+    p.add_argument("--delta", type=float, default=DEFAULTS["delta"],
+                   help="stop when a round makes fewer than delta * n * k updates")
+    p.add_argument("--max-rounds", type=int, default=DEFAULTS["max_rounds"])
+    p.add_argument("--max-candidates", type=int, default=None, help="join candidates per point and kind "
+                                                                    "(default min(60, k))")
+    p.add_argument("--block", type=int, default=BLOCK, help="points per parameter-server row")
+    p.add_argument("--no-filter", dest="filter", action="store_false",
+                   help="send candidates without the d_max filter (for comparison)")
+    p.add_argument("--queries", type=int, default=DEFAULTS["queries"],
+                   help="points whose exact neighbours measure the recall (all if fewer points)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial lists and the sampling")
+    p.add_argument("--data-seed", type=int, default=0, help="blobs: seed of the data")
+    p.add_argument("--return-graph", action="store_true", help="litz.run returns the graph too (for tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def make_app(argv: list[str]) -> litz.App:
+    """Parse and check the options, load the data once to learn its size, declare the table."""
+    args = parser().parse_args(argv)
+    for name in ("k", "max_rounds", "queries", "block", "dim", "centers"):
+        if getattr(args, name) < 1:
+            raise litz.ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.points is not None and args.points < 2:
+        raise litz.ConfigError(f"--points must be at least 2, got {args.points}")
+    if args.max_candidates is not None and args.max_candidates < 1:
+        raise litz.ConfigError(f"--max-candidates must be a positive integer, got {args.max_candidates}")
+    if not args.delta >= 0:
+        raise litz.ConfigError(f"--delta must be >= 0, got {args.delta}")
+    config: dict[str, Any] = {
+        "data": args.data, "k": args.k, "points": args.points, "dim": args.dim, "centers": args.centers,
+        "delta": args.delta, "max_rounds": args.max_rounds, "max_candidates": args.max_candidates,
+        "block": args.block, "filter": args.filter, "queries": args.queries, "seed": args.seed,
+        "data_seed": args.data_seed, "return_graph": args.return_graph, "quiet": args.quiet}
+    try:
+        n = len(load_points(config))
+    except FileNotFoundError as exc:
+        raise litz.ConfigError(str(exc).splitlines()[0]) from None
+    config["n"] = n
+    return litz.App(NNDDriver, NNDExecutor, tables=nndescent_tables(n, args.k, block=args.block), config=config,
+                    name="nndescent")
+
+
+if __name__ == "__main__":
+    from litz.cli import launch
+
+    sys.exit(launch([__file__, *sys.argv[1:]]))

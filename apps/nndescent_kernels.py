@@ -1,0 +1,384 @@
+"""Numba kernels of distributed NN-Descent (apps/nndescent.py): list merging, candidate sampling,
+local join and packing of the parameter-server updates.
+
+**Neighbour lists.** A list of ``k`` neighbours is one float32 vector of length ``3k``:
+``[ids (k) | squared Euclidean distances (k) | flags (k)]``, sorted ascending by
+``(distance, id)``, without duplicate ids, padded at the end with ``(id -1, distance +inf, flag 0)``.
+Ids are stored as floats, exactly (float32 holds every integer below 2**24; apps/nndescent.py
+refuses larger data sets). The flag is 1 for a *new* neighbour (not yet used as a join
+candidate by the list's owner) and 0 for an old one; inside one kernel call a flag of 2 marks
+"proposed by this executor in this call" (it never leaves the executor: ``pack_updates`` sends 1).
+
+**Merging** (:func:`merge_lists`, the table combiner) keeps, per id, its smallest
+``(distance, flag)`` entry and then the ``k`` smallest entries by ``(distance, id)``. That is the
+top-k of a totally ordered set with per-id minimum, hence associative, commutative and idempotent:
+merging a list into itself, or an update twice, changes nothing; an "old" mark for an id and a new
+candidate for the same id meet as "old" in any order.
+
+Every kernel is ``cache=True, nogil=True``. Distances are computed in float32 (the data's type).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+FLAG_OLD = 0
+FLAG_NEW = 1
+FLAG_PROPOSED = 2  # only inside one kernel call: an entry this executor found (sent with FLAG_NEW)
+
+#: Counters returned by the round and init kernels, in this order.
+COUNTERS = ("distances", "proposed", "sent", "updates", "rows_sent", "marked")
+
+_jit = numba.njit(cache=True, nogil=True)
+_jit_fast = numba.njit(cache=True, nogil=True, fastmath=True)
+_inline = numba.njit(cache=True, nogil=True, inline="always")
+
+
+@_jit
+def empty_lists(m: int, k: int) -> np.ndarray:
+    """``m`` empty neighbour lists (ids -1, distances +inf, flags 0), shape ``(m, 3k)`` float32."""
+    out = np.zeros((m, 3 * k), np.float32)
+    out[:, :k] = -1.0
+    out[:, k:2 * k] = np.inf
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# one list
+# ----------------------------------------------------------------------------------------------------
+
+
+@_inline
+def _push(r: np.ndarray, k: int, q: float, d: float, f: float) -> int:
+    """Merge the entry ``(q, d, f)`` into the sorted list ``r`` (length 3k); 1 if ``q`` entered the list.
+
+    An id already present keeps its smallest ``(distance, flag)``: a lower flag (an "old" mark) or a
+    smaller distance replaces the entry, which is then re-inserted at its place; that is no new entry.
+    """
+    worst = r[2 * k - 1]
+    if d > worst:
+        return 0
+    for s in range(k):
+        if r[s] == q:
+            ds = r[k + s]
+            if d < ds or (d == ds and f < r[2 * k + s]):
+                for t in range(s, k - 1):  # take it out, then insert it again below
+                    r[t] = r[t + 1]
+                    r[k + t] = r[k + t + 1]
+                    r[2 * k + t] = r[2 * k + t + 1]
+                r[k - 1] = -1.0
+                r[2 * k - 1] = np.inf
+                r[3 * k - 1] = 0.0
+                _insert(r, k, q, d, f)
+            return 0
+        if r[s] < 0:
+            break
+    if d == worst and r[k - 1] >= 0 and q > r[k - 1]:
+        return 0  # ties are ordered by id
+    _insert(r, k, q, d, f)
+    return 1
+
+
+@_inline
+def _insert(r: np.ndarray, k: int, q: float, d: float, f: float) -> None:
+    """Insert a new id at its sorted place, dropping the last entry (the caller checked it belongs)."""
+    pos = k - 1
+    while pos > 0:
+        dp = r[k + pos - 1]
+        if dp < d or (dp == d and r[pos - 1] >= 0 and r[pos - 1] < q):
+            break
+        pos -= 1
+    for t in range(k - 1, pos, -1):
+        r[t] = r[t - 1]
+        r[k + t] = r[k + t - 1]
+        r[2 * k + t] = r[2 * k + t - 1]
+    r[pos] = q
+    r[k + pos] = d
+    r[2 * k + pos] = f
+
+
+@_jit
+def merge_lists(acc: np.ndarray, upd: np.ndarray, k: int) -> None:
+    """Merge every list of ``upd`` into the list of ``acc`` at the same row, in place (both ``(m, 3k)``)."""
+    for i in range(acc.shape[0]):
+        r = acc[i]
+        u = upd[i]
+        for s in range(k):
+            q = u[s]
+            if q >= 0:
+                _push(r, k, q, u[k + s], u[2 * k + s])
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers: distances and deterministic randomness
+# ----------------------------------------------------------------------------------------------------
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _sqdist(data: np.ndarray, p: int, q: int) -> float:
+    s = np.float32(0.0)
+    for t in range(data.shape[1]):
+        diff = data[p, t] - data[q, t]
+        s += diff * diff
+    return s
+
+
+@_inline
+def _mix(x: np.uint64) -> np.uint64:
+    """splitmix64's finalizer: a good 64-bit hash."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@_inline
+def _hash(seed: int, a: int, b: int, c: int) -> np.uint64:
+    h = _mix(np.uint64(seed) + np.uint64(0x9E3779B97F4A7C15))
+    h = _mix(h ^ np.uint64(a))
+    h = _mix(h ^ np.uint64(b))
+    return _mix(h ^ np.uint64(c))
+
+
+@_inline
+def _uniform(seed: int, a: int, b: int, c: int) -> float:
+    """A float in [0, 1) that is a pure function of its arguments: every executor draws the same."""
+    return float(_hash(seed, a, b, c) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@_inline
+def _push_candidate(ids: np.ndarray, pri: np.ndarray, mc: int, j: int, p: float) -> None:
+    """Keep the ``mc`` candidates of smallest priority (sorted), each id once (first come wins)."""
+    if p >= pri[mc - 1]:
+        return
+    for s in range(mc):
+        if ids[s] == j:
+            return
+        if ids[s] < 0:
+            break
+    pos = mc - 1
+    while pos > 0 and pri[pos - 1] > p:
+        pos -= 1
+    for t in range(mc - 1, pos, -1):
+        ids[t] = ids[t - 1]
+        pri[t] = pri[t - 1]
+    ids[pos] = j
+    pri[pos] = p
+
+
+# ----------------------------------------------------------------------------------------------------
+# one executor's work
+# ----------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _own_index(n: int, owned: np.ndarray) -> np.ndarray:
+    pos = np.full(n, -1, np.int64)
+    for a in range(owned.shape[0]):
+        pos[owned[a]] = a
+    return pos
+
+
+@_jit
+def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, seed: int, rnd: int,
+                      touched: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The join candidates of the ``m`` owned points, and the marks of the new ones sampled.
+
+    As pynndescent's ``new_candidate_neighbors``: every edge ``i -> j`` of the graph ``G`` gets a
+    priority (a hash of seed, round, i, j, so every executor computes the same) and offers ``j`` to
+    ``i``'s candidates and ``i`` to ``j``'s (the reverse neighbours), new or old by the edge's flag;
+    each point keeps the ``mc`` of smallest priority of each kind. Only owned points (``pos >= 0``)
+    keep candidates, but the whole graph is scanned for the reverse edges. A new edge ``i -> j``
+    whose ``j`` made it into ``i``'s new candidates is marked old in ``G`` (it is joined now).
+    Returns ``(new, old, marked)``: candidate ids ``(m, mc)`` int64 (-1 padded) and the marks made;
+    a point with marks is flagged in ``touched`` (its list must be sent).
+    """
+    n = G.shape[0]
+    new = np.full((m, mc), -1, np.int64)
+    old = np.full((m, mc), -1, np.int64)
+    new_p = np.full((m, mc), np.inf)
+    old_p = np.full((m, mc), np.inf)
+    for i in range(n):
+        pi = pos[i]
+        for s in range(k):
+            j = int(G[i, s])
+            if j < 0:
+                break
+            pj = pos[j]
+            if pi < 0 and pj < 0:
+                continue
+            p = _uniform(seed, rnd, i, j)
+            if G[i, 2 * k + s] > 0:
+                if pi >= 0:
+                    _push_candidate(new[pi], new_p[pi], mc, j, p)
+                if pj >= 0:
+                    _push_candidate(new[pj], new_p[pj], mc, i, p)
+            else:
+                if pi >= 0:
+                    _push_candidate(old[pi], old_p[pi], mc, j, p)
+                if pj >= 0:
+                    _push_candidate(old[pj], old_p[pj], mc, i, p)
+    marked = 0
+    for i in range(n):
+        pi = pos[i]
+        if pi < 0:
+            continue
+        for s in range(k):
+            j = G[i, s]
+            if j < 0:
+                break
+            if G[i, 2 * k + s] > 0:
+                for c in range(mc):
+                    if new[pi, c] == j:
+                        G[i, 2 * k + s] = FLAG_OLD
+                        marked += 1
+                        touched[i] = 1
+                        break
+    return new, old, marked
+
+
+@_jit_fast
+def _offer(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_filter: bool,
+           touched: np.ndarray, counts: np.ndarray, p: int, q: int) -> None:
+    """Compute ``d(p, q)`` once and offer each point to the other's list (both directions)."""
+    d = _sqdist(data, p, q)
+    counts[0] += 1
+    counts[1] += 2
+    _offer_one(G, box, k, pos, use_filter, touched, counts, p, q, d)
+    _offer_one(G, box, k, pos, use_filter, touched, counts, q, p, d)
+
+
+@_inline
+def _offer_one(G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_filter: bool, touched: np.ndarray,
+               counts: np.ndarray, a: int, b: int, d: float) -> None:
+    """Offer ``b`` at squared distance ``d`` to ``a``'s list."""
+    if d < G[a, 2 * k - 1]:  # d_max(a): the k-th distance as read at the round's start, then tighter
+        if _push(G[a], k, b, d, FLAG_PROPOSED):
+            counts[3] += 1
+            touched[a] = 1
+    if not use_filter and pos[a] < 0:  # without d_max: keep the k nearest offers, whatever a's list holds
+        if _push(box[a], k, b, d, FLAG_PROPOSED):
+            touched[a] = 1
+
+
+@_jit_fast
+def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, owned: np.ndarray,
+               new: np.ndarray, old: np.ndarray, use_filter: bool, touched: np.ndarray, counts: np.ndarray) -> None:
+    """For each owned point, compare its new candidates with each other and with its old ones.
+
+    Pairs of two old candidates were compared in an earlier round, which is what makes NN-Descent
+    cheaper than comparing every pair. Accepted offers are merged into ``G`` (the executor's copy of
+    the graph) with flag 2, so later offers in this call face the tightened ``d_max``.
+    """
+    mc = new.shape[1]
+    for a in range(owned.shape[0]):
+        for x in range(mc):
+            p = new[a, x]
+            if p < 0:
+                break
+            for y in range(x + 1, mc):
+                q = new[a, y]
+                if q < 0:
+                    break
+                _offer(data, G, box, k, pos, use_filter, touched, counts, p, q)
+            for y in range(mc):
+                q = old[a, y]
+                if q < 0:
+                    break
+                if q != p:
+                    _offer(data, G, box, k, pos, use_filter, touched, counts, p, q)
+
+
+@_jit
+def pack_updates(G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_filter: bool, touched: np.ndarray,
+                 block: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The parameter-server update of this call: ``(blocks int64, deltas (nb, block, 3k) float32)``.
+
+    A block row is sent if one of its points was touched. An owned point sends its whole list (its
+    old marks and the offers it accepted); another point sends only what this executor offers it:
+    with the filter, the offers that beat its list as read (flag 2 in ``G``); without, the ``k``
+    nearest offers found (``box``). Untouched points of a sent block send an empty list.
+    """
+    n = G.shape[0]
+    nblocks = (n + block - 1) // block
+    send = np.zeros(nblocks, np.bool_)
+    for i in range(n):
+        if touched[i]:
+            send[i // block] = True
+    blocks = np.flatnonzero(send).astype(np.int64)
+    deltas = np.zeros((blocks.shape[0], block, 3 * k), np.float32)
+    for b in range(blocks.shape[0]):
+        out = deltas[b]
+        out[:, :k] = -1.0
+        out[:, k:2 * k] = np.inf
+        base = blocks[b] * block
+        for r in range(block):
+            i = base + r
+            if i >= n or not touched[i]:
+                continue
+            src = G[i] if (pos[i] >= 0 or use_filter) else box[i]
+            c = 0
+            for s in range(k):
+                if src[s] < 0:
+                    break
+                f = src[2 * k + s]
+                if pos[i] < 0 and use_filter and f != FLAG_PROPOSED:
+                    continue
+                if f == FLAG_PROPOSED:
+                    f = FLAG_NEW
+                    counts[2] += 1
+                out[r, c] = src[s]
+                out[r, k + c] = src[k + s]
+                out[r, 2 * k + c] = f
+                c += 1
+    counts[4] += blocks.shape[0]
+    return blocks, deltas
+
+
+@_jit
+def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd: int,
+              use_filter: bool, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the graph (modified in place).
+
+    Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
+    """
+    n = G.shape[0]
+    counts = np.zeros(len(COUNTERS), np.int64)
+    pos = _own_index(n, owned)
+    touched = np.zeros(n, np.uint8)
+    new, old, marked = sample_candidates(G, k, pos, owned.shape[0], mc, seed, rnd, touched)
+    counts[5] = marked
+    box = empty_lists(1 if use_filter else n, k)
+    local_join(data, G, box, k, pos, owned, new, old, use_filter, touched, counts)
+    blocks, deltas = pack_updates(G, box, k, pos, use_filter, touched, block, counts)
+    return blocks, deltas, counts
+
+
+@_jit_fast
+def nnd_init(data: np.ndarray, owned: np.ndarray, k: int, seed: int, block: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first lists of the owned points: ``k`` distinct random other points each (all new).
+
+    The draws hash (seed, point, attempt), so a point's first list does not depend on the partition.
+    """
+    n = data.shape[0]
+    G = empty_lists(n, k)
+    counts = np.zeros(len(COUNTERS), np.int64)
+    pos = _own_index(n, owned)
+    touched = np.zeros(n, np.uint8)
+    for a in range(owned.shape[0]):
+        i = owned[a]
+        got = 0
+        attempt = 0
+        while got < k and got < n - 1:
+            j = int(_hash(seed, 0x1A17, i, attempt) % np.uint64(n))
+            attempt += 1
+            if j == i:
+                continue
+            d = _sqdist(data, i, j)
+            counts[0] += 1
+            got += _push(G[i], k, j, d, FLAG_PROPOSED)
+        touched[i] = 1
+        counts[3] += got
+    blocks, deltas = pack_updates(G, empty_lists(1, k), k, pos, True, touched, block, counts)
+    return blocks, deltas, counts
