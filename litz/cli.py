@@ -97,8 +97,9 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-fraction", type=float, default=1.0, metavar="R",
                    help="the fraction r of rows a partial checkpoint saves (default 1)")
     p.add_argument("--recovery", default=None, choices=["partial", "full"],
-                   help="survive the loss of a server: partial (SCAR) restores only its shards from the newest "
-                        "checkpoint onto the others (full: not implemented yet)")
+                   help="survive the loss of a worker or server: partial (SCAR) restores only what it held "
+                        "from the running checkpoint onto the survivors; full rolls the whole job back to "
+                        "its last full checkpoint")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="start from the newest complete checkpoint in DIR (or the checkpoint DIR itself)")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
@@ -218,6 +219,18 @@ def _ranges(ids: list[int]) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def describe_recovery(rec: dict[str, Any]) -> str:
+    """One line of ``litz status``: what was lost and how it was recovered."""
+    what = "shards" if rec["role"] == "server" else "executors"
+    source = rec["restored_from"] or "scratch (no checkpoint yet)"
+    text = (f"lost {rec['role']} {rec['lost']}: {rec.get('strategy', 'partial')} recovery, {rec['restored']} {what} "
+            f"onto {', '.join(rec['onto']) or '-'}, restored from {source}")
+    if rec.get("strategy") == "full":
+        text += (f", everything rolled back from version {rec['rolled_back_from_version']} "
+                 f"to {rec['rolled_back_to_version']}")
+    return text + f" in {rec['seconds']:.2f} s"
+
+
 def status(argv: list[str]) -> int:
     """``litz status --job NAME [--etcd URL] [--json]``."""
     import json
@@ -240,6 +253,11 @@ def status(argv: list[str]) -> int:
           f"tasks completed {m.get('completed', '-')}  in flight {m.get('inflight', '-')}")
     if m.get("progress"):
         print(f"progress: {m['progress']}")
+    for rec in m.get("recoveries", []):
+        print(describe_recovery(rec))
+    done = [c for c in m.get("checkpoints", []) if c.get("ok")]
+    if done:
+        print(f"last checkpoint: {done[-1]['kind']} {done[-1]['path']} ({done[-1]['seconds']:.2f} s)")
     for proc in st["processes"]:
         extra = ""
         if "executors" in proc:

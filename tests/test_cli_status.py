@@ -57,3 +57,16 @@ def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
     proc = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1 and f"no local job named {job!r}" in proc.stderr
+
+
+def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
+    from litz.cli import describe_recovery
+
+    partial = {"lost": "s1", "role": "server", "strategy": "partial", "restored": 21, "onto": ["s0", "s2"],
+               "restored_from": "/ck/ckpt-000003", "seconds": 0.125}
+    assert describe_recovery(partial) == ("lost server s1: partial recovery, 21 shards onto s0, s2, "
+                                          "restored from /ck/ckpt-000003 in 0.12 s")
+    full = {"lost": "w1", "role": "worker", "strategy": "full", "restored": 2, "onto": ["w0"],
+            "restored_from": None, "rolled_back_from_version": 534, "rolled_back_to_version": 0, "seconds": 1.5}
+    assert describe_recovery(full) == ("lost worker w1: full recovery, 2 executors onto w0, restored from scratch "
+                                       "(no checkpoint yet), everything rolled back from version 534 to 0 in 1.50 s")

@@ -90,10 +90,57 @@ def test_without_recovery_a_killed_server_stops_the_job_cleanly(tmp_path: Path, 
 
 def test_recovery_options_are_checked_before_anything_starts() -> None:
     app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
-    with pytest.raises(ConfigError, match="needs --checkpoint-dir"):
-        litz.run(app, recovery="partial")
-    with pytest.raises(ConfigError, match="not implemented"):
-        litz.run(app, recovery="full", checkpoint_dir="/tmp/x")
+    for recovery in ("partial", "full"):
+        with pytest.raises(ConfigError, match=f"--recovery {recovery} .* needs --checkpoint-dir"):
+            litz.run(app, recovery=recovery)
+    with pytest.raises(ConfigError, match="takes partial or full"):
+        litz.run(app, recovery="sometimes", checkpoint_dir="/tmp/x")
+
+
+@pytest.mark.parametrize(("victim", "every"), [("s1", "0.5s"), ("w1", "0.5s"), ("s1", "600s")])
+def test_full_recovery_rolls_everything_back_to_the_last_checkpoint(tmp_path: Path, monkeypatch, victim: str,
+                                                                     every: str) -> None:
+    """--recovery full: tables, executors and driver all go back to one consistent cut, so the
+    final sums equal the driver's own record exactly and every executor's count is gapless.
+    An update or a completion of the abandoned timeline that leaked through breaks both."""
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"full-{victim}-{time.time_ns()}"
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=True)  # reads pending at the death too
+    t, out = _start(app, workers=2 if victim == "s1" else 3, servers=3 if victim == "s1" else 1, job=job,
+                    checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=every, recovery="full")
+    try:
+        if every == "600s":  # none yet: the job starts again from the beginning
+            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= 300)
+        else:
+            st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+            time.sleep(0.3)  # work after the checkpoint, to be rolled back
+        victim_proc = next(p for p in st["processes"] if p["id"] == victim)
+        os.kill(victim_proc["pid"], signal.SIGKILL)
+        st = _status_when(job, lambda s: s["master"].get("recoveries"))
+        rec = st["master"]["recoveries"][0]
+        assert rec["lost"] == victim and rec["strategy"] == "full"
+        assert rec["rolled_back_to_version"] < rec["rolled_back_from_version"]
+        if every == "600s":
+            assert rec["restored_from"] is None and rec["rolled_back_to_version"] == 0
+        else:
+            assert rec["restored_from"] and rec["rolled_back_to_version"] > 0
+        held = "shards" if victim == "s1" else "executors"
+        survivors = [p for p in st["processes"] if p["role"] == victim_proc["role"] and p["id"] != victim]
+        assert sorted(i for p in survivors for i in p[held]) == list(range(64 if victim == "s1" else 6))
+        _status_when(job, lambda s: s["master"].get("completed", 0) >= rec["rolled_back_to_version"] + 200)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    res = out["res"].value
+    np.testing.assert_array_equal(res["final"], res["truth"])
+    for seqs in res["done_seq"]:
+        assert sorted(seqs) == list(range(len(seqs)))
+    assert out["res"].stats["master"]["recoveries"][0]["strategy"] == "full"
+    assert processes_mentioning(job) == []
 
 
 def _epoch(st: dict) -> int:
@@ -134,9 +181,10 @@ def test_killed_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_pat
 
 
 @needs_data
-@pytest.mark.parametrize(("victim", "servers", "restored"), [("s1", 2, 32), ("w1", 1, 4)])
+@pytest.mark.parametrize(("victim", "servers", "restored", "recovery"),
+                         [("s1", 2, 32, "partial"), ("w1", 1, 4, "partial"), ("s1", 2, 32, "full")])
 def test_mlr_reaches_its_accuracy_after_losing_a_process(tmp_path: Path, monkeypatch, victim: str, servers: int,
-                                                         restored: int) -> None:
+                                                         restored: int, recovery: str) -> None:
     from apps import mlr
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
@@ -144,7 +192,7 @@ def test_mlr_reaches_its_accuracy_after_losing_a_process(tmp_path: Path, monkeyp
     baseline = litz.run(mlr.make_app(argv), workers=2, servers=servers, num_executors=8).value["test_accuracy"]
     job = f"mlr-scar-{victim}-{time.time_ns()}"
     t, out = _start(mlr.make_app(argv), workers=2, servers=servers, num_executors=8, job=job,
-                    checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="20", recovery="partial")
+                    checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="20", recovery=recovery)
     try:
         st = _status_when(job, lambda s: _epoch(s) >= 4)
         assert _epoch(st) < 12, "the job must still be running when the process dies"
@@ -156,4 +204,5 @@ def test_mlr_reaches_its_accuracy_after_losing_a_process(tmp_path: Path, monkeyp
     assert accuracy >= baseline - 0.005, (accuracy, baseline)
     [rec] = out["res"].stats["master"]["recoveries"]
     assert rec["lost"] == victim and rec["restored_from"] and rec["restored"] == restored
+    assert rec.get("strategy", "partial") == recovery
     assert processes_mentioning(job) == []

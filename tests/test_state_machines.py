@@ -291,3 +291,32 @@ def test_master_state_shard_migration() -> None:
     assert (source, shards) == ("s0", [0, 2]) and st.start_shard_migration([0], "s1") == []
     st.finish_shard_migration(mid)
     assert st.shard_map == ["s1", "s1", "s1", "s1"] and st.shards_of("s0") == []
+
+
+def test_full_recovery_state_change_forgets_the_abandoned_timeline() -> None:
+    from litz.ft.checkpoint import CheckpointCoordinator
+    from litz.runtime.master import MasterState
+
+    st = MasterState(6, ["w0", "w1", "w2"], ["s0", "s1"], num_shards=8)
+    for e in range(6):
+        st.dispatch(e, {"n": e})
+    st.complete(1)
+    st.paused = True
+    st.dispatch(0, "held")
+    assert st.executors_of("w1") == [2, 3]
+    assign = st.roll_back("w1", "worker")
+    assert assign == {"w0": [2], "w2": [3]}  # least loaded first, ties by name
+    assert st.workers == ["w0", "w2"] and sorted(st.executors_of("w0") + st.executors_of("w2")) == list(range(6))
+    assert not st.inflight and not st.outbox and not st.paused_items and not st.paused
+    assert st.version == 0 and st.completed == 0
+    st.restore_tasks([[3, 2, 1, "again"]], version=1, completed=1, next_id=3)
+    assert st.version == 1 and st.outbox == {"w0": [[3, 2, 1, "again"]]}
+    assert st.dispatch(4, None) == 8  # ids never reused: 7 were given before the rollback
+    assert st.roll_back("s1", "server") == {"s0": [1, 3, 5, 7]} and set(st.shard_map) == {"s0"}
+
+    ck = CheckpointCoordinator("/tmp/x", "2", policy="priority", fraction=0.5)
+    ck.begin("policy", 2)
+    ck.finish()
+    assert ck.partial_next()
+    ck.rolled_back()  # partial rows of the abandoned timeline must not build on the old base
+    assert not ck.partial_next()

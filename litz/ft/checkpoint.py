@@ -108,6 +108,7 @@ class CheckpointCoordinator:
         self._next_cid = 0
         self._last_time = time.monotonic()
         self._last_iteration = 0
+        self._rollback_mark = 0  # rounds before this index belong to an abandoned timeline
 
     def due(self, iteration: int | None) -> bool:
         """Whether the policy asks for a checkpoint now (none while one is in progress)."""
@@ -122,8 +123,16 @@ class CheckpointCoordinator:
         return False
 
     def partial_next(self) -> bool:
-        """Whether the next policy round saves only a fraction of the rows (a full base exists)."""
-        return self.policy != "full" and any(c["ok"] and c["kind"] == "full" for c in self.completed)
+        """Whether the next policy round saves only a fraction of the rows (a full base exists,
+        taken since the last rollback: partial rows of an abandoned timeline build on nothing)."""
+        since = self.completed[self._rollback_mark:]
+        return self.policy != "full" and any(c["ok"] and c["kind"] == "full" for c in since)
+
+    def rolled_back(self) -> None:
+        """The job went back to its last full checkpoint: the next round is a full one, due a
+        whole period from now."""
+        self._rollback_mark = len(self.completed)
+        self._last_time = time.monotonic()
 
     def begin(self, reason: str, iteration: int | None = None, kind: str = "full") -> CheckpointRound | None:
         """Start a round, ``full`` (consistent, everything) or ``partial`` (a fraction of the rows,

@@ -86,6 +86,15 @@ class ShardStore:
         return [(name, shard, key, row.copy()) for shard, tables in self.shards.items()
                 for name, rows in tables.items() for key, row in rows.items()]
 
+    def reload(self, shards: list[int], where: dict[str, Any] | None) -> None:
+        """Full recovery: serve exactly ``shards``, every row as the checkpoint holds it (or
+        fresh), forgetting what partial checkpoints had saved."""
+        self.forward.clear()
+        self.saved.clear()
+        self.saved_round.clear()
+        self.shards = {}
+        self.adopt(shards, where)
+
     def adopt(self, shards: list[int], where: dict[str, Any] | None) -> None:
         """Take over shards whose server died: empty, then filled from a checkpoint if there is one."""
         for shard in shards:
@@ -423,6 +432,14 @@ class ServerNode(Node):
         self._store().adopt(list(msg["shards"]), msg.get("restore"))
         self.shards_in += len(msg["shards"])
         self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"])
+
+    def on_reload_shards(self, msg: Message) -> None:
+        """Full recovery: every worker has stopped and its updates have landed; start the new
+        timeline from the checkpoint."""
+        self._subs.clear()
+        self._scored.clear()
+        self._store().reload(list(msg["shards"]), msg.get("restore"))
+        self.endpoint.send(msg.sender, "reloaded")
 
     def on_server_lost(self, msg: Message) -> None:
         """A server died: forward to the new owners of its shards, and send again what it never answered."""

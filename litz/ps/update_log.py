@@ -43,6 +43,11 @@ class UpdateLog:
         for i, key in enumerate(keys):
             self.add(table, key, deltas[i])
 
+    def discard(self) -> None:
+        """Drop everything buffered (a rollback abandons these updates)."""
+        self._rows.clear()
+        self.nbytes = 0
+
     def __len__(self) -> int:
         return sum(len(r) for r in self._rows.values())
 

@@ -215,8 +215,10 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     complete checkpoint there (or the one named): tables, executor states and the driver.
     ``checkpoint_policy`` ``priority``, ``round-robin`` or ``random`` (SCAR): after a first full
     checkpoint, save only the fraction ``checkpoint_fraction`` r of the rows, every r·C.
-    ``recovery="partial"`` (SCAR) survives the loss of a server: only its shards are restored,
-    from the newest checkpoint, onto the other servers; nothing else rolls back.
+    ``recovery="partial"`` (SCAR) survives the loss of a worker or server: only what it held is
+    restored, from the running checkpoint, onto the survivors; nothing else rolls back.
+    ``recovery="full"`` survives it by rolling the whole job back to its last full checkpoint
+    (from the beginning if there is none yet).
     """
     job = job or new_job_name()
     options = dict(options or {})
@@ -233,13 +235,11 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     elif checkpoint_every:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
     if recovery is not None:
-        if recovery == "full":
-            raise ConfigError("--recovery full (roll everything back to the last checkpoint) is not implemented "
-                              "yet; use --recovery partial")
-        if recovery != "partial":
-            raise ConfigError(f"--recovery takes partial, got {recovery!r}")
+        if recovery not in ("partial", "full"):
+            raise ConfigError(f"--recovery takes partial or full, got {recovery!r}")
         if not checkpoint_dir:
-            raise ConfigError("--recovery partial restores lost shards from checkpoints: it needs --checkpoint-dir")
+            raise ConfigError(f"--recovery {recovery} restores what was lost from checkpoints: "
+                              "it needs --checkpoint-dir")
         options["recovery"] = recovery
     if secret_file is None:
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None

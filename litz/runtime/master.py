@@ -130,9 +130,42 @@ class MasterState:
             else:
                 self.outbox.setdefault(self.placement[item[1]], []).append(item)
 
+    def plan_takeover(self, lost: str, role: str) -> dict[str, list[int]]:
+        """Who takes the dead process's shards (server) or executors (worker): each item to the
+        least loaded survivor. The dead process must already be out of its group."""
+        group = self.servers if role == "server" else self.workers
+        items = self.shards_of(lost) if role == "server" else self.executors_of(lost)
+        load = {p: len(self.shards_of(p) if role == "server" else self.executors_of(p)) for p in group}
+        assign: dict[str, list[int]] = {}
+        for item in items:
+            dest = min(group, key=lambda p: (load[p], p))
+            load[dest] += 1
+            assign.setdefault(dest, []).append(item)
+        return assign
+
+    def roll_back(self, lost: str, role: str) -> dict[str, list[int]]:
+        """Full recovery: the dead process leaves, the survivors take its part, and every task of
+        the abandoned timeline is forgotten (the checkpoint's tasks come back by restore_tasks)."""
+        (self.servers if role == "server" else self.workers).remove(lost)
+        assign = self.plan_takeover(lost, role)
+        for dest, items in assign.items():
+            for item in items:
+                if role == "server":
+                    self.shard_map[item] = dest
+                else:
+                    self.placement[item] = dest
+        self.inflight.clear()
+        self.outbox.clear()
+        self.held.clear()
+        self.paused = False
+        self.paused_items = []
+        self.version = self.completed = 0
+        return assign
+
     def restore_tasks(self, items: list[list[Any]], version: int, completed: int, next_id: int) -> None:
-        """Resume from a checkpoint: its counters, and its held tasks with their original ids."""
-        self.version, self.completed, self._next_id = version, completed, next_id
+        """Resume from a checkpoint: its counters, and its held tasks with their original ids
+        (new ids continue after every id ever given, so none is reused)."""
+        self.version, self.completed, self._next_id = version, completed, max(next_id, self._next_id)
         for task_id, executor_id, task_version, args in items:
             worker = self.placement[executor_id]
             self.inflight[task_id] = TaskRecord(task_id, executor_id, task_version, args, worker)
@@ -268,6 +301,20 @@ class DriverPS(ParameterServer):
 CHECKPOINT_KEY = "commands/checkpoint"  # `litz checkpoint` writes {"id": ...} here
 
 
+class _Rollback(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """A process died and the job recovers by rolling everything back (``--recovery full``).
+
+    Raised where the death is noticed, possibly deep inside a driver callback that waits for
+    a read; caught by the master's loop. A BaseException, so that a driver's ``except
+    Exception`` cannot swallow it: whatever the driver was doing belongs to the abandoned
+    timeline and its state is replaced from the checkpoint."""
+
+    def __init__(self, ident: str, role: str, reason: str) -> None:
+        super().__init__(reason)
+        self.ident, self.role, self.reason = ident, role, reason
+        self.received: list[Message] = []  # messages taken off the socket with the news
+
+
 @dataclass
 class Resume:
     """A complete checkpoint to start the job from (``litz launch --resume``)."""
@@ -332,10 +379,14 @@ class Master:
             float(self.options.get("checkpoint_fraction", 1.0))) if ckpt_dir else None
         self._ckpt_commands: list[str] = []  # `litz checkpoint` command ids waiting for a round
         self._written: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()  # driver files written
-        self.recovery = self.options.get("recovery")  # None: a lost process stops the job; "partial": SCAR
+        # None: a lost process stops the job; "partial": SCAR; "full": everything rolls back
+        self.recovery = self.options.get("recovery")
         self.lost: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
         self._restoring: dict[str, Any] | None = None  # the server recovery in progress
+        self._rolling_back = False  # a full recovery is in progress
+        self._initial_driver: bytes | None = None  # the driver before its first task: full recovery
+                                                   # without any checkpoint starts from it
         self.retiring: set[str] = set()  # processes told to leave that have not said goodbye yet
         self._route_rid = 0
         self._route_waits: dict[int, set[str]] = {}  # routes request -> processes yet to answer
@@ -359,7 +410,11 @@ class Master:
         now = time.monotonic()
         if now - self._last_health > 0.2:
             self._last_health = now
-            self._check_health()
+            try:
+                self._check_health()
+            except _Rollback as rb:
+                rb.received.extend(out)  # handled (or dropped, if of the abandoned timeline) by the rollback
+                raise
         if now - self._last_status > STATUS_PERIOD:
             self._last_status = now
             self.publish_status("running" if self.driver is not None else "starting")
@@ -603,11 +658,15 @@ class Master:
             raise ProcessLost(reason, ident)
         group = st.servers if ident in st.servers else st.workers if ident in st.workers else None
         moving = [m for m in (*st.shard_migrations.values(), *st.migrations.values()) if ident in m[1:]]
-        recoverable = (self.recovery == "partial" and group is not None and len(group) > 1
-                       and self._restoring is None and self.elastic.op is None and not moving)
+        recoverable = (self.recovery is not None and group is not None and len(group) > 1
+                       and self._restoring is None and not self._rolling_back and self.elastic.op is None
+                       and not moving)
         if not recoverable:
-            why = "" if self.recovery else " (launch with --recovery partial and --checkpoint-dir to survive this)"
+            why = "" if self.recovery else (" (launch with --recovery partial or full and --checkpoint-dir "
+                                            "to survive this)")
             raise ProcessLost(reason + why, ident)
+        if self.recovery == "full":  # unwinds to the main loop, even out of a driver's read
+            raise _Rollback(ident, "server" if group is st.servers else "worker", reason)
         log.error("%s; restoring its %s on the others", reason, "shards" if group is st.servers else "executors")
         self._recover(ident, "server" if group is st.servers else "worker")
 
@@ -622,15 +681,8 @@ class Master:
         assert st is not None
         self.lost.add(lost)
         self.procs.pop(lost, None)
-        group = st.servers if role == "server" else st.workers
-        group.remove(lost)
-        items = st.shards_of(lost) if role == "server" else st.executors_of(lost)
-        load = {p: len(st.shards_of(p) if role == "server" else st.executors_of(p)) for p in group}
-        assign: dict[str, list[int]] = {}
-        for item in items:  # each to the least loaded survivor
-            dest = min(group, key=lambda p: (load[p], p))
-            load[dest] += 1
-            assign.setdefault(dest, []).append(item)
+        (st.servers if role == "server" else st.workers).remove(lost)
+        assign = st.plan_takeover(lost, role)  # placement changes once they are restored
         where = None
         kind = "shards" if role == "server" else "executors"
         if self.checkpoints is not None:
@@ -692,6 +744,91 @@ class Master:
                     self.recoveries[-1]["restored"], "shards" if rec["role"] == "server" else "executors",
                     rec["from"] or "scratch")
 
+    # -- failures (full recovery: everything rolls back) ---------------------------------------
+    def _roll_back(self, driver: Driver, rb: _Rollback, leftover: list[Message]) -> None:
+        """Litz's full recovery: the whole job goes back to its last consistent checkpoint.
+
+        1. The dead process leaves; survivors take its executors or shards; tasks in flight
+           are forgotten and a checkpoint round in progress is abandoned.
+        2. Every worker kills its tasks and drops its executors, buffers and cache, and answers
+           once its updates already sent to live servers were acknowledged: after that, no
+           update of the abandoned timeline can reach a server.
+        3. Servers reload their shards and workers their executors from the checkpoint (or
+           start afresh without one); the driver gets its checkpointed state and tasks back.
+        Completions of the abandoned timeline (``done``) are dropped all along.
+        """
+        st = self.state
+        assert st is not None
+        started, version_before = time.monotonic(), st.version
+        self._rolling_back = True
+        log.error("%s; rolling the whole job back to its last checkpoint", rb.reason)
+        self.lost.add(rb.ident)
+        self.procs.pop(rb.ident, None)
+        ck = self.checkpoints
+        if ck is not None and ck.round is not None:
+            ck.round.errors.append(f"{rb.ident} died during the checkpoint: the job rolled back")
+            self._finish_checkpoint()
+        assign = st.roll_back(rb.ident, rb.role)
+        lost_server = rb.ident if rb.role == "server" else ""
+        waiting = set(st.workers)
+
+        def on_msg(msg: Message) -> None:
+            if msg.type in ("rolled_back", "reloaded"):
+                waiting.discard(msg.sender)
+            elif msg.type != "done":
+                self._handle_aside(msg)
+
+        for msg in leftover:
+            on_msg(msg)
+        self._deferred = [m for m in self._deferred if m.type != "done"]
+        for w in st.workers:
+            self.endpoint.send(w, "rollback", lost=lost_server)
+        self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
+
+        saved: dict[str, Any] | None = None
+        where: dict[str, Any] = {}
+        if ck is not None:
+            try:
+                _, path, manifest = storage.find_checkpoint(ck.location)
+                saved = self._read_driver_file(ck.location, path, manifest)
+                where = {"location": ck.location, "path": path, "manifest": manifest}
+            except storage.CheckpointError:
+                log.error("no complete checkpoint yet: the job starts again from the beginning")
+            ck.rolled_back()
+
+        def restore(kind: str) -> dict[str, Any]:
+            if not where:
+                return {}
+            return {"restore": {"location": where["location"], "path": where["path"],
+                                "files": where["manifest"][f"{kind}_files"]}}
+
+        waiting = set(st.workers + st.servers)
+        for srv in st.servers:
+            self.endpoint.send(srv, "reload_shards", shards=st.shards_of(srv), **restore("shards"))
+        for w in st.workers:
+            self.endpoint.send(w, "reload_executors", executors=st.executors_of(w), shard_map=st.shard_map,
+                               lost=lost_server, **restore("executors"))
+        self._wait(lambda: not waiting, "workers and servers to reload the checkpoint", 120.0, on_msg)
+
+        if saved is not None:
+            self._set_driver_state(driver, saved["driver"])
+            st.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
+        else:
+            assert self._initial_driver is not None
+            self._set_driver_state(driver, cloudpickle.loads(self._initial_driver))
+        self.recoveries.append({"lost": rb.ident, "role": rb.role, "strategy": "full",
+                                "restored": sum(len(v) for v in assign.values()),
+                                "restored_from": where.get("path"), "onto": sorted(assign),
+                                "rolled_back_from_version": version_before, "rolled_back_to_version": st.version,
+                                "seconds": time.monotonic() - started, "time": time.time()})
+        log.warning("rolled back from version %d to %d (%s) after the loss of %s", version_before, st.version,
+                    where.get("path") or "the beginning", rb.ident)
+        self._rolling_back = False
+        if saved is not None:
+            driver.resumed()
+        else:
+            driver.dispatch_initial_tasks()
+
     # -- checkpoints (litz.ft.checkpoint) ------------------------------------------------------
     def _restore_fields(self) -> dict[str, dict[str, Any]]:
         """The ``restore`` fields of init messages when resuming: where the shards' and executors' files are."""
@@ -701,12 +838,30 @@ class Master:
         return {kind: {"restore": {"location": r.location, "path": r.path, "files": m[f"{kind}_files"]}}
                 for kind in ("shards", "executors")}
 
+    @staticmethod
+    def _driver_state(driver: Driver) -> dict[str, Any]:
+        """The driver's attributes that checkpoints keep (not the master, not transient ones)."""
+        skip = {"_master", *type(driver).transient}
+        return {k: v for k, v in driver.__dict__.items() if k not in skip}
+
+    @staticmethod
+    def _set_driver_state(driver: Driver, saved: dict[str, Any]) -> None:
+        """Make the driver exactly as saved; transient attributes and the binding stay."""
+        keep = {"_master", "config", "num_executors", *type(driver).transient}
+        for k in [k for k in driver.__dict__ if k not in keep]:
+            del driver.__dict__[k]
+        driver.__dict__.update({k: v for k, v in saved.items() if k not in keep})
+
+    @staticmethod
+    def _read_driver_file(location: str, path: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        fs, _ = storage.filesystem(location)
+        return cloudpickle.loads(storage.read_bytes(fs, f"{path}/{manifest['driver']}"))
+
     def _resume_driver(self, driver: Driver) -> None:
         """Give the driver back its checkpointed attributes and the tasks it had dispatched."""
         assert self.resume is not None and self.state is not None
-        fs, _ = storage.filesystem(self.resume.location)
-        saved = cloudpickle.loads(storage.read_bytes(fs, f"{self.resume.path}/{self.resume.manifest['driver']}"))
-        driver.__dict__.update({k: v for k, v in saved["driver"].items() if k not in ("config", "num_executors")})
+        saved = self._read_driver_file(self.resume.location, self.resume.path, self.resume.manifest)
+        self._set_driver_state(driver, saved["driver"])
         self.state.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
         driver.resumed()
         log.warning("resumed job %s from %s (version %d, %d tasks re-dispatched)", self.job, self.resume.path,
@@ -760,8 +915,7 @@ class Master:
         r.version = st.version
         for ident in processes:
             self.endpoint.send(ident, "checkpoint", cid=r.cid, location=ck.location, path=path)
-        skip = {"_master", *type(self.driver).transient}
-        blob = cloudpickle.dumps({"driver": {k: v for k, v in self.driver.__dict__.items() if k not in skip},
+        blob = cloudpickle.dumps({"driver": self._driver_state(self.driver),
                                   "tasks": st.paused_items, "version": st.version, "completed": st.completed,
                                   "next_id": st._next_id})
         r.waiting_written.add("master")  # the driver's file is written in the background too
@@ -973,26 +1127,39 @@ class Master:
             self._initialise(workers, servers)
             self.driver = driver
             driver._bind(self, self.num_executors, self.app.config)
-            if self.resume is not None:
-                self._resume_driver(driver)
-            else:
-                driver.dispatch_initial_tasks()
+            if self.recovery == "full":
+                self._initial_driver = cloudpickle.dumps(self._driver_state(driver))
+            try:
+                if self.resume is not None:
+                    self._resume_driver(driver)
+                else:
+                    driver.dispatch_initial_tasks()
+            except _Rollback as rb:
+                raise ProcessLost(f"{rb.reason} (before the job started: nothing to roll back to)", rb.ident) from None
             self._send_outbox()
             assert self.state is not None
             while not driver._finished:
                 if not self.state.inflight and not self._deferred:
                     raise LitzError("the driver has no task in flight and has not called finish(): "
                                     "the job cannot make progress")
-                pending, self._deferred = self._deferred, []
-                for msg in pending + self._poll(200):
-                    if msg.type == "done":
-                        self._on_done(driver, msg)
-                    else:
-                        self._handle_aside(msg)
-                    if driver._finished:
-                        break
-                if not driver._finished:
-                    self._checkpoint_tick()
+                batch: list[Message] = []
+                try:
+                    batch, self._deferred = self._deferred, []
+                    batch.extend(self._poll(200))
+                    while batch and not driver._finished:
+                        msg = batch.pop(0)
+                        if msg.type == "done":
+                            self._on_done(driver, msg)
+                        else:
+                            self._handle_aside(msg)
+                    if not driver._finished:
+                        self._checkpoint_tick()
+                except _Rollback as rb:
+                    try:
+                        self._roll_back(driver, rb, batch + rb.received)
+                    except _Rollback as again:
+                        raise ProcessLost(f"{again.reason} during the recovery from the loss of {rb.ident}",
+                                          again.ident) from None
                 self._send_outbox()
             if self.options.get("collect_stats", True):
                 stats = self.collect_stats()

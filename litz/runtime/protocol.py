@@ -144,6 +144,17 @@ MESSAGES: dict[str, MessageType] = _declare(
     # the checkpoint (fresh ones if there is none); input is reloaded
     MessageType("restore_executors", {"executors": "list", "restore?": "dict"}),
     MessageType("executors_restored", {"executors": "list"}),
+    # -- full recovery: everything rolls back to the last consistent checkpoint (DESIGN.md §5) --
+    # master -> surviving workers: stop every task, drop executors, queued tasks, update log and
+    # cache; answer rolled_back once every update already sent to a live server was acknowledged
+    # (so no update of the abandoned timeline can reach a server after it reloads)
+    MessageType("rollback", {"lost": "str"}),
+    MessageType("rolled_back", {}),
+    # master -> servers: serve exactly these shards, rows from the checkpoint (fresh without one)
+    MessageType("reload_shards", {"shards": "list", "restore?": "dict"}),
+    # master -> workers: host exactly these executors, states from the checkpoint, route by shard_map
+    MessageType("reload_executors", {"executors": "list", "shard_map": "list", "lost": "str", "restore?": "dict"}),
+    MessageType("reloaded", {}),
     # -- checkpoints (DESIGN.md §5) --
     # master -> workers and servers (all tasks completed, none running): copy your state in
     # memory, answer checkpoint_snapshot at once, then write it under path and answer

@@ -61,6 +61,7 @@ class Slot:
     queue: deque[Task] = field(default_factory=deque)
     running: bool = False
     leaving: bool = False  # a migration is under way: start no new task, ship when idle
+    glet: greenlet.greenlet | None = None  # the running task's greenlet (a rollback kills it)
 
 
 @dataclass
@@ -137,6 +138,8 @@ class Worker(Node):
         self.tasks_run = 0
         self.tasks_failed = 0
         self.update_errors: list[str] = []
+        self._rollback_from: str | None = None  # the master waiting for rolled_back
+        self.rollbacks = 0
 
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
@@ -186,6 +189,56 @@ class Worker(Node):
             self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
         self.migrations_in += len(eids)
         self.endpoint.send(msg.sender, "executors_restored", executors=eids)
+
+    # -- full recovery: roll back to the last consistent checkpoint -------------------------
+    def on_rollback(self, msg: Message) -> None:
+        """Abandon the current timeline: kill every task, drop every executor and everything
+        buffered (queued tasks, update log, cache, completions not yet reported). Updates
+        already sent to live servers must land before the servers reload, so the answer waits
+        for their acknowledgements; those sent to the dead server are dropped."""
+        for slot in self.slots.values():
+            if slot.glet is not None and not slot.glet.dead:
+                slot.glet.throw(greenlet.GreenletExit)  # unwinds the task where it blocked
+        self.slots.clear()
+        self.runnable.clear()
+        self.current = None
+        self.outgoing.clear()
+        self.moved_to.clear()
+        self.cache = ProcessCache(enabled=bool(self.options["cache"]))
+        self.log.discard()
+        self._to_fetch.clear()
+        self._fetching.clear()  # late replies are recognised as unknown and ignored
+        self._waiting_flush.clear()
+        self._waiting_ack.clear()
+        self._oldest_unsent = None
+        lost = msg["lost"]
+        if lost:
+            self._gone.add(lost)
+        for rid, server in list(self._sent_to.items()):
+            if server == lost or rid not in self._update_items:
+                del self._sent_to[rid]
+                if rid in self._update_items:
+                    self._acked(rid)
+        self.rollbacks += 1
+        self._rollback_from = msg.sender
+        self._answer_rollback()
+
+    def _answer_rollback(self) -> None:
+        if self._rollback_from is not None and not self._update_items:
+            self.endpoint.send(self._rollback_from, "rolled_back")
+            self._rollback_from = None
+
+    def on_reload_executors(self, msg: Message) -> None:
+        """Start the new timeline: these executors, from the checkpoint (or fresh), routing by
+        the master's shard map."""
+        if msg["lost"]:
+            self._gone.add(msg["lost"])
+        self.shard_map = list(msg["shard_map"])
+        eids = list(msg["executors"])
+        saved = self._saved_states(msg["restore"], eids) if msg.get("restore") else {}
+        for eid in eids:
+            self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
+        self.endpoint.send(msg.sender, "reloaded")
 
     # -- checkpoints ----------------------------------------------------------------------
     def on_checkpoint(self, msg: Message) -> None:
@@ -289,7 +342,7 @@ class Worker(Node):
     def _start_next(self, slot: Slot) -> None:
         task = slot.queue.popleft()
         slot.running = True
-        glet = greenlet.greenlet(self._task_body, parent=self.hub)
+        glet = slot.glet = greenlet.greenlet(self._task_body, parent=self.hub)
         self.runnable.append((glet, task))
 
     def _task_body(self, task: Task) -> None:
@@ -590,6 +643,7 @@ class Worker(Node):
             if not self.runnable and (self.log or self._waiting_flush or self._waiting_ack):
                 self.flush()
             self._answer_routes()
+            self._answer_rollback()
             self.leave_when_settled()
             if self.stopping:
                 break
@@ -609,7 +663,7 @@ class Worker(Node):
                    waiting_completions=len(self._waiting_ack) + len(self._waiting_flush),
                    shard_map_servers=sorted(set(self.shard_map)))
         out.update(migrations_out=self.migrations_out, migrations_in=self.migrations_in,
-                   tasks_forwarded=self.tasks_forwarded, executors=sorted(self.slots))
+                   tasks_forwarded=self.tasks_forwarded, executors=sorted(self.slots), rollbacks=self.rollbacks)
         out.update(tasks_run=self.tasks_run, tasks_failed=self.tasks_failed,
                    updates_logged=self.log.updates_in, update_rows_sent=self.log.rows_out,
                    update_errors=len(self.update_errors))
