@@ -415,9 +415,11 @@ def recall(data: np.ndarray, indices: np.ndarray, queries: np.ndarray, k: int) -
     """Share of the true k nearest neighbours found, on ``queries``; ties at the k-th distance count as found."""
     _, d2 = exact_knn(data, queries, k)
     x = np.asarray(data, np.float64)
-    found = indices[queries]
+    found = np.sort(indices[queries], axis=1)
+    distinct = np.ones(found.shape, bool)
+    distinct[:, 1:] = found[:, 1:] != found[:, :-1]  # a repeated id is found once
     got = ((x[found] - x[queries][:, None, :]) ** 2).sum(-1)
-    ok = (got <= d2[:, -1:] * (1 + 1e-9)) & (found >= 0) & (found != queries[:, None])
+    ok = (got <= d2[:, -1:] * (1 + 1e-9)) & distinct & (found >= 0) & (found != queries[:, None])
     return float(ok.sum() / (len(queries) * k))
 
 

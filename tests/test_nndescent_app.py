@@ -1,0 +1,185 @@
+"""NN-Descent: the keep-k-nearest combiner, recall of the distributed graph against exact neighbours
+(through a driver that embeds ``NNDescentPhase`` beside its own tasks, as apps/hdbscan.py does), the
+d_max filter's effect, and the standalone app through ``litz launch``."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import litz
+from apps import nndescent as nd
+from apps import nndescent_kernels as nk
+from tests.conftest import processes_mentioning
+
+ROOT = Path(__file__).resolve().parent.parent
+N, DIM, K, EXECUTORS = 3000, 10, 15, 4
+
+
+# ----------------------------------------------------------------------------------------------------
+# the combiner
+# ----------------------------------------------------------------------------------------------------
+
+
+def _random_lists(rng: np.random.Generator, m: int, k: int, universe: int, dist: np.ndarray) -> np.ndarray:
+    """``m`` valid lists (sorted, distinct ids, some short) whose distances are ``dist[id]``."""
+    out = nk.empty_lists(m, k)
+    for r in range(m):
+        ids = rng.choice(universe, size=rng.integers(0, k + 1), replace=False)
+        ids = ids[np.lexsort((ids, dist[ids]))]
+        out[r, :len(ids)] = ids
+        out[r, k:k + len(ids)] = dist[ids]
+        out[r, 2 * k:2 * k + len(ids)] = rng.integers(0, 2, len(ids))
+    return out
+
+
+def _expected(lists: list[np.ndarray], k: int) -> np.ndarray:
+    """Per row: per id the smallest (distance, flag), then the k smallest by (distance, id)."""
+    out = nk.empty_lists(lists[0].shape[0], k)
+    for r in range(out.shape[0]):
+        best: dict[int, tuple[float, float]] = {}
+        for lst in lists:
+            for s in range(k):
+                if lst[r, s] >= 0:
+                    i, e = int(lst[r, s]), (float(lst[r, k + s]), float(lst[r, 2 * k + s]))
+                    best[i] = min(best.get(i, e), e)
+        top = sorted(best.items(), key=lambda it: (it[1][0], it[0]))[:k]
+        for s, (i, (d, f)) in enumerate(top):
+            out[r, s], out[r, k + s], out[r, 2 * k + s] = i, d, f
+    return out
+
+
+def test_combiner_keeps_the_k_nearest_distinct_ids_in_any_order_and_grouping() -> None:
+    rng = np.random.default_rng(1)
+    k, m, universe = 5, 40, 30
+    dist = rng.integers(0, 12, universe).astype(np.float32)  # few values: many ties between ids
+    comb = nd.KeepKNearest(k)
+    parts = [_random_lists(rng, m, k, universe, dist) for _ in range(4)]
+    expected = _expected(parts, k)
+    for order in itertools.permutations(range(4)):
+        acc = parts[order[0]].copy()
+        for i in order[1:]:
+            comb.merge_into(acc, parts[i])
+        np.testing.assert_array_equal(acc, expected)
+    left = comb.merge_into(parts[0].copy(), parts[1])  # (a+b)+(c+d) == ((a+b)+c)+d
+    right = comb.merge_into(parts[2].copy(), parts[3])
+    np.testing.assert_array_equal(comb.merge_into(left, right), expected)
+    np.testing.assert_array_equal(comb.merge_into(expected.copy(), expected), expected)  # idempotent
+    # an "old" mark and a "new" offer of the same id meet as old, whichever comes first
+    a, b = nk.empty_lists(1, k), nk.empty_lists(1, k)
+    a[0, 0], a[0, k], a[0, 2 * k] = 7, 1.5, nk.FLAG_OLD
+    b[0, 0], b[0, k], b[0, 2 * k] = 7, 1.5, nk.FLAG_NEW
+    for x, y in ((a, b), (b, a)):
+        got = comb.merge_into(x.copy(), y)
+        assert got[0, 0] == 7 and got[0, 1] == -1 and got[0, 2 * k] == nk.FLAG_OLD
+    with pytest.raises(ValueError, match="width 15"):
+        comb.merge_into(np.zeros((2, 9), np.float32), np.zeros((2, 9), np.float32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# a driver that embeds the phase (as the HDBSCAN app does) and the app itself
+# ----------------------------------------------------------------------------------------------------
+
+
+class EmbeddingDriver(litz.Driver):
+    """Runs its own task on every executor, then NN-Descent; returns the graph, stats and its own results."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.phase = nd.NNDescentPhase(self, N, K, num_executors=self.num_executors, seed=3)
+        self.mine: list[int] = []
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {"phase": "other"})
+        self.phase.start()
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        if not self.phase.handles(result):
+            self.mine.append(result.value)
+        elif self.phase.on_complete(result):
+            indices, distances = self.phase.graph()
+            self.finish({"indices": indices, "distances": distances, "stats": self.phase.stats, "mine": self.mine})
+
+
+class EmbeddingExecutor(nd.NNDescentExecutorMixin, litz.Executor):
+    def load_input(self) -> nd.NNDInput:
+        return nd.NNDInput(nd.blobs(N, DIM), nd.NNDInput.partition(N, self.num_executors, self.executor_id))
+
+    def setup(self) -> None:
+        nd.nndescent_warmup()
+
+    def run_task(self, args: dict[str, Any]) -> Any:
+        if nd.NNDescentPhase.is_task(args):
+            return self.run_nnd_task(args)
+        return len(self.input.owned)
+
+
+@pytest.fixture(scope="module")
+def embedded(etcd) -> dict[str, Any]:
+    app = litz.App(EmbeddingDriver, EmbeddingExecutor, tables=nd.nndescent_tables(N, K), num_executors=EXECUTORS)
+    return litz.run(app, workers=2, servers=1, etcd=etcd.url).value
+
+
+def test_distributed_graph_has_high_recall_sorted_rows_and_no_self_or_duplicates(embedded: dict[str, Any]) -> None:
+    x = nd.blobs(N, DIM)
+    ind, dist = embedded["indices"], embedded["distances"]
+    assert ind.shape == dist.shape == (N, K) and ind.dtype == np.int64 and dist.dtype == np.float32
+    assert (np.diff(dist, axis=1) >= 0).all()
+    assert (ind >= 0).all() and not (ind == np.arange(N)[:, None]).any()
+    assert all(len(np.unique(row)) == K for row in ind)
+    true = np.sqrt(((x[ind].astype(np.float64) - x[:, None, :]) ** 2).sum(-1))
+    np.testing.assert_allclose(dist, true, rtol=1e-4, atol=1e-4)
+    r = nd.recall(x, ind, np.arange(N), K)
+    assert r >= 0.95, r
+    assert sorted(embedded["mine"]) == [750] * EXECUTORS  # the driver's own tasks went through too
+    st = embedded["stats"]
+    assert 2 <= st["rounds"] < 30 and st["updates"][-1] < 0.001 * N * K
+
+
+def test_recall_counts_missing_neighbours() -> None:
+    x = nd.blobs(300, DIM)
+    exact, _ = nd.exact_knn(x, np.arange(300), K)
+    assert nd.recall(x, exact, np.arange(300), K) == 1.0
+    wrong = exact.copy()
+    wrong[:, -3:] = exact[:, :1]  # duplicates of the nearest instead of the last three
+    assert nd.recall(x, wrong, np.arange(300), K) == pytest.approx(12 / 15)
+
+
+def test_dmax_filter_sends_fewer_candidates_at_equal_recall(etcd, embedded: dict[str, Any]) -> None:
+    app = nd.make_app(["--data", "blobs", "--points", str(N), "--dim", str(DIM), "--k", str(K), "--seed", "3",
+                       "--no-filter", "--return-graph", "--quiet"])
+    res = litz.run(app, workers=2, servers=1, num_executors=EXECUTORS, etcd=etcd.url).value
+    off, on = res["stats"], embedded["stats"]
+    assert not off["filter"] and on["filter"]
+    # same data, partition and seed: the same rounds, offers and lists; only what is sent differs
+    assert off["updates"] == on["updates"] and off["proposed"] == on["proposed"]
+    np.testing.assert_array_equal(res["indices"], embedded["indices"])
+    assert on["candidates_sent"] < 0.7 * off["candidates_sent"], (on["candidates_sent"], off["candidates_sent"])
+    assert res["recall"] >= 0.95
+
+
+def test_litz_launch_prints_rounds_and_recall_and_leaves_nothing() -> None:
+    job = f"cli-nnd-{time.time_ns()}"
+    proc = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/nndescent.py", "--workers", "2",
+                           "--job", job, "--data", "blobs", "--points", "2000", "--k", "10"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("initial lists") and any(line.startswith("round   1") for line in lines)
+    assert lines[-1].startswith("recall ") and float(lines[-1].split()[1]) >= 0.95
+    assert processes_mentioning(job) == []
+
+
+def test_bad_options_are_clear_errors() -> None:
+    with pytest.raises(litz.ConfigError, match="0 < k < number of points"):
+        nd.make_app(["--data", "blobs", "--points", "10", "--k", "10"])
+    with pytest.raises(litz.ConfigError, match="--k must be a positive integer"):
+        nd.make_app(["--data", "blobs", "--k", "0"])
+    proc = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/nndescent.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--no-filter" in proc.stdout and "--points" in proc.stdout
