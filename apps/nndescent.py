@@ -20,6 +20,10 @@ is a memory map of the decoded cache shared by all processes, and synthetic data
 from its seed. The input is reloadable either way. An executor *owns* a partition of the points
 (``owned``): it samples their candidates, joins them, and maintains their new/old flags.
 
+**Initial lists** (one task per executor): ``k`` random neighbours for each owned point, improved
+by the leaves of random-projection trees over all points (``TREES`` = 8 in all, each executor
+builds its share): on Fashion-MNIST this cut the rounds from 9 to 5 and the time by two thirds.
+
 **One round = one task per executor** (pynndescent's algorithm, distributed):
 
 1. read the whole graph (``get_many``; one fetch per worker process, shared through the cache);
@@ -76,6 +80,8 @@ from apps import nndescent_kernels as nk
 BLOCK = 64
 #: Ids are stored in float32: exact below this.
 MAX_POINTS = 2**24
+#: Random-projection trees of the initial lists, in all (each executor builds its share).
+TREES = 8
 #: Blocks per ``get_many`` when the driver reads the graph.
 READ_CHUNK = 512
 
@@ -181,7 +187,9 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     if data.shape[0] != n:
         raise ValueError(f"NN-Descent over {n} points, but this executor's data has {data.shape[0]} rows")
     if args["op"] == "init":
-        blocks, deltas, counts = nk.nnd_init(data, owned, k, int(args["seed"]), block)
+        trees = int(args.get("trees", 0))
+        blocks, deltas, counts = nk.nnd_init(data, owned, k, int(args["seed"]), block, trees,
+                                             trees * executor.executor_id)
     else:
         G = executor.ps.get_many(args["table"], range(num_blocks(n, block))).reshape(-1, 3 * k)[:n]
         blocks, deltas, counts = nk.nnd_round(data, G, owned, k, int(args["max_candidates"]), int(args["seed"]),
@@ -199,7 +207,7 @@ def nndescent_warmup() -> None:
             x = data.copy()
             x.flags.writeable = not readonly
             owned = np.arange(20, dtype=np.int64)
-            blocks, deltas, _ = nk.nnd_init(x, owned, 4, 0, 8)
+            blocks, deltas, _ = nk.nnd_init(x, owned, 4, 0, 8, 1, 0)
             G = nk.empty_lists(len(x), 4)
             for b, d in zip(blocks, deltas, strict=True):
                 nk.merge_lists(G[b * 8:(b + 1) * 8], d, 4)
@@ -231,7 +239,7 @@ class NNDescentPhase:
 
     def __init__(self, driver: litz.Driver, n_points: int, k: int, *, num_executors: int, delta: float = 0.001,
                  max_rounds: int = 30, seed: int = 0, table: str = "knn", block: int = BLOCK,
-                 max_candidates: int | None = None, use_filter: bool = True,
+                 max_candidates: int | None = None, use_filter: bool = True, trees: int | None = None,
                  report: Callable[[str], None] | None = None) -> None:
         if num_executors < 1 or max_rounds < 1 or not delta >= 0:
             raise litz.ConfigError(f"NN-Descent needs executors >= 1, max_rounds >= 1 and delta >= 0, got "
@@ -243,6 +251,7 @@ class NNDescentPhase:
         self.table, self.block = table, int(block)
         self.max_candidates = int(max_candidates or min(60, k))  # pynndescent's default
         self.use_filter = bool(use_filter)
+        self.trees = -(-TREES // self.E) if trees is None else int(trees)  # per executor
         self.report = report
         self.round = -1  # -1: initial lists
         self.converged = False
@@ -261,7 +270,7 @@ class NNDescentPhase:
     def _dispatch(self, op: str) -> None:
         base = {"phase": "nnd", "op": op, "round": self.round, "n": self.n, "k": self.k, "block": self.block,
                 "table": self.table, "seed": self.seed, "max_candidates": self.max_candidates,
-                "filter": self.use_filter}
+                "filter": self.use_filter, "trees": self.trees}
         self._counts[:] = 0
         self._pending = self.E
         self._t = time.perf_counter()

@@ -355,11 +355,68 @@ def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: in
 
 
 @_jit_fast
-def nnd_init(data: np.ndarray, owned: np.ndarray, k: int, seed: int, block: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The first lists of the owned points: ``k`` distinct random other points each (all new).
+def _rp_leaves(data: np.ndarray, seed: int, tree: int, leaf_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random-projection tree over all points: ``(order, bounds)``, leaf ``l`` is
+    ``order[bounds[l]:bounds[l + 1]]``. Each node splits by the hyperplane halfway between two of
+    its points drawn at random (pynndescent's Euclidean trees); a degenerate split halves at random."""
+    n, dim = data.shape
+    order = np.arange(n)
+    side = np.empty(n, np.bool_)
+    bounds = [0]
+    stack = [(0, n)]
+    normal = np.empty(dim, np.float32)
+    draw = 0
+    while len(stack):
+        lo, hi = stack.pop()
+        if hi - lo <= leaf_size:
+            bounds.append(hi)  # leaves are closed left to right: the stack is depth first
+            continue
+        a = order[lo + int(_hash(seed, tree, draw, 1) % np.uint64(hi - lo))]
+        b = order[lo + int(_hash(seed, tree, draw, 2) % np.uint64(hi - lo))]
+        draw += 1
+        off = np.float32(0.0)
+        for t in range(dim):
+            normal[t] = data[a, t] - data[b, t]
+            off -= normal[t] * (data[a, t] + data[b, t]) * np.float32(0.5)
+        left = 0
+        for r in range(lo, hi):
+            i = order[r]
+            m = off
+            for t in range(dim):
+                m += normal[t] * data[i, t]
+            side[r] = m < 0 if m != 0 else _hash(seed, tree, i, 3) & np.uint64(1) == 0
+            left += side[r]
+        if left == 0 or left == hi - lo:
+            for r in range(lo, hi):
+                side[r] = _hash(seed, tree + 7919, order[r], draw) & np.uint64(1) == 0
+            left = 0
+            for r in range(lo, hi):
+                left += side[r]
+        part = order[lo:hi].copy()
+        ls = side[lo:hi].copy()
+        w = lo
+        for r in range(hi - lo):
+            if ls[r]:
+                order[w] = part[r]
+                w += 1
+        for r in range(hi - lo):
+            if not ls[r]:
+                order[w] = part[r]
+                w += 1
+        stack.append((lo + left, hi))
+        stack.append((lo, lo + left))
+    return order, np.array(bounds, np.int64)
 
-    The draws hash (seed, point, attempt), so a point's first list does not depend on the partition.
+
+@_jit_fast
+def nnd_init(data: np.ndarray, owned: np.ndarray, k: int, seed: int, block: int, trees: int, tree_base: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first lists: ``k`` distinct random other points for each owned point (all new), and the
+    offers of ``trees`` random-projection trees over all points (trees ``tree_base ..``).
+
+    The random draws hash (seed, point, attempt), so a point's random list does not depend on the
+    partition; the trees (each executor builds its own) give every point near candidates to start
+    from, which saves NN-Descent most of its early rounds, as in pynndescent.
     """
     n = data.shape[0]
     G = empty_lists(n, k)
@@ -380,5 +437,20 @@ def nnd_init(data: np.ndarray, owned: np.ndarray, k: int, seed: int, block: int
             got += _push(G[i], k, j, d, FLAG_PROPOSED)
         touched[i] = 1
         counts[3] += got
+    leaf = max(2 * k, 30)
+    for tr in range(trees):
+        order, bounds = _rp_leaves(data, seed, tree_base + tr, leaf)
+        for lf in range(bounds.shape[0] - 1):
+            for x in range(bounds[lf], bounds[lf + 1]):
+                p = order[x]
+                for y in range(x + 1, bounds[lf + 1]):
+                    q = order[y]
+                    d = _sqdist(data, p, q)
+                    counts[0] += 1
+                    counts[1] += 2
+                    if _push(G[p], k, q, d, FLAG_PROPOSED):
+                        touched[p] = 1
+                    if _push(G[q], k, p, d, FLAG_PROPOSED):
+                        touched[q] = 1
     blocks, deltas = pack_updates(G, empty_lists(1, k), k, pos, True, touched, block, counts)
     return blocks, deltas, counts

@@ -9,6 +9,7 @@
   Once with the d_max filter and once without (``--no-filter``): candidates sent, bytes sent by
   all processes, and time.
 
+Initial lists: random, improved by 8 random-projection trees in all (pynndescent starts from a forest too).
 Numba compilation is excluded: both run once on a small set first (pynndescent compiles ~30 s,
 Litz's kernels come from Numba's on-disk cache). Recall of both against exact neighbours of the
 same 1,000 random query points (ties at the k-th distance count as found). Ratios are
