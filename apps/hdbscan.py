@@ -1,0 +1,483 @@
+"""HDBSCAN on Litz (the Litz thesis §4.7): NN-Descent, then a minimum spanning tree of the kNN
+mutual-reachability graph, then the condensed tree and excess-of-mass selection.
+
+**Phases, all driven by one driver.**
+
+1. *kNN graph*: :class:`apps.nndescent.NNDescentPhase` (distributed NN-Descent; the graph ends up in
+   the PS table ``knn``). Every executor holds the whole data matrix read-only (``NNDInput``) and owns
+   a contiguous range of points; this app uses the same ownership for the phases below.
+2. *Core distances* (``--mst boruvka``): one task per executor reads its own rows of ``knn``, keeps
+   them in its state, and writes its points' core distances to table ``hdb_core``. Executors share
+   blocks at the range edges, so the table's combiner is ``max`` over zero rows: each executor sends
+   zeros where it owns nothing. Core distance = distance to the ``min_samples``-th *other* neighbour,
+   the ``hdbscan`` library's convention (see apps/hdbscan_kernels.py), so ``k >= min_samples``.
+3. *Minimum spanning tree*, one of:
+
+   - ``kruskal``: the driver reads the graph and runs Kruskal with a Numba union-find in the master.
+     Fits one process up to millions of points (``n k`` edges, 12 bytes each) and is the fastest on
+     one host, where the graph is already next to the master.
+   - ``boruvka`` (default, distributed): one micro-task per executor and round. Round 0 builds, per
+     owned point, its mutual-reachability edges sorted by ``(weight, id)`` (reading ``hdb_core``
+     once) and keeps them in executor state. Every round the executor reads the component labels
+     (table ``hdb_comp``, one fetch per worker process through the cache) and returns, for each
+     component among its points, the cheapest edge leaving it. The driver keeps the union-find: it
+     takes the cheapest per component over all executors, joins them in the total edge order
+     ``(w, min, max)`` (no cycles, so the result is a minimum spanning forest), and writes the new
+     labels to ``hdb_comp`` before it dispatches the next round; consistency rule 1 (DESIGN.md §2)
+     makes every task of round r+1 see them. It stops when no component has an outgoing edge.
+     The number of components at least halves per round, so there are at most log2(n) rounds
+     (about 5-8 on kNN graphs). Each row keeps a cursor past its edges that are already inside the
+     point's component (they stay inside), so every row is scanned once over all rounds.
+
+   If the kNN graph is disconnected, the forest's components are joined by edges of **infinite
+   weight**, from one component's root to every other. Why not exact nearest pairs: they cost a
+   search over all cross-component pairs (quadratic in the worst case). And they would change
+   little: the components are isolated in the kNN graph, so in the exact MST they join at the
+   top of the hierarchy, above every merge inside them. The infinite edges keep every merge below
+   them. They only move the components' split from lambda ``1/D`` (D larger than any of their kNN
+   distances) to lambda 0. fast_hdbscan's NN-Descent path does the same.
+4. *Tree* (in the master, Numba): single-linkage dendrogram, condensed tree (``min_cluster_size``),
+   stabilities, excess-of-mass selection with an optional ``max_cluster_size`` (the ``hdbscan``
+   library's), labels with noise -1. Given the same spanning tree, the labels equal the
+   ``hdbscan`` library's (tests/test_hdbscan_app.py).
+
+**Data.** ``blobs``: Gaussian clusters (unit variance, centres uniform in [-10, 10]^d), no noise.
+``thesis``: the thesis' synthetic set, 100,000 points by default, 1,000 Gaussian clusters, 20%
+uniform noise. The centres are uniform in a cube of side ``10 C^(1/d)`` (C clusters), so the mean
+spacing between centres is about 10 standard deviations in every dimension ``d``. Noise is uniform
+over the same cube. ``FILE.npy``: any float matrix (no ground truth).
+
+**The check.** The last line printed is ``FM index 0.9xx``. It is the Fowlkes–Mallows index
+against the ``hdbscan`` library's labels, run with the same ``min_cluster_size``, ``min_samples``
+and ``max_cluster_size``, when the set has at most ``--reference-limit`` points. Otherwise it is
+against the generator's ground truth. The reference runs in ``make_app``, before the job, so that
+its seconds of single-threaded Cython never hold up the master. Noise (-1) counts as one more label.
+
+Run it:  ``litz launch apps/hdbscan.py [--data blobs|thesis|FILE.npy] [--points N] [--dims D]
+[--clusters C] [--k 15] [--min-samples 10] [--min-cluster-size 50] [--max-cluster-size 0]
+[--mst kruskal|boruvka]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import litz
+from apps import hdbscan_kernels as hk
+from apps.nndescent import (
+    BLOCK,
+    READ_CHUNK,
+    NNDescentExecutorMixin,
+    NNDescentPhase,
+    NNDInput,
+    nndescent_tables,
+    nndescent_warmup,
+    num_blocks,
+)
+
+DEFAULTS: dict[str, Any] = {"k": 15, "min_samples": 10, "min_cluster_size": 50, "max_cluster_size": 0,
+                            "reference_limit": 100_000}
+CORE_TABLE = "hdb_core"
+COMP_TABLE = "hdb_comp"
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------
+
+
+def gaussian_mixture(n: int, dims: int, clusters: int, noise: float = 0.0, half_width: float = 10.0,
+                     seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(points float32 (n, dims), truth int64 (n,))``: unit-variance Gaussian clusters with centres
+    uniform in ``[-half_width, half_width]^dims``, plus a fraction ``noise`` of uniform points in the
+    same cube (truth -1). A pure function of its arguments: every process regenerates the same set."""
+    rng = np.random.default_rng([seed, 0x4DB5CA])
+    n_noise = int(round(noise * n))
+    centres = rng.uniform(-half_width, half_width, (clusters, dims))
+    truth = np.full(n, -1, np.int64)
+    truth[:n - n_noise] = rng.integers(0, clusters, n - n_noise)
+    x = np.empty((n, dims))
+    x[:n - n_noise] = centres[truth[:n - n_noise]] + rng.standard_normal((n - n_noise, dims))
+    x[n - n_noise:] = rng.uniform(-half_width, half_width, (n_noise, dims))
+    perm = rng.permutation(n)
+    return np.ascontiguousarray(x[perm], np.float32), truth[perm]
+
+
+@functools.lru_cache(maxsize=2)
+def _load(data: str, points: int, dims: int, clusters: int, noise: float, seed: int
+          ) -> tuple[np.ndarray, np.ndarray | None]:
+    if data == "blobs":
+        return gaussian_mixture(points, dims, clusters, noise, 10.0, seed)
+    if data == "thesis":
+        return gaussian_mixture(points, dims, clusters, noise, 5.0 * clusters ** (1.0 / dims), seed)
+    x = np.load(data, mmap_mode="r")
+    if x.ndim != 2:
+        raise ValueError(f"{data}: a 2-d matrix of points expected, got shape {x.shape}")
+    x = x[:points] if points else x
+    return np.ascontiguousarray(x, np.float32), None
+
+
+def load_points(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The job's points and ground truth (None for a file), memoized per process."""
+    return _load(config["data"], config["points"], config["dims"], config["clusters"], config["noise"],
+                 config["data_seed"])
+
+
+def fowlkes_mallows(a: np.ndarray, b: np.ndarray) -> float:
+    """Fowlkes–Mallows index of two labelings (noise -1 is one more label)."""
+    from sklearn.metrics import fowlkes_mallows_score
+
+    return float(fowlkes_mallows_score(a, b))
+
+
+def reference_hdbscan(x: np.ndarray, min_samples: int, min_cluster_size: int, max_cluster_size: int = 0
+                      ) -> np.ndarray:
+    """The ``hdbscan`` library's labels with our parameters (its defaults otherwise)."""
+    import hdbscan
+
+    return hdbscan.HDBSCAN(min_cluster_size=min_cluster_size, min_samples=min_samples,
+                           max_cluster_size=max_cluster_size).fit(x).labels_
+
+
+# ----------------------------------------------------------------------------------------------------
+# single process (tests, and the driver's kruskal path)
+# ----------------------------------------------------------------------------------------------------
+
+
+def spanning_tree(knn_idx: np.ndarray, knn_dist: np.ndarray, min_samples: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Kruskal on the graph's mutual-reachability edges, bridged: ``(a, b, w, components)``."""
+    n = len(knn_idx)
+    ids = np.arange(n, dtype=np.int64)
+    nbr, w = hk.mutual_reachability_rows(ids, knn_idx, knn_dist, hk.core_distances(knn_dist, min_samples))
+    a, b, ww, parent = hk.kruskal(ids, nbr, w, n)
+    return bridged(a, b, ww, parent)
+
+
+def bridged(a: np.ndarray, b: np.ndarray, w: np.ndarray, parent: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A spanning forest plus the infinite edges that join its components: ``(a, b, w, components)``."""
+    ba, bb, bw = hk.bridge_components(parent)
+    return np.concatenate([a, ba]), np.concatenate([b, bb]), np.concatenate([w, bw]), len(ba) + 1
+
+
+def cluster_graph(knn_idx: np.ndarray, knn_dist: np.ndarray, min_samples: int, min_cluster_size: int,
+                  max_cluster_size: int = 0) -> np.ndarray:
+    """HDBSCAN labels from a kNN graph (``(n, k)`` other points, ascending), in one process."""
+    a, b, w, _ = spanning_tree(knn_idx, knn_dist, min_samples)
+    return hk.clusters_from_tree(a, b, w, len(knn_idx), min_cluster_size, max_cluster_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tables
+# ----------------------------------------------------------------------------------------------------
+
+
+def _identity_labels(key: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Round 0's labels: every point its own component."""
+    return (int(key) * shape[0] + np.arange(shape[0])).astype(dtype)
+
+
+def hdbscan_tables(n: int, k: int) -> list[litz.Table]:
+    """The kNN graph, the core distances (max over zero rows) and the component labels (assign)."""
+    nb = num_blocks(n)
+    return [*nndescent_tables(n, k),
+            litz.Table(CORE_TABLE, shape=(BLOCK,), dtype="float32", combiner="max", num_rows=nb),
+            litz.Table(COMP_TABLE, shape=(BLOCK,), dtype="int32", init=_identity_labels, combiner="assign",
+                       num_rows=nb)]
+
+
+def _read_all(ps: litz.api.ParameterServer, table: str, n: int) -> np.ndarray:
+    """Every row of a block table, flattened to one value per point (in chunks of keys)."""
+    nb = num_blocks(n)
+    return np.concatenate([ps.get_many(table, range(lo, min(nb, lo + READ_CHUNK))).reshape(-1)
+                           for lo in range(0, nb, READ_CHUNK)])[:n]
+
+
+# ----------------------------------------------------------------------------------------------------
+# executors
+# ----------------------------------------------------------------------------------------------------
+
+
+class HDBExecutor(NNDescentExecutorMixin, litz.Executor):
+    """Holds every point (read-only), owns a contiguous range; serves NN-Descent, core and Borůvka tasks.
+
+    State after the core task: its rows of the kNN graph; after Borůvka round 0: its mutual-reachability
+    rows and their cursors (plain arrays, so the executor can move or be checkpointed between rounds).
+    """
+
+    def load_input(self) -> NNDInput:
+        x, _ = load_points(self.config)
+        return NNDInput(x, NNDInput.partition(len(x), self.num_executors, self.executor_id))
+
+    def setup(self) -> None:
+        nndescent_warmup()
+        hk.warmup()
+
+    def run_task(self, args: dict[str, Any]) -> Any:
+        if NNDescentPhase.is_task(args):
+            return self.run_nnd_task(args)
+        if args["phase"] == "core":
+            return self._core(args)
+        return self._boruvka(args)
+
+    def _core(self, args: dict[str, Any]) -> dict[str, Any]:
+        owned, k = self.input.owned, int(args["k"])
+        if not len(owned):
+            self.state = {"idx": np.empty((0, k), np.int64), "dist": np.empty((0, k), np.float32)}
+            return {"phase": "core", "owned": 0}
+        b0, b1 = int(owned[0]) // BLOCK, int(owned[-1]) // BLOCK + 1  # owned is a contiguous range
+        rows = self.ps.get_many(args["knn"], range(b0, b1)).reshape(-1, 3 * k)[owned - b0 * BLOCK]
+        idx, dist = rows[:, :k].astype(np.int64), np.sqrt(rows[:, k:2 * k])
+        self.state = {"idx": idx, "dist": dist}
+        core = np.zeros((b1 - b0) * BLOCK, np.float32)  # zeros where others own: the table keeps the max
+        core[owned - b0 * BLOCK] = hk.core_distances(dist, int(args["min_samples"]))
+        self.ps.update_many(CORE_TABLE, range(b0, b1), core.reshape(-1, BLOCK))
+        return {"phase": "core", "owned": len(owned)}
+
+    def _boruvka(self, args: dict[str, Any]) -> dict[str, Any]:
+        n = len(self.input.data)
+        owned = self.input.owned
+        st = self.state
+        if "nbr" not in st:  # round 0: build the sorted mutual-reachability rows once
+            core = _read_all(self.ps, CORE_TABLE, n)
+            nbr, w = hk.mutual_reachability_rows(owned, st["idx"], st["dist"], core)
+            self.state = st = {"nbr": nbr, "w": w, "start": np.zeros(len(owned), np.int64)}
+        comp = _read_all(self.ps, COMP_TABLE, n)
+        c, a, b, w = hk.cheapest_outgoing(owned, st["nbr"], st["w"], st["start"], comp)
+        return {"phase": "boruvka", "round": args["round"], "comp": c, "a": a, "b": b, "w": w}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the driver
+# ----------------------------------------------------------------------------------------------------
+
+
+class HDBDriver(litz.Driver):
+    """NN-Descent phase, then the core/Borůvka rounds (or Kruskal in the master), then the tree."""
+
+    def dispatch_initial_tasks(self) -> None:
+        cfg = self.config
+        self.n = cfg["n"]
+        self.times: dict[str, float] = {}
+        self._t0 = self._t = time.perf_counter()
+        self.stage = "nnd"
+        self.nnd = NNDescentPhase(self, self.n, cfg["k"], num_executors=self.num_executors, delta=cfg["delta"],
+                                  max_rounds=cfg["max_rounds"], seed=cfg["seed"], report=self._say)
+        self.nnd.start()
+
+    def _say(self, line: str) -> None:
+        if not self.config["quiet"]:
+            print(line, flush=True)
+
+    def _lap(self, name: str) -> float:
+        now = time.perf_counter()
+        self.times[name] = now - self._t
+        self._t = now
+        return self.times[name]
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        if self.stage == "nnd":
+            if self.nnd.handles(result) and self.nnd.on_complete(result):
+                self._say(f"kNN graph: {self.nnd.stats['rounds']} NN-Descent rounds, {self._lap('knn'):.2f} s")
+                self._after_graph()
+            return
+        self._pending -= 1
+        if self.stage == "boruvka":
+            self._candidates.append(result.value)
+        if self._pending:
+            return
+        if self.stage == "core":
+            self._lap("core")
+            self._round()
+        else:
+            self._merge()
+
+    def _dispatch_all(self, args: dict[str, Any]) -> None:
+        self._pending = self.num_executors
+        for e in range(self.num_executors):
+            self.dispatch_task(e, dict(args))
+
+    def _after_graph(self) -> None:
+        cfg = self.config
+        if cfg["mst"] == "kruskal":
+            idx, dist = self.nnd.graph()
+            self._lap("read graph")
+            a, b, w, comps = spanning_tree(idx, dist, cfg["min_samples"])
+            self._say(f"Kruskal MST in the master: {self._lap('mst'):.2f} s")
+            self._tree(a, b, w, comps)
+            return
+        self.stage = "core"
+        self.parent = np.arange(self.n)
+        self.size = np.ones(self.n, np.int64)
+        self.edges: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.components = self.n
+        self.rounds = 0
+        self._dispatch_all({"phase": "core", "knn": self.nnd.table, "k": cfg["k"], "min_samples": cfg["min_samples"]})
+
+    def _round(self) -> None:
+        self.stage = "boruvka"
+        self._candidates: list[dict[str, Any]] = []
+        self._dispatch_all({"phase": "boruvka", "round": self.rounds})
+
+    def _merge(self) -> None:
+        cand = self._candidates
+        parts = [np.concatenate([np.asarray(c[f]) for c in cand]) for f in ("comp", "a", "b", "w")]
+        found = len(parts[0])
+        a, b, w = hk.boruvka_merge(self.parent, self.size, parts[0].astype(np.int64), parts[1].astype(np.int64),
+                                   parts[2].astype(np.int64), parts[3].astype(np.float32))
+        self.edges.append((a, b, w))
+        before, self.components = self.components, self.components - len(a)
+        self.rounds += 1
+        self._say(f"Borůvka round {self.rounds}: {before} -> {self.components} components, {found} candidates")
+        if found and self.components > 1:
+            labels = hk.component_labels(self.parent)
+            nb = num_blocks(self.n)
+            padded = np.zeros(nb * BLOCK, np.int32)
+            padded[:self.n] = labels
+            blocks = padded.reshape(nb, BLOCK)
+            for lo in range(0, nb, READ_CHUNK):
+                hi = min(nb, lo + READ_CHUNK)
+                self.ps.update_many(COMP_TABLE, range(lo, hi), blocks[lo:hi])
+            self._round()
+            return
+        self._say(f"Borůvka MST: {self.rounds} rounds, {self._lap('mst'):.2f} s")
+        a, b, w = (np.concatenate(p) for p in zip(*self.edges, strict=True))
+        self._tree(*bridged(a, b, w, self.parent))
+
+    def _tree(self, a: np.ndarray, b: np.ndarray, w: np.ndarray, components: int) -> None:
+        cfg = self.config
+        labels = hk.clusters_from_tree(a, b, w, self.n, cfg["min_cluster_size"], cfg["max_cluster_size"])
+        self._lap("tree")
+        total = time.perf_counter() - self._t0
+        n_clusters = int(labels.max()) + 1
+        finite = np.isfinite(w)
+        out: dict[str, Any] = {"clusters": n_clusters, "noise": int((labels < 0).sum()), "seconds": total,
+                               "times": dict(self.times), "components": components,
+                               "mst_weight": float(w[finite].astype(np.float64).sum()),
+                               "nnd_rounds": self.nnd.stats["rounds"]}
+        if cfg["mst"] == "boruvka":
+            out["boruvka_rounds"] = self.rounds
+        if cfg["return_labels"]:
+            out["labels"] = labels
+        self._say(f"{self.n} points: {n_clusters} clusters, {out['noise']} noise points, kNN graph in "
+                  f"{components} component(s), {total:.2f} s")
+        ref = cfg.get("reference_labels")
+        if ref is not None:
+            out["fm"] = fowlkes_mallows(np.asarray(ref), labels)
+            if not cfg["quiet"]:
+                print(f"Fowlkes-Mallows against {cfg['reference_name']}", flush=True)
+                print(f"FM index {out['fm']:.3f}", flush=True)
+        self.finish(out)
+
+    def progress(self) -> str:
+        stage = getattr(self, "stage", "")
+        if stage == "nnd":
+            return self.nnd.progress()
+        if stage == "boruvka":
+            return f"Borůvka round {self.rounds + 1}, {self.components} components"
+        return stage
+
+
+# ----------------------------------------------------------------------------------------------------
+# options
+# ----------------------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="litz launch apps/hdbscan.py",
+                                description="HDBSCAN on Litz: NN-Descent kNN graph, minimum spanning tree of the "
+                                            "mutual-reachability graph (Borůvka micro-tasks or Kruskal), condensed "
+                                            "tree, excess of mass. Last line: the Fowlkes-Mallows index against the "
+                                            "hdbscan library (small sets) or the ground truth.")
+    p.add_argument("--data", default="blobs",
+                   help="blobs (Gaussian clusters), thesis (1,000 clusters + 20%% uniform noise) or FILE.npy")
+    p.add_argument("--points", type=int, default=None, help="number of points (default 10,000; thesis 100,000; "
+                                                            "a file: all its rows, or the first N)")
+    p.add_argument("--dims", type=int, default=10, help="dimensions of the generated sets")
+    p.add_argument("--clusters", type=int, default=None, help="Gaussian clusters (default blobs 10, thesis 1,000)")
+    p.add_argument("--noise", type=float, default=None,
+                   help="fraction of uniform noise points (default blobs 0, thesis 0.2)")
+    p.add_argument("--k", type=int, default=DEFAULTS["k"], help="neighbours per point in the kNN graph")
+    p.add_argument("--min-samples", type=int, default=DEFAULTS["min_samples"],
+                   help="core distance = distance to the min_samples-th other point (hdbscan's convention)")
+    p.add_argument("--min-cluster-size", type=int, default=DEFAULTS["min_cluster_size"])
+    p.add_argument("--max-cluster-size", type=int, default=DEFAULTS["max_cluster_size"],
+                   help="EOM never selects a larger cluster (0: no limit), as hdbscan's max_cluster_size")
+    p.add_argument("--mst", choices=("kruskal", "boruvka"), default="boruvka",
+                   help="boruvka: distributed rounds of micro-tasks; kruskal: one process (the master)")
+    p.add_argument("--delta", type=float, default=0.001, help="NN-Descent stops below delta * n * k updates")
+    p.add_argument("--max-rounds", type=int, default=30, help="NN-Descent rounds at most")
+    p.add_argument("--seed", type=int, default=0, help="seed of NN-Descent")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated set")
+    p.add_argument("--reference", choices=("auto", "hdbscan", "truth", "none"), default="auto",
+                   help="what the FM index compares with (auto: hdbscan up to --reference-limit points, else the "
+                        "ground truth; a file has no ground truth)")
+    p.add_argument("--reference-limit", type=int, default=DEFAULTS["reference_limit"])
+    p.add_argument("--return-labels", action="store_true", help="litz.run returns the labels too (for tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def make_app(argv: list[str]) -> litz.App:
+    """Parse and check the options, load the data, run the reference if asked, declare the tables."""
+    args = parser().parse_args(argv)
+    generated = args.data in ("blobs", "thesis")
+    if not generated and not Path(args.data).is_file():
+        raise litz.ConfigError(f"--data must be blobs, thesis or an existing .npy file, got {args.data!r}")
+    for name in ("k", "min_samples", "dims", "max_rounds"):
+        if getattr(args, name) < 1:
+            raise litz.ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.min_samples > args.k:
+        raise litz.ConfigError(f"--min-samples ({args.min_samples}) must not exceed --k ({args.k}): the core "
+                               "distance is read from the kNN graph")
+    if args.min_cluster_size < 2 or args.max_cluster_size < 0:
+        raise litz.ConfigError("--min-cluster-size must be at least 2 and --max-cluster-size at least 0")
+    thesis = args.data == "thesis"
+    config: dict[str, Any] = {
+        "data": args.data, "points": args.points or (100_000 if thesis else 10_000 if generated else None),
+        "dims": args.dims, "clusters": args.clusters or (1000 if thesis else 10),
+        "noise": args.noise if args.noise is not None else (0.2 if thesis else 0.0), "data_seed": args.data_seed,
+        "k": args.k, "min_samples": args.min_samples, "min_cluster_size": args.min_cluster_size,
+        "max_cluster_size": args.max_cluster_size, "mst": args.mst, "delta": args.delta,
+        "max_rounds": args.max_rounds, "seed": args.seed, "return_labels": args.return_labels, "quiet": args.quiet}
+    if not 0 <= config["noise"] < 1:
+        raise litz.ConfigError(f"--noise must be in [0, 1), got {config['noise']}")
+    try:
+        x, truth = load_points(config)
+    except (OSError, ValueError) as exc:
+        raise litz.ConfigError(str(exc).splitlines()[0]) from None
+    n = len(x)
+    if n <= args.k:
+        raise litz.ConfigError(f"need more points than --k ({args.k}), got {n}")
+    config["n"] = n
+    ref = args.reference
+    if ref == "auto":
+        ref = "hdbscan" if n <= args.reference_limit or truth is None else "truth"
+    if ref == "truth" and truth is None:
+        raise litz.ConfigError("--reference truth: a file has no ground truth")
+    if ref == "hdbscan":
+        t = time.perf_counter()
+        config["reference_labels"] = reference_hdbscan(x, args.min_samples, args.min_cluster_size,
+                                                       args.max_cluster_size).astype(np.int32)
+        config["reference_name"] = (f"the hdbscan library's labels (min_cluster_size={args.min_cluster_size}, "
+                                    f"min_samples={args.min_samples})")
+        if not args.quiet:
+            print(f"reference: hdbscan library on {n} points, {time.perf_counter() - t:.1f} s", flush=True)
+    elif ref == "truth":
+        config["reference_labels"] = truth.astype(np.int32)
+        config["reference_name"] = "the ground truth (noise points as one label)"
+    return litz.App(HDBDriver, HDBExecutor, tables=hdbscan_tables(n, args.k), config=config, name="hdbscan")
+
+
+if __name__ == "__main__":
+    from litz.cli import launch
+
+    sys.exit(launch([__file__, *sys.argv[1:]]))

@@ -1,0 +1,468 @@
+"""Numba kernels of HDBSCAN on a k-nearest-neighbour graph (apps/hdbscan.py): mutual reachability,
+minimum spanning trees (Kruskal, and the two halves of a distributed Borůvka step), the single-linkage
+hierarchy, the condensed tree, excess-of-mass selection and the labels.
+
+**Conventions (those of the ``hdbscan`` library, so that the labels can be compared).**
+
+- A kNN graph here lists, per point, its ``k`` nearest *other* points, sorted ascending, id -1 for a
+  missing entry. The ``hdbscan`` library computes the core distance as the last of the
+  ``min_samples + 1`` nearest points *counting the point itself* (``tree.query(X, k=min_samples + 1)``
+  in both its Prim and Borůvka paths; ``match_reference_implementation=True`` subtracts one). So the
+  core distance is the distance to the ``min_samples``-th other point: column ``min_samples - 1`` of
+  our graph, which needs ``k >= min_samples``.
+- Mutual reachability ``mr(a, b) = max(d(a, b), core(a), core(b))`` (``alpha`` = 1).
+- Edges are ordered totally by ``(weight, min(a, b), max(a, b))``. Borůvka needs one total order so
+  that the cheapest edges chosen by different components never close a cycle; Kruskal's total weight
+  does not depend on it.
+- Condensed tree: cluster ids start at ``n`` (the root) and children get larger ids than their
+  parent, so descending id order is children-before-parents (what EOM needs) and ascending is
+  parents-first (what labelling needs). ``lambda = 1 / distance``; an infinite distance (the bridges
+  between components of a disconnected graph) gives lambda 0, i.e. a split at the very top.
+- A point is labelled with the selected cluster it falls out of, or of any descendant of it; points
+  that fall out of the unselected root are noise (-1). Labels are numbered by ascending cluster id,
+  as the ``hdbscan`` library numbers them.
+
+Weights are float32 (the graph's distances): Kruskal and Borůvka see bit-identical weights, so their
+total weights agree exactly up to the float64 summation. Every kernel is ``cache=True, nogil=True``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True)
+_inline = numba.njit(cache=True, nogil=True, inline="always")
+
+
+# ----------------------------------------------------------------------------------------------------
+# mutual reachability
+# ----------------------------------------------------------------------------------------------------
+
+
+def core_distances(knn_dist: np.ndarray, min_samples: int) -> np.ndarray:
+    """Core distance of every row: its ``min_samples``-th other neighbour (``hdbscan``'s convention)."""
+    if not 1 <= min_samples <= knn_dist.shape[1]:
+        raise ValueError(f"min_samples must be in [1, k={knn_dist.shape[1]}], got {min_samples}")
+    return np.ascontiguousarray(knn_dist[:, min_samples - 1], np.float32)
+
+
+@_jit
+def mutual_reachability_rows(ids: np.ndarray, knn_idx: np.ndarray, knn_dist: np.ndarray, core: np.ndarray
+                             ) -> tuple[np.ndarray, np.ndarray]:
+    """The mutual-reachability edges of points ``ids`` (rows of ``knn_idx``/``knn_dist``).
+
+    Returns ``(nbr int32 (m, k), w float32 (m, k))``, each row sorted by ``(w, nbr)``; missing
+    entries, self-loops and infinite distances become ``(-1, +inf)`` at the row's end. With one ``u``
+    per row, sorting by ``(w, v)`` is the global total order ``(w, min, max)`` restricted to the row,
+    so the first edge of a row leaving ``u``'s component is ``u``'s cheapest in that order.
+    """
+    m, k = knn_idx.shape
+    nbr = np.full((m, k), -1, np.int32)
+    w = np.full((m, k), np.inf, np.float32)
+    key_w = np.empty(k, np.float32)
+    key_v = np.empty(k, np.int64)
+    for i in range(m):
+        u = ids[i]
+        cu = core[u]
+        c = 0
+        for s in range(k):
+            v = knn_idx[i, s]
+            d = knn_dist[i, s]
+            if v < 0 or v == u or not np.isfinite(d):
+                continue
+            x = max(d, cu, core[v])
+            # insertion sort by (w, v): rows are short (k ~ 15)
+            p = c
+            while p > 0 and (key_w[p - 1] > x or (key_w[p - 1] == x and key_v[p - 1] > v)):
+                key_w[p] = key_w[p - 1]
+                key_v[p] = key_v[p - 1]
+                p -= 1
+            key_w[p] = x
+            key_v[p] = v
+            c += 1
+        for s in range(c):
+            nbr[i, s] = key_v[s]
+            w[i, s] = key_w[s]
+    return nbr, w
+
+
+# ----------------------------------------------------------------------------------------------------
+# union-find
+# ----------------------------------------------------------------------------------------------------
+
+
+@_inline
+def _find(parent: np.ndarray, x: int) -> int:
+    """Root of ``x``, halving the path on the way."""
+    while parent[x] != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+    return x
+
+
+@_inline
+def _union(parent: np.ndarray, size: np.ndarray, a: int, b: int) -> None:
+    """Join two roots, the smaller under the larger (keeps the trees shallow)."""
+    if size[a] < size[b]:
+        a, b = b, a
+    parent[b] = a
+    size[a] += size[b]
+
+
+@_jit
+def component_labels(parent: np.ndarray) -> np.ndarray:
+    """Every point's root (int32): the component labels that a Borůvka round sends to the executors."""
+    n = parent.shape[0]
+    out = np.empty(n, np.int32)
+    for i in range(n):
+        out[i] = _find(parent, i)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# minimum spanning forests
+# ----------------------------------------------------------------------------------------------------
+
+
+@_jit
+def kruskal(ids: np.ndarray, nbr: np.ndarray, w: np.ndarray, n: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Minimum spanning forest of the rows' edges (one process): ``(a, b, w, parent)``.
+
+    ``parent`` is the final union-find forest, for :func:`bridge_components`. Each undirected edge
+    may appear twice (once from each end); the second is a cycle and is skipped.
+    """
+    m, k = nbr.shape
+    total = 0
+    for i in range(m):
+        for s in range(k):
+            if nbr[i, s] >= 0:
+                total += 1
+    eu = np.empty(total, np.int64)
+    ev = np.empty(total, np.int64)
+    ew = np.empty(total, np.float32)
+    c = 0
+    for i in range(m):
+        for s in range(k):
+            if nbr[i, s] >= 0:
+                eu[c] = ids[i]
+                ev[c] = nbr[i, s]
+                ew[c] = w[i, s]
+                c += 1
+    order = np.argsort(ew, kind="mergesort")
+    parent = np.arange(n)
+    size = np.ones(n, np.int64)
+    a = np.empty(max(n - 1, 0), np.int64)
+    b = np.empty(max(n - 1, 0), np.int64)
+    ww = np.empty(max(n - 1, 0), np.float32)
+    e = 0
+    for t in order:
+        ra = _find(parent, eu[t])
+        rb = _find(parent, ev[t])
+        if ra != rb:
+            _union(parent, size, ra, rb)
+            a[e] = eu[t]
+            b[e] = ev[t]
+            ww[e] = ew[t]
+            e += 1
+            if e == n - 1:
+                break
+    return a[:e], b[:e], ww[:e], parent
+
+
+@_inline
+def _before(w1: float, a1: int, b1: int, w2: float, a2: int, b2: int) -> bool:
+    """The total edge order ``(w, min, max)`` (callers pass ``a <= b``)."""
+    return w1 < w2 or (w1 == w2 and (a1 < a2 or (a1 == a2 and b1 < b2)))
+
+
+@_jit
+def _best_per_component(comp: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Indices of the first edge, in the total order, of each distinct ``comp`` (``a <= b``)."""
+    order = np.argsort(comp, kind="mergesort")
+    keep = np.empty(len(comp), np.int64)
+    c = 0
+    i = 0
+    while i < len(order):
+        best = order[i]
+        j = i + 1
+        while j < len(order) and comp[order[j]] == comp[best]:
+            t = order[j]
+            if _before(w[t], a[t], b[t], w[best], a[best], b[best]):
+                best = t
+            j += 1
+        keep[c] = best
+        c += 1
+        i = j
+    return keep[:c]
+
+
+@_jit
+def cheapest_outgoing(ids: np.ndarray, nbr: np.ndarray, w: np.ndarray, start: np.ndarray, comp: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One executor's half of a Borůvka round: for each component among its points ``ids``, the
+    cheapest edge leaving it: ``(comp, a, b, w)`` with ``a < b``.
+
+    ``start[i]`` (updated in place) skips the front of row ``i`` whose edges are inside the point's
+    component: components only grow, so an edge inside stays inside and each row is scanned once
+    over all rounds, not once per round. Rows are sorted by ``(w, v)``, so the first edge leaving
+    is the row's cheapest.
+    """
+    m, k = nbr.shape
+    cc = np.empty(m, np.int64)
+    ca = np.empty(m, np.int64)
+    cb = np.empty(m, np.int64)
+    cw = np.empty(m, np.float32)
+    c = 0
+    for i in range(m):
+        u = ids[i]
+        cu = comp[u]
+        s = start[i]
+        while s < k and nbr[i, s] >= 0 and comp[nbr[i, s]] == cu:
+            s += 1
+        start[i] = s
+        if s < k and nbr[i, s] >= 0:
+            v = nbr[i, s]
+            cc[c] = cu
+            ca[c] = min(u, v)
+            cb[c] = max(u, v)
+            cw[c] = w[i, s]
+            c += 1
+    keep = _best_per_component(cc[:c], cw[:c], ca[:c], cb[:c])
+    return cc[keep], ca[keep], cb[keep], cw[keep]
+
+
+@_jit
+def boruvka_merge(parent: np.ndarray, size: np.ndarray, comp: np.ndarray, a: np.ndarray, b: np.ndarray,
+                  w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The driver's half of a Borůvka round: the executors' candidates ``(comp, a, b, w)`` (several per
+    component when its points span executors) -> the cheapest per component, joined in the total
+    order; returns the edges added to the forest (``parent``/``size`` updated in place).
+
+    Two components may choose the same edge, and with the total order no set of chosen edges closes
+    a cycle; the union-find check skips the duplicates."""
+    keep = _best_per_component(comp, w, a, b)
+    ka, kb, kw = a[keep], b[keep], w[keep]
+    order = np.argsort(kw, kind="mergesort")  # equal weights: keep's order is by component, fine
+    oa = np.empty(len(keep), np.int64)
+    ob = np.empty(len(keep), np.int64)
+    ow = np.empty(len(keep), np.float32)
+    e = 0
+    for t in order:
+        ra = _find(parent, ka[t])
+        rb = _find(parent, kb[t])
+        if ra != rb:
+            _union(parent, size, ra, rb)
+            oa[e] = ka[t]
+            ob[e] = kb[t]
+            ow[e] = kw[t]
+            e += 1
+    return oa[:e], ob[:e], ow[:e]
+
+
+@_jit
+def bridge_components(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Edges of infinite weight that join the components of a spanning forest into one tree: the
+    first component's root to every other root. In the hierarchy they are the last merges, at
+    lambda 0: the components split apart at the very top and every merge below is kept."""
+    n = parent.shape[0]
+    roots = np.empty(n, np.int64)
+    r = 0
+    for i in range(n):
+        if _find(parent, i) == i:
+            roots[r] = i
+            r += 1
+    m = max(r - 1, 0)
+    a = np.full(m, roots[0] if r else 0, np.int64)
+    b = roots[1:r].copy()
+    return a, b, np.full(m, np.inf, np.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the hierarchy
+# ----------------------------------------------------------------------------------------------------
+
+
+@_jit
+def single_linkage(a: np.ndarray, b: np.ndarray, w: np.ndarray, n: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Single-linkage dendrogram of a spanning tree (scipy's layout): merge ``i`` joins nodes
+    ``left[i]`` and ``right[i]`` at ``dist[i]`` into node ``n + i`` of ``size[i]`` points."""
+    order = np.argsort(w, kind="mergesort")
+    parent = np.arange(2 * n - 1)
+    count = np.ones(2 * n - 1, np.int64)
+    left = np.empty(n - 1, np.int64)
+    right = np.empty(n - 1, np.int64)
+    dist = np.empty(n - 1, np.float64)
+    size = np.empty(n - 1, np.int64)
+    for i in range(n - 1):
+        t = order[i]
+        ra = _find(parent, a[t])
+        rb = _find(parent, b[t])
+        node = n + i
+        left[i] = ra
+        right[i] = rb
+        dist[i] = w[t]
+        size[i] = count[ra] + count[rb]
+        count[node] = size[i]
+        parent[ra] = node
+        parent[rb] = node
+    return left, right, dist, size
+
+
+@_jit
+def condense_tree(left: np.ndarray, right: np.ndarray, dist: np.ndarray, size: np.ndarray, min_cluster_size: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The condensed tree (``hdbscan``'s): ``(parent, child, lambda, child_size)`` rows.
+
+    Walks the dendrogram top-down (descending node ids). A split into two children of at least
+    ``min_cluster_size`` points makes two new clusters; a smaller child's points fall out of the
+    current cluster at this lambda (recorded as ``drop`` on the subtree and emitted at its leaves);
+    a larger child continues the current cluster.
+    """
+    n = left.shape[0] + 1
+    rows = 2 * n
+    rp = np.empty(rows, np.int64)
+    rc = np.empty(rows, np.int64)
+    rl = np.empty(rows, np.float64)
+    rs = np.empty(rows, np.int64)
+    label = np.full(2 * n - 1, -1, np.int64)  # cluster of a node that is not dropped
+    drop_to = np.full(2 * n - 1, -1, np.int64)  # cluster its points fall out of, if dropped
+    drop_lam = np.zeros(2 * n - 1, np.float64)
+    label[2 * n - 2] = n
+    nxt = n + 1
+    pos = 0
+    for node in range(2 * n - 2, n - 1, -1):
+        i = node - n
+        kids = (left[i], right[i])
+        if drop_to[node] >= 0:
+            for c in kids:
+                if c < n:
+                    rp[pos] = drop_to[node]
+                    rc[pos] = c
+                    rl[pos] = drop_lam[node]
+                    rs[pos] = 1
+                    pos += 1
+                else:
+                    drop_to[c] = drop_to[node]
+                    drop_lam[c] = drop_lam[node]
+            continue
+        lam = 1.0 / dist[i] if dist[i] > 0.0 else np.inf
+        cl = label[node]
+        cnt0 = size[kids[0] - n] if kids[0] >= n else 1
+        cnt1 = size[kids[1] - n] if kids[1] >= n else 1
+        big0 = cnt0 >= min_cluster_size
+        big1 = cnt1 >= min_cluster_size
+        for j in range(2):
+            c = kids[j]
+            cnt = cnt0 if j == 0 else cnt1
+            if big0 and big1:
+                label[c] = nxt
+                rp[pos] = cl
+                rc[pos] = nxt
+                rl[pos] = lam
+                rs[pos] = cnt
+                pos += 1
+                nxt += 1
+            elif (big0 if j == 0 else big1):
+                label[c] = cl
+            elif c < n:
+                rp[pos] = cl
+                rc[pos] = c
+                rl[pos] = lam
+                rs[pos] = 1
+                pos += 1
+            else:
+                drop_to[c] = cl
+                drop_lam[c] = lam
+    return rp[:pos], rc[:pos], rl[:pos], rs[:pos]
+
+
+@_jit
+def select_clusters(parent: np.ndarray, child: np.ndarray, lam: np.ndarray, csize: np.ndarray, n: int,
+                    max_cluster_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Excess-of-mass selection and the labels: ``(labels int64 (n,), stability of each cluster id - n)``.
+
+    Stability of a cluster: the sum over the rows leaving it of ``(lambda - birth) * size``. From the
+    leaves up, a cluster is kept if its stability is at least that of its selected descendants and
+    it holds at most ``max_cluster_size`` points (0: no limit); otherwise it passes the sum of its
+    children's up. The root is never selected (``hdbscan``'s ``allow_single_cluster=False``).
+    """
+    n_clusters = 1
+    for t in range(len(child)):
+        if child[t] >= n:
+            n_clusters = max(n_clusters, child[t] - n + 1)
+    birth = np.zeros(n_clusters, np.float64)
+    cparent = np.full(n_clusters, -1, np.int64)
+    size = np.zeros(n_clusters, np.int64)
+    point_parent = np.full(n, -1, np.int64)
+    for t in range(len(child)):
+        if child[t] >= n:
+            birth[child[t] - n] = lam[t]
+            cparent[child[t] - n] = parent[t] - n
+            size[child[t] - n] = csize[t]
+        else:
+            point_parent[child[t]] = parent[t] - n
+    stability = np.zeros(n_clusters, np.float64)
+    for t in range(len(child)):
+        p = parent[t] - n
+        stability[p] += (lam[t] - birth[p]) * csize[t]
+    limit = max_cluster_size if max_cluster_size > 0 else n + 1
+    kept = np.zeros(n_clusters, np.bool_)
+    passed = stability.copy()  # what a cluster offers its parent
+    children_sum = np.zeros(n_clusters, np.float64)
+    for c in range(n_clusters - 1, 0, -1):  # children before parents; the root (0) is never selected
+        if children_sum[c] > stability[c] or size[c] > limit:
+            passed[c] = children_sum[c]
+        else:
+            kept[c] = True
+        children_sum[cparent[c]] += passed[c]
+    sel_of = np.full(n_clusters, -1, np.int64)
+    number = np.full(n_clusters, -1, np.int64)
+    k = 0
+    for c in range(1, n_clusters):  # parents first: the topmost kept cluster wins
+        above = sel_of[cparent[c]]
+        if above >= 0:
+            sel_of[c] = above
+        elif kept[c]:
+            sel_of[c] = c
+            number[c] = k
+            k += 1
+    labels = np.full(n, -1, np.int64)
+    for p in range(n):
+        s = sel_of[point_parent[p]] if point_parent[p] >= 0 else -1
+        if s >= 0:
+            labels[p] = number[s]
+    return labels, stability
+
+
+def clusters_from_tree(a: np.ndarray, b: np.ndarray, w: np.ndarray, n: int, min_cluster_size: int,
+                       max_cluster_size: int = 0) -> np.ndarray:
+    """Labels (-1 = noise) from a spanning tree of ``n`` points: dendrogram, condensed tree, EOM."""
+    if len(a) != n - 1:
+        raise ValueError(f"a spanning tree of {n} points has {n - 1} edges, got {len(a)} (bridge the forest first)")
+    if n < 2:
+        return np.full(n, -1, np.int64)
+    left, right, dist, size = single_linkage(np.asarray(a, np.int64), np.asarray(b, np.int64),
+                                             np.asarray(w, np.float32), n)
+    tree = condense_tree(left, right, dist, size, int(min_cluster_size))
+    return select_clusters(*tree, n, int(max_cluster_size))[0]
+
+
+def warmup() -> None:
+    """Compile (or load from Numba's cache) every kernel with the argument types the app passes."""
+    rng = np.random.default_rng(0)
+    n, k = 40, 5
+    x = rng.standard_normal((n, 2))
+    d = np.sqrt(((x[:, None] - x[None]) ** 2).sum(-1))
+    idx = np.argsort(d, 1)[:, 1:k + 1].astype(np.int64)
+    dist = np.take_along_axis(d, idx, 1).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64)
+    nbr, w = mutual_reachability_rows(ids, idx, dist, core_distances(dist, 3))
+    a, b, ww, parent = kruskal(ids, nbr, w, n)
+    comp = component_labels(np.arange(n))
+    cc, ca, cb, cw = cheapest_outgoing(ids, nbr, w, np.zeros(n, np.int64), comp)
+    boruvka_merge(np.arange(n), np.ones(n, np.int64), cc, ca, cb, cw)
+    ba, bb, bw = bridge_components(parent)
+    clusters_from_tree(np.concatenate([a, ba]), np.concatenate([b, bb]), np.concatenate([ww, bw]), n, 5)
