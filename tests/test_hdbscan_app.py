@@ -1,0 +1,208 @@
+"""HDBSCAN: the kernels against the ``hdbscan`` library on exact kNN graphs, Kruskal against Borůvka,
+EOM on a hand-built condensed tree, max_cluster_size, and a distributed run through ``litz.run``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.datasets import make_blobs
+from sklearn.neighbors import NearestNeighbors
+
+import litz
+from apps import hdbscan as hd
+from apps import hdbscan_kernels as hk
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled() -> None:
+    hk.warmup()
+
+
+def exact_graph(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The exact k nearest other points (sklearn), as the app's graph: int64 ids, float32 distances."""
+    d, i = NearestNeighbors(n_neighbors=k + 1).fit(x).kneighbors(x)
+    return i[:, 1:].astype(np.int64), d[:, 1:].astype(np.float32)
+
+
+def separated_blobs(n: int, centers: int, seed: int) -> np.ndarray:
+    return make_blobs(n, n_features=4, centers=centers, cluster_std=0.7, center_box=(-20, 20),
+                      random_state=seed)[0].astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# against the hdbscan library
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_labels_match_hdbscan_on_separated_blobs(seed: int) -> None:
+    x = separated_blobs(2000, 6, seed)
+    labels = hd.cluster_graph(*exact_graph(x, 15), min_samples=10, min_cluster_size=40)
+    ref = hd.reference_hdbscan(x, 10, 40)
+    assert labels.max() == ref.max() and labels.max() >= 4
+    assert hd.fowlkes_mallows(ref, labels) >= 0.95
+
+
+def test_tree_equals_hdbscan_given_its_spanning_tree() -> None:
+    """Dendrogram, condensed tree, EOM and labelling are exactly the library's: fed the library's own
+    minimum spanning tree of an overlapping, noisy set, the labels are the same partition."""
+    import hdbscan
+
+    x, _ = hd.gaussian_mixture(1500, 2, 12, noise=0.2, half_width=12.0, seed=3)
+    ref = hdbscan.HDBSCAN(min_cluster_size=25, min_samples=8, approx_min_span_tree=False,
+                          gen_min_span_tree=True).fit(x)
+    mst = ref.minimum_spanning_tree_.to_numpy()
+    labels = hk.clusters_from_tree(mst[:, 0].astype(np.int64), mst[:, 1].astype(np.int64),
+                                   mst[:, 2].astype(np.float32), len(x), 25)
+    assert ref.labels_.max() >= 3 and (ref.labels_ < 0).sum() > 50
+    assert hd.fowlkes_mallows(ref.labels_, labels) == pytest.approx(1.0)
+    assert labels.max() == ref.labels_.max()
+
+
+def test_core_distance_is_hdbscan_convention() -> None:
+    """min_samples counts the point itself out: hdbscan queries min_samples + 1 points including it."""
+    x = np.array([[0.0], [1.0], [3.0], [7.0], [15.0]], np.float32)
+    _, dist = exact_graph(x, 3)
+    np.testing.assert_array_equal(hk.core_distances(dist, 2), [3.0, 2.0, 3.0, 6.0, 12.0])
+    with pytest.raises(ValueError, match="min_samples"):
+        hk.core_distances(dist, 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# spanning trees
+# ----------------------------------------------------------------------------------------------------
+
+
+def boruvka_in_process(idx: np.ndarray, dist: np.ndarray, min_samples: int, parts: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The app's Borůvka protocol without the runtime: ``parts`` executors, labels from the driver."""
+    n = len(idx)
+    core = hk.core_distances(dist, min_samples)
+    owned = np.array_split(np.arange(n, dtype=np.int64), parts)
+    rows = [hk.mutual_reachability_rows(o, idx[o], dist[o], core) for o in owned]
+    starts = [np.zeros(len(o), np.int64) for o in owned]
+    parent, size = np.arange(n), np.ones(n, np.int64)
+    comp = hk.component_labels(parent)
+    edges, rounds = [], 0
+    while True:
+        cand = [hk.cheapest_outgoing(o, nbr, w, s, comp) for o, (nbr, w), s in zip(owned, rows, starts, strict=True)]
+        c, a, b, w = (np.concatenate(f) for f in zip(*cand, strict=True))
+        if not len(c):
+            break
+        edges.append(hk.boruvka_merge(parent, size, c, a, b, w))
+        rounds += 1
+        comp = hk.component_labels(parent)
+    a, b, w = (np.concatenate(f) for f in zip(*edges, strict=True))
+    return a, b, w, parent, rounds
+
+
+def test_kruskal_and_boruvka_give_minimum_spanning_forests_of_equal_weight() -> None:
+    import scipy.sparse as sp
+    from scipy.sparse.csgraph import connected_components, minimum_spanning_tree
+
+    # two far groups: the kNN graph is disconnected, so both build forests and the bridges matter
+    x = np.vstack([hd.gaussian_mixture(1200, 3, 5, noise=0.1, seed=1)[0],
+                   hd.gaussian_mixture(300, 3, 1, seed=2)[0] + 500]).astype(np.float32)
+    n = len(x)
+    idx, dist = exact_graph(x, 12)
+    ids = np.arange(n, dtype=np.int64)
+    nbr, w = hk.mutual_reachability_rows(ids, idx, dist, hk.core_distances(dist, 6))
+    ka, kb, kw, kparent = hk.kruskal(ids, nbr, w, n)
+    ba, bb, bw, bparent, rounds = boruvka_in_process(idx, dist, 6, parts=3)
+    assert 2 <= rounds <= np.log2(n) + 1
+    # the oracle: scipy's MST of the symmetric mutual-reachability graph
+    graph = sp.coo_matrix((w[nbr >= 0].astype(np.float64), (np.repeat(ids, (nbr >= 0).sum(1)), nbr[nbr >= 0])),
+                          shape=(n, n)).tocsr()
+    graph = graph.maximum(graph.T)
+    comps = connected_components(graph, directed=False)[0]
+    assert comps == 2
+    oracle = minimum_spanning_tree(graph).sum()
+    assert len(ka) == len(ba) == n - comps
+    assert kw.astype(np.float64).sum() == pytest.approx(oracle, rel=1e-9)
+    assert bw.astype(np.float64).sum() == pytest.approx(oracle, rel=1e-9)
+    for a, b, w, parent in ((ka, kb, kw, kparent), (ba, bb, bw, bparent)):
+        fa, fb, fw, c = hd.bridged(a, b, w, parent)
+        assert c == comps and len(fa) == n - 1 and np.isinf(fw).sum() == comps - 1
+        labels = hk.clusters_from_tree(fa, fb, fw, n, 40)
+        assert set(labels[1200:]) == {labels[1200]} and labels[1200] >= 0  # the far group is one cluster
+
+
+# ----------------------------------------------------------------------------------------------------
+# excess of mass
+# ----------------------------------------------------------------------------------------------------
+
+
+def hand_tree(fall15: float, fall16: float) -> tuple[np.ndarray, ...]:
+    """14 points, root 14: noise points 12, 13 leave it at lambda 0.5; it splits at lambda 1 into
+    cluster 15 (points 0-3, which fall out at lambda 5) and 16 (8 points), which splits at lambda 2
+    into 17 (points 4-7, out at ``fall15``) and 18 (points 8-11, out at ``fall16``)."""
+    rows = [(14, 12, 0.5, 1), (14, 13, 0.5, 1), (14, 15, 1.0, 4), (14, 16, 1.0, 8), (16, 17, 2.0, 4),
+            (16, 18, 2.0, 4)]
+    rows += [(15, p, 5.0, 1) for p in range(4)] + [(17, p, fall15, 1) for p in range(4, 8)]
+    rows += [(18, p, fall16, 1) for p in range(8, 12)]
+    p, c, lam, s = (np.array(col) for col in zip(*rows, strict=True))
+    return p.astype(np.int64), c.astype(np.int64), lam.astype(np.float64), s.astype(np.int64)
+
+
+def test_eom_selects_by_stability_on_a_hand_built_tree() -> None:
+    n = 14
+    # stabilities: 15: 4 * (5 - 1) = 16; 16: 8 * (2 - 1) = 8; 17: 4 * (3 - 2) = 4; 18: 4 * (4 - 2) = 8
+    labels, stab = hk.select_clusters(*hand_tree(3.0, 4.0), n, 0)
+    np.testing.assert_allclose(stab[1:], [16.0, 8.0, 4.0, 8.0])
+    np.testing.assert_array_equal(labels, [0] * 4 + [1] * 4 + [2] * 4 + [-1, -1])  # 4 + 8 > 8: the children
+    # 17 and 18 now sum to 2 + 4 < 8: cluster 16 is kept whole
+    labels, _ = hk.select_clusters(*hand_tree(2.5, 3.0), n, 0)
+    np.testing.assert_array_equal(labels, [0] * 4 + [1] * 8 + [-1, -1])
+    # ... unless it is larger than max_cluster_size
+    labels, _ = hk.select_clusters(*hand_tree(2.5, 3.0), n, 6)
+    np.testing.assert_array_equal(labels, [0] * 4 + [1] * 4 + [2] * 4 + [-1, -1])
+    # nothing small enough: all noise
+    labels, _ = hk.select_clusters(*hand_tree(2.5, 3.0), n, 3)
+    assert (labels == -1).all()
+
+
+def test_max_cluster_size_is_respected_and_matches_hdbscan() -> None:
+    # two groups of two close blobs: without a limit EOM takes the groups, with one the blobs
+    centres = np.array([[0, 0], [4.5, 0], [40, 0], [44.5, 0]], float)
+    x = make_blobs(1600, centers=centres, cluster_std=1.0, random_state=5)[0].astype(np.float32)
+    graph = exact_graph(x, 15)
+    free = hd.cluster_graph(*graph, 10, 40)
+    limited = hd.cluster_graph(*graph, 10, 40, max_cluster_size=500)
+    assert free.max() + 1 == 2
+    assert limited.max() + 1 == 4
+    assert np.bincount(limited[limited >= 0]).max() <= 500
+    assert hd.fowlkes_mallows(hd.reference_hdbscan(x, 10, 40, 500), limited) >= 0.95
+
+
+# ----------------------------------------------------------------------------------------------------
+# the app
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mst", ["boruvka", "kruskal"])
+def test_distributed_run_matches_hdbscan(etcd, mst: str) -> None:
+    argv = ["--data", "blobs", "--points", "3000", "--dims", "5", "--clusters", "8", "--min-cluster-size", "30",
+            "--mst", mst, "--reference", "none", "--return-labels", "--quiet"]
+    res = litz.run(hd.make_app(argv), workers=2, servers=1, num_executors=6, etcd=etcd.url)
+    x, _ = hd.load_points(hd.make_app(argv).config)
+    ref = hd.reference_hdbscan(x, 10, 30)
+    assert hd.fowlkes_mallows(ref, res.value["labels"]) >= 0.95
+    assert res.value["clusters"] == ref.max() + 1
+    if mst == "boruvka":
+        assert 1 <= res.value["boruvka_rounds"] <= 12
+
+
+def test_cli_help_and_option_errors() -> None:
+    out = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/hdbscan.py", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--min-cluster-size" in out.stdout and "--mst" in out.stdout
+    with pytest.raises(litz.ConfigError, match="must not exceed --k"):
+        hd.make_app(["--k", "5", "--min-samples", "10"])
+    with pytest.raises(litz.ConfigError, match="--data"):
+        hd.make_app(["--data", "nowhere.npy"])
