@@ -1,0 +1,150 @@
+"""HDBSCAN: Litz against the ``hdbscan`` library and ``fast_hdbscan``, side by side in one run.
+
+Two parts (each can be skipped):
+
+- **speed** (``--sizes``, exponents of 2; default 14..20): 10 Gaussian blobs in 10-d (``apps/hdbscan.py``'s
+  ``blobs``), min_cluster_size 50, min_samples 10, k 15. Per size:
+
+  - **Litz**: ``apps/hdbscan.py`` through ``litz.run``, ``--workers`` workers (default 2), 1 server,
+    4 executors per worker, ``--mst boruvka`` (and ``kruskal`` with ``--both-msts``). Time: the driver's
+    seconds from its first dispatch to the labels (NN-Descent, core distances, MST, tree). Excluded:
+    process start-up and Numba compilation. A warm-up job runs first; every kernel is ``cache=True``
+    and executors compile (or load) theirs in ``setup`` before their first task. The whole job wall
+    time is printed too.
+  - **hdbscan** ``HDBSCAN(min_cluster_size=50, min_samples=10)``, its defaults (``algorithm='best'``:
+    Borůvka on a KD-tree, ``approx_min_span_tree=True``, ``core_dist_n_jobs=4``). A size is skipped
+    when the previous one took more than ``--hdbscan-limit / 2.2`` seconds (the time roughly doubles
+    and a bit), so that no run exceeds the limit (10 minutes by default).
+  - **fast_hdbscan** ``HDBSCAN(min_cluster_size=50, min_samples=10, metric='l2')``: ``'l2'`` is not
+    ``'euclidean'``, so it takes its pynndescent kNN-graph path, the peer of our design
+    (DESIGN.md §8). With ``--fast-euclidean`` also ``metric='euclidean'`` (KD-tree Borůvka). It is
+    warmed up on a small set first (Numba compilation excluded).
+
+  Ratios are peer seconds / Litz seconds. The FM index of Litz's labels is against hdbscan's labels
+  where hdbscan ran, else against the ground truth (noise as one label).
+- **accuracy** (``--thesis-dims``, default 1..10): the thesis set (``--thesis-points`` points, default
+  100,000; 1,000 Gaussian clusters; 20% uniform noise) per dimension. FM of Litz (Borůvka, 2 workers)
+  against the ``hdbscan`` library with its exact MST (``apps.hdbscan.reference_hdbscan``; why exact:
+  its docstring), and the library's seconds.
+
+Run: ``python bench/bench_hdbscan.py [--sizes 14 15 16] [--thesis-dims 1 2 3] [--thesis-points N]
+[--no-speed] [--no-accuracy] [--workers 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+import litz
+from apps import hdbscan as hd
+
+MCS, MS, K = 50, 10, 15
+
+
+def litz_job(argv: list[str], workers: int) -> dict[str, Any]:
+    """One quiet Litz job returning labels: the driver's seconds, the job's wall time, the labels."""
+    res = litz.run(hd.make_app([*argv, "--reference", "none", "--return-labels", "--quiet",
+                                "--min-cluster-size", str(MCS), "--min-samples", str(MS), "--k", str(K)]),
+                   workers=workers, servers=1, num_executors=4 * workers)
+    return {**res.value, "job_seconds": res.elapsed}
+
+
+def timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:
+    t = time.perf_counter()
+    out = fn(*args, **kw)
+    return out, time.perf_counter() - t
+
+
+def hdbscan_default(x: np.ndarray) -> np.ndarray:
+    import hdbscan
+
+    return hdbscan.HDBSCAN(min_cluster_size=MCS, min_samples=MS).fit(x).labels_
+
+
+def fast_hdbscan_labels(x: np.ndarray, metric: str) -> np.ndarray:
+    import fast_hdbscan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fast_hdbscan.HDBSCAN(min_cluster_size=MCS, min_samples=MS, metric=metric).fit(x).labels_
+
+
+def speed(sizes: list[int], workers: int, both_msts: bool, fast_euclidean: bool, hdbscan_limit: float) -> None:
+    msts = ["boruvka", "kruskal"] if both_msts else ["boruvka"]
+    metrics = ["l2", "euclidean"] if fast_euclidean else ["l2"]
+    warm_x, _ = hd.gaussian_mixture(3000, 10, 10, seed=1)
+    for metric in metrics:
+        fast_hdbscan_labels(warm_x, metric)
+    for mst in msts:
+        litz_job(["--points", "3000", "--mst", mst], workers)
+    print(f"speed: 10 blobs in 10-d, min_cluster_size {MCS}, min_samples {MS}; Litz k={K}, {workers} workers, "
+          f"{4 * workers} executors; compile time excluded (warm-up first)", flush=True)
+    head = f"{'points':>9} " + " ".join(f"{'litz-' + m:>14}" for m in msts) + f" {'job wall':>9} {'hdbscan':>9}"
+    head += "".join(f" {'fast-' + m:>14}" for m in metrics) + f" {'x hdbscan':>10}"
+    head += "".join(f" {'x fast-' + m:>14}" for m in metrics) + f" {'FM':>6}  vs"
+    print(head, flush=True)
+    last_hdbscan = 0.0
+    for e in sizes:
+        n = 2 ** e
+        x, truth = hd.gaussian_mixture(n, 10, 10, seed=0)
+        runs = {m: litz_job(["--points", str(n), "--mst", m], workers) for m in msts}
+        ours = runs[msts[0]]
+        ref, t_h = (None, float("nan"))
+        if last_hdbscan * 2.2 <= hdbscan_limit:
+            ref, t_h = timed(hdbscan_default, x)
+            last_hdbscan = t_h
+        t_f = {m: timed(fast_hdbscan_labels, x, m)[1] for m in metrics}
+        fm = hd.fowlkes_mallows(ref if ref is not None else truth, ours["labels"])
+        row = f"{n:>9} " + " ".join(f"{runs[m]['seconds']:>12.2f} s" for m in msts)
+        row += f" {ours['job_seconds']:>7.1f} s {t_h:>7.2f} s" + "".join(f" {t_f[m]:>12.2f} s" for m in metrics)
+        row += f" {t_h / ours['seconds']:>9.1f}x" + "".join(f" {t_f[m] / ours['seconds']:>13.2f}x" for m in metrics)
+        row += f" {fm:>6.3f}  {'hdbscan' if ref is not None else 'truth'}"
+        print(row, flush=True)
+        print("          litz phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in ours["times"].items())
+              + f"; {ours['nnd_rounds']} NN-Descent rounds, {ours.get('boruvka_rounds', '-')} Borůvka rounds, "
+              f"{ours['clusters']} clusters", flush=True)
+
+
+def accuracy(dims: list[int], points: int, workers: int) -> None:
+    print(f"accuracy: thesis set, {points} points, 1,000 clusters, 20% noise; FM of Litz (Borůvka, {workers} "
+          f"workers) against hdbscan with its exact MST", flush=True)
+    print(f"{'dims':>4} {'FM':>6} {'litz':>9} {'hdbscan':>9} {'clusters litz/hdbscan':>22} {'noise litz/hdbscan':>19}",
+          flush=True)
+    for d in dims:
+        argv = ["--data", "thesis", "--points", str(points), "--dims", str(d)]
+        config = hd.make_app([*argv, "--reference", "none"]).config
+        x, _ = hd.load_points(config)
+        ref, t_h = timed(hd.reference_hdbscan, x, MS, MCS)
+        ours = litz_job(argv, workers)
+        fm = hd.fowlkes_mallows(ref, ours["labels"])
+        print(f"{d:>4} {fm:>6.3f} {ours['seconds']:>7.2f} s {t_h:>7.2f} s {ours['clusters']:>11}/{ref.max() + 1:<10} "
+              f"{ours['noise']:>9}/{(ref < 0).sum():<9}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="*", default=list(range(14, 21)), help="exponents of 2")
+    p.add_argument("--thesis-dims", type=int, nargs="*", default=list(range(1, 11)))
+    p.add_argument("--thesis-points", type=int, default=100_000)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--both-msts", action="store_true", help="time Litz with Kruskal too")
+    p.add_argument("--fast-euclidean", action="store_true", help="also fast_hdbscan with metric='euclidean'")
+    p.add_argument("--hdbscan-limit", type=float, default=600.0, help="seconds an hdbscan run may take")
+    p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--no-accuracy", action="store_true")
+    args = p.parse_args()
+    logging.getLogger("litz").setLevel(logging.WARNING)
+    if not args.no_speed:
+        speed(args.sizes, args.workers, args.both_msts, args.fast_euclidean, args.hdbscan_limit)
+    if not args.no_accuracy:
+        accuracy(args.thesis_dims, args.thesis_points, args.workers)
+
+
+if __name__ == "__main__":
+    main()
