@@ -33,28 +33,31 @@ def _status_when(job: str, cond, timeout: float = 120.0) -> dict:  # noqa: ANN00
     raise AssertionError(f"job {job}: condition not met in {timeout} s")
 
 
-@pytest.mark.parametrize("policy", ["full", "priority"])
+@pytest.mark.parametrize(("policy", "victims"), [("full", "s1"), ("priority", "s1"), ("full", "s1 s2")])
 def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_path: Path, monkeypatch,
-                                                                          policy: str) -> None:
+                                                                          policy: str, victims: str) -> None:
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     job = f"scar-{time.time_ns()}"
     stop = tmp_path / "stop"
     app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
     app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=True)  # reads pending at the death too
-    t, out = _start(app, workers=2, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                    checkpoint_every="0.5s", recovery="partial", checkpoint_policy=policy, checkpoint_fraction=0.5)
+    # checkpoints far enough apart that the kill falls after the one seen, not inside the next
+    killed = victims.split()  # two at once: one recovery, planned as one
+    t, out = _start(app, workers=2, servers=2 + len(killed), job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+                    checkpoint_every="1.6s", recovery="partial", checkpoint_policy=policy, checkpoint_fraction=0.5)
     try:
         want = "partial" if policy != "full" else "full"  # priority: a full base, then partial ones
         st = _status_when(job, lambda s: any(c.get("ok") and c.get("kind") == want
                                              for c in s["master"].get("checkpoints", [])))
-        victim = next(p for p in st["processes"] if p["role"] == "server" and p["id"] == "s1")
-        lost_shards = victim["shards"]
-        os.kill(victim["pid"], signal.SIGKILL)
+        victims_ = [p for p in st["processes"] if p["role"] == "server" and p["id"] in killed]
+        lost_shards = [s for p in victims_ for s in p["shards"]]
+        for victim in victims_:
+            os.kill(victim["pid"], signal.SIGKILL)
         st = _status_when(job, lambda s: s["master"].get("recoveries"))
         rec = st["master"]["recoveries"][0]
-        assert rec["lost"] == "s1" and rec["restored"] == len(lost_shards) and rec["restored_from"]
-        servers = {p["id"]: p["shards"] for p in st["processes"] if p["role"] == "server" and p["id"] != "s1"}
+        assert rec["lost"] == ", ".join(killed) and rec["restored"] == len(lost_shards) and rec["restored_from"]
+        servers = {p["id"]: p["shards"] for p in st["processes"] if p["role"] == "server" and p["id"] not in killed}
         assert sorted(s for v in servers.values() for s in v) == list(range(64))
         time.sleep(1.0)  # training goes on over the restored shards
     finally:
@@ -97,19 +100,22 @@ def test_recovery_options_are_checked_before_anything_starts() -> None:
         litz.run(app, recovery="sometimes", checkpoint_dir="/tmp/x")
 
 
-@pytest.mark.parametrize(("victim", "every"), [("s1", "0.5s"), ("w1", "0.5s"), ("s1", "600s")])
-def test_full_recovery_rolls_everything_back_to_the_last_checkpoint(tmp_path: Path, monkeypatch, victim: str,
+@pytest.mark.parametrize(("victims", "every"), [("s1", "0.5s"), ("w1", "0.5s"), ("s1", "600s"), ("s1 s2", "0.5s")])
+def test_full_recovery_rolls_everything_back_to_the_last_checkpoint(tmp_path: Path, monkeypatch, victims: str,
                                                                      every: str) -> None:
     """--recovery full: tables, executors and driver all go back to one consistent cut, so the
     final sums equal the driver's own record exactly and every executor's count is gapless.
-    An update or a completion of the abandoned timeline that leaked through breaks both."""
+    An update or a completion of the abandoned timeline that leaked through breaks both.
+    Two servers killed at once are one rollback."""
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
-    job = f"full-{victim}-{time.time_ns()}"
+    killed = victims.split()
+    servers = victims.startswith("s")
+    job = f"full-{killed[0]}-{time.time_ns()}"
     stop = tmp_path / "stop"
     app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
     app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=True)  # reads pending at the death too
-    t, out = _start(app, workers=2 if victim == "s1" else 3, servers=3 if victim == "s1" else 1, job=job,
+    t, out = _start(app, workers=2 if servers else 3, servers=4 if servers else 1, job=job,
                     checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=every, recovery="full")
     try:
         if every == "600s":  # none yet: the job starts again from the beginning
@@ -117,19 +123,20 @@ def test_full_recovery_rolls_everything_back_to_the_last_checkpoint(tmp_path: Pa
         else:
             st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
             time.sleep(0.3)  # work after the checkpoint, to be rolled back
-        victim_proc = next(p for p in st["processes"] if p["id"] == victim)
-        os.kill(victim_proc["pid"], signal.SIGKILL)
+        procs = {p["id"]: p for p in st["processes"]}
+        for victim in killed:
+            os.kill(procs[victim]["pid"], signal.SIGKILL)
         st = _status_when(job, lambda s: s["master"].get("recoveries"))
         rec = st["master"]["recoveries"][0]
-        assert rec["lost"] == victim and rec["strategy"] == "full"
+        assert rec["lost"] == ", ".join(killed) and rec["strategy"] == "full"
         assert rec["rolled_back_to_version"] < rec["rolled_back_from_version"]
         if every == "600s":
             assert rec["restored_from"] is None and rec["rolled_back_to_version"] == 0
         else:
             assert rec["restored_from"] and rec["rolled_back_to_version"] > 0
-        held = "shards" if victim == "s1" else "executors"
-        survivors = [p for p in st["processes"] if p["role"] == victim_proc["role"] and p["id"] != victim]
-        assert sorted(i for p in survivors for i in p[held]) == list(range(64 if victim == "s1" else 6))
+        held = "shards" if servers else "executors"
+        survivors = [p for p in st["processes"] if p["role"] == procs[killed[0]]["role"] and p["id"] not in killed]
+        assert sorted(i for p in survivors for i in p[held]) == list(range(64 if servers else 6))
         _status_when(job, lambda s: s["master"].get("completed", 0) >= rec["rolled_back_to_version"] + 200)
     finally:
         stop.touch()

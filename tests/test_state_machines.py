@@ -320,3 +320,15 @@ def test_full_recovery_state_change_forgets_the_abandoned_timeline() -> None:
     assert ck.partial_next()
     ck.rolled_back()  # partial rows of the abandoned timeline must not build on the old base
     assert not ck.partial_next()
+
+
+def test_a_second_loss_during_a_recovery_is_planned_again_without_doubles() -> None:
+    from litz.runtime.master import MasterState
+
+    st = MasterState(4, ["w0"], ["s0", "s1", "s2", "s3"], num_shards=8)  # s_i holds shards i and i + 4
+    st.servers.remove("s1")
+    first = st.plan_takeover("s1", "server")
+    assert first == {"s0": [1], "s2": [5]}
+    st.servers.remove("s2")  # dies before its part was restored: it had shards 2, 6 and took 5
+    second = st.plan_takeover("s2", "server", prior=first)
+    assert second == {"s0": [1, 5], "s3": [2, 6]}  # s0 keeps its part; nothing lands twice

@@ -431,7 +431,7 @@ class ServerNode(Node):
         fresh rows if there is none yet); answer once they are served here."""
         self._store().adopt(list(msg["shards"]), msg.get("restore"))
         self.shards_in += len(msg["shards"])
-        self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"])
+        self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"], round=msg.get("round", 0))
 
     def on_reload_shards(self, msg: Message) -> None:
         """Full recovery: every worker has stopped and its updates have landed; start the new
@@ -439,7 +439,7 @@ class ServerNode(Node):
         self._subs.clear()
         self._scored.clear()
         self._store().reload(list(msg["shards"]), msg.get("restore"))
-        self.endpoint.send(msg.sender, "reloaded")
+        self.endpoint.send(msg.sender, "reloaded", round=msg["round"])
 
     def on_server_lost(self, msg: Message) -> None:
         """A server died: forward to the new owners of its shards, and send again what it never answered."""

@@ -130,13 +130,21 @@ class MasterState:
             else:
                 self.outbox.setdefault(self.placement[item[1]], []).append(item)
 
-    def plan_takeover(self, lost: str, role: str) -> dict[str, list[int]]:
+    def plan_takeover(self, lost: str, role: str,
+                      prior: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
         """Who takes the dead process's shards (server) or executors (worker): each item to the
-        least loaded survivor. The dead process must already be out of its group."""
+        least loaded survivor. The dead must already be out of its group. ``prior``: a plan
+        not yet carried out when this process died; its survivors keep their part and the
+        dead one's part is planned again, so no item ends up in two places."""
         group = self.servers if role == "server" else self.workers
-        items = self.shards_of(lost) if role == "server" else self.executors_of(lost)
-        load = {p: len(self.shards_of(p) if role == "server" else self.executors_of(p)) for p in group}
-        assign: dict[str, list[int]] = {}
+
+        def held(p: str) -> list[int]:
+            return self.shards_of(p) if role == "server" else self.executors_of(p)
+
+        prior = prior or {}
+        items = sorted(held(lost) + prior.get(lost, []))
+        assign = {p: list(v) for p, v in prior.items() if p in group}
+        load = {p: len(held(p)) + len(assign.get(p, [])) for p in group}
         for item in items:
             dest = min(group, key=lambda p: (load[p], p))
             load[dest] += 1
@@ -384,7 +392,7 @@ class Master:
         self.lost: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
         self._restoring: dict[str, Any] | None = None  # the server recovery in progress
-        self._rolling_back = False  # a full recovery is in progress
+        self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
         self._initial_driver: bytes | None = None  # the driver before its first task: full recovery
                                                    # without any checkpoint starts from it
         self.retiring: set[str] = set()  # processes told to leave that have not said goodbye yet
@@ -493,7 +501,7 @@ class Master:
                 self.state.finish_shard_migration(msg["mid"])
                 self.elastic.tick()
         elif msg.type in ("shards_restored", "executors_restored"):
-            self._restored(msg.sender)
+            self._restored(msg.sender, msg.get("round"))
         elif msg.type == "checkpoint_snapshot":
             if self.checkpoints is not None and self.checkpoints.snapshot_taken(msg["cid"], msg.sender):
                 assert self.state is not None
@@ -650,39 +658,47 @@ class Master:
 
     # -- failures (SCAR partial recovery) ------------------------------------------------------
     def _process_lost(self, ident: str | None, reason: str) -> None:
-        """A process died: recover if the job asked for it and it can be done, else stop the job."""
+        """A process died: recover if the job asked for it and it can be done, else stop the job.
+
+        Several may die at once (a machine, a rack): a loss noticed while the recovery of
+        others of the same role is under way joins it, planned again as one."""
         st = self.state
         if ident is None or ident in self.lost or st is None:
             if ident in self.lost:
                 return
             raise ProcessLost(reason, ident)
         group = st.servers if ident in st.servers else st.workers if ident in st.workers else None
+        role = "server" if group is st.servers else "worker"
         moving = [m for m in (*st.shard_migrations.values(), *st.migrations.values()) if ident in m[1:]]
         recoverable = (self.recovery is not None and group is not None and len(group) > 1
-                       and self._restoring is None and not self._rolling_back and self.elastic.op is None
-                       and not moving)
+                       and (self._restoring is None or self._restoring["role"] == role)
+                       and self.elastic.op is None and not moving)
         if not recoverable:
             why = "" if self.recovery else (" (launch with --recovery partial or full and --checkpoint-dir "
                                             "to survive this)")
             raise ProcessLost(reason + why, ident)
-        if self.recovery == "full":  # unwinds to the main loop, even out of a driver's read
-            raise _Rollback(ident, "server" if group is st.servers else "worker", reason)
-        log.error("%s; restoring its %s on the others", reason, "shards" if group is st.servers else "executors")
-        self._recover(ident, "server" if group is st.servers else "worker")
+        if self.recovery == "full":  # unwinds to the main loop (or the rollback), even out of a driver's read
+            raise _Rollback(ident, role, reason)
+        log.error("%s; restoring its %s on the others", reason, "shards" if role == "server" else "executors")
+        self._recover(ident, role)
 
     def _recover(self, lost: str, role: str) -> None:
-        """SCAR: restore only what the dead process held, from the running checkpoint, on the survivors.
+        """SCAR: restore only what the dead held, from the running checkpoint, on the survivors.
 
         A server's shards get their checkpointed rows; a worker's executors their checkpointed
         states (input reloaded) and their unfinished tasks are dispatched again. Nothing else
-        rolls back, the driver included.
+        rolls back, the driver included. Placement and routes change only once every part is
+        restored, so a second loss during the recovery can still re-plan everything: its round
+        number tells the answers to the first plan from those to the second.
         """
         st = self.state
         assert st is not None
         self.lost.add(lost)
         self.procs.pop(lost, None)
         (st.servers if role == "server" else st.workers).remove(lost)
-        assign = st.plan_takeover(lost, role)  # placement changes once they are restored
+        prev = self._restoring
+        losts = [*(prev["losts"] if prev else []), lost]
+        assign = st.plan_takeover(lost, role, prev["assign"] if prev else None)
         where = None
         kind = "shards" if role == "server" else "executors"
         if self.checkpoints is not None:
@@ -692,11 +708,14 @@ class Master:
                 where = {"location": self.checkpoints.location, "path": path, "files": manifest[f"{kind}_files"],
                          **({"partials": partials} if role == "server" else {})}
             else:
-                log.error("no complete checkpoint yet: the %s of %s start afresh", kind, lost)
+                log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(losts))
+        self._restore_round += 1
         for dest, part in assign.items():
-            self.endpoint.send(dest, f"restore_{kind}", **{kind: part}, **({"restore": where} if where else {}))
-        self._restoring = {"lost": lost, "role": role, "assign": assign, "waiting": set(assign),
-                           "started": time.monotonic(), "from": where["path"] if where else None}
+            self.endpoint.send(dest, f"restore_{kind}", **{kind: part}, round=self._restore_round,
+                               **({"restore": where} if where else {}))
+        self._restoring = {"losts": losts, "role": role, "assign": assign, "waiting": set(assign),
+                           "round": self._restore_round, "started": prev["started"] if prev else time.monotonic(),
+                           "from": where["path"] if where else None}
         ck = self.checkpoints
         r = ck.round if ck is not None else None
         if r is not None and r.phase == "scoring" and role == "server":
@@ -708,13 +727,13 @@ class Master:
             if ck.written(r.cid, lost, [], f"{lost} died during the checkpoint"):
                 self._finish_checkpoint()
         if not assign:
-            self._restored(lost)
+            self._restored("", self._restore_round)
 
-    def _restored(self, sender: str) -> None:
+    def _restored(self, sender: str, round_: int | None) -> None:
         """A survivor took its part; once all did, route to them and carry on."""
         rec, st = self._restoring, self.state
-        if rec is None or st is None:
-            return
+        if rec is None or st is None or round_ != rec["round"]:
+            return  # an answer to a plan that a later loss replaced
         rec["waiting"].discard(sender)
         if rec["waiting"]:
             return
@@ -723,24 +742,27 @@ class Master:
                 for shard in shards:
                     st.shard_map[shard] = dest
             for ident in st.workers + st.servers:  # only now may requests reach the new owners
-                self.endpoint.send(ident, "server_lost", server=rec["lost"], shard_map=st.shard_map)
+                for lost in rec["losts"]:
+                    self.endpoint.send(ident, "server_lost", server=lost, shard_map=st.shard_map)
         else:
             for dest, eids in rec["assign"].items():
                 for eid in eids:
                     st.placement[eid] = dest
-            st.outbox.pop(rec["lost"], None)
             held = {item[0] for item in st.paused_items}
-            for task in st.inflight.values():  # its unfinished tasks run again, with their ids
-                if task.worker == rec["lost"] and task.task_id not in held:
+            for lost in rec["losts"]:
+                st.outbox.pop(lost, None)
+            for task in st.inflight.values():  # their unfinished tasks run again, with their ids
+                if task.worker in rec["losts"] and task.task_id not in held:
                     task.worker = st.placement[task.executor_id]
                     st.outbox.setdefault(task.worker, []).append(
                         [task.task_id, task.executor_id, task.version, task.args])
         self._restoring = None
-        self.recoveries.append({"lost": rec["lost"], "role": rec["role"], "strategy": "partial",
+        lost = ", ".join(rec["losts"])
+        self.recoveries.append({"lost": lost, "role": rec["role"], "strategy": "partial",
                                 "restored": sum(len(v) for v in rec["assign"].values()),
                                 "restored_from": rec["from"], "onto": sorted(rec["assign"]),
                                 "seconds": time.monotonic() - rec["started"], "time": time.time()})
-        log.warning("recovered from the loss of %s: %d %s restored from %s", rec["lost"],
+        log.warning("recovered from the loss of %s: %d %s restored from %s", lost,
                     self.recoveries[-1]["restored"], "shards" if rec["role"] == "server" else "executors",
                     rec["from"] or "scratch")
 
@@ -760,31 +782,71 @@ class Master:
         st = self.state
         assert st is not None
         started, version_before = time.monotonic(), st.version
-        self._rolling_back = True
-        log.error("%s; rolling the whole job back to its last checkpoint", rb.reason)
-        self.lost.add(rb.ident)
-        self.procs.pop(rb.ident, None)
         ck = self.checkpoints
         if ck is not None and ck.round is not None:
             ck.round.errors.append(f"{rb.ident} died during the checkpoint: the job rolled back")
             self._finish_checkpoint()
-        assign = st.roll_back(rb.ident, rb.role)
-        lost_server = rb.ident if rb.role == "server" else ""
-        waiting = set(st.workers)
+        waiting: set[str] = set()
 
         def on_msg(msg: Message) -> None:
             if msg.type in ("rolled_back", "reloaded"):
-                waiting.discard(msg.sender)
+                if msg["round"] == self._restore_round:  # not an answer to a round a loss restarted
+                    waiting.discard(msg.sender)
             elif msg.type != "done":
                 self._handle_aside(msg)
 
-        for msg in leftover:
-            on_msg(msg)
-        self._deferred = [m for m in self._deferred if m.type != "done"]
-        for w in st.workers:
-            self.endpoint.send(w, "rollback", lost=lost_server)
-        self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
+        losses, lost, moved, lost_servers = [rb], [], set(), []
+        saved: dict[str, Any] | None = None
+        where: dict[str, Any] = {}
+        while losses:  # more may die meanwhile (a machine, a rack): they join this rollback
+            rb = losses.pop(0)
+            log.error("%s; rolling the whole job back to its last checkpoint", rb.reason)
+            lost.append(rb.ident)
+            self.lost.add(rb.ident)
+            self.procs.pop(rb.ident, None)
+            moved |= {(rb.role, i) for items in st.roll_back(rb.ident, rb.role).values() for i in items}
+            if rb.role == "server":
+                lost_servers.append(rb.ident)
+            try:
+                for msg in leftover:
+                    on_msg(msg)
+                leftover = []
+                self._deferred = [m for m in self._deferred if m.type != "done"]
+                waiting.clear()  # answers still owed by the dead are never coming
+                waiting.update(st.workers)
+                self._restore_round += 1
+                for w in st.workers:
+                    self.endpoint.send(w, "rollback", lost=lost_servers, round=self._restore_round)
+                self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
+                saved, where = self._reload(st, lost_servers, waiting, on_msg)
+            except _Rollback as again:
+                losses.append(again)
+                leftover = again.received
+        assert st is not None
+        if saved is not None:
+            self._set_driver_state(driver, saved["driver"])
+            st.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
+        else:
+            assert self._initial_driver is not None
+            self._set_driver_state(driver, cloudpickle.loads(self._initial_driver))
+        onto = {st.shard_map[i] if role == "server" else st.placement[i] for role, i in moved}
+        self.recoveries.append({"lost": ", ".join(lost), "role": rb.role, "strategy": "full",
+                                "restored": len(moved), "restored_from": where.get("path"), "onto": sorted(onto),
+                                "rolled_back_from_version": version_before, "rolled_back_to_version": st.version,
+                                "seconds": time.monotonic() - started, "time": time.time()})
+        log.warning("rolled back from version %d to %d (%s) after the loss of %s", version_before, st.version,
+                    where.get("path") or "the beginning", ", ".join(lost))
+        if saved is not None:
+            driver.resumed()
+        else:
+            driver.dispatch_initial_tasks()
 
+    def _reload(self, st: MasterState, lost_servers: list[str], waiting: set[str],
+                on_msg: Callable[[Message], None]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """Full recovery's second phase: servers reload their shards and workers their executors
+        from the last full checkpoint (fresh without one). Returns the driver's saved file and
+        where the checkpoint is (both empty without one)."""
+        ck = self.checkpoints
         saved: dict[str, Any] | None = None
         where: dict[str, Any] = {}
         if ck is not None:
@@ -802,32 +864,17 @@ class Master:
             return {"restore": {"location": where["location"], "path": where["path"],
                                 "files": where["manifest"][f"{kind}_files"]}}
 
-        waiting = set(st.workers + st.servers)
+        waiting.clear()
+        waiting.update(st.workers + st.servers)
+        self._restore_round += 1
         for srv in st.servers:
-            self.endpoint.send(srv, "reload_shards", shards=st.shards_of(srv), **restore("shards"))
+            self.endpoint.send(srv, "reload_shards", shards=st.shards_of(srv), round=self._restore_round,
+                               **restore("shards"))
         for w in st.workers:
             self.endpoint.send(w, "reload_executors", executors=st.executors_of(w), shard_map=st.shard_map,
-                               lost=lost_server, **restore("executors"))
+                               lost=lost_servers, round=self._restore_round, **restore("executors"))
         self._wait(lambda: not waiting, "workers and servers to reload the checkpoint", 120.0, on_msg)
-
-        if saved is not None:
-            self._set_driver_state(driver, saved["driver"])
-            st.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
-        else:
-            assert self._initial_driver is not None
-            self._set_driver_state(driver, cloudpickle.loads(self._initial_driver))
-        self.recoveries.append({"lost": rb.ident, "role": rb.role, "strategy": "full",
-                                "restored": sum(len(v) for v in assign.values()),
-                                "restored_from": where.get("path"), "onto": sorted(assign),
-                                "rolled_back_from_version": version_before, "rolled_back_to_version": st.version,
-                                "seconds": time.monotonic() - started, "time": time.time()})
-        log.warning("rolled back from version %d to %d (%s) after the loss of %s", version_before, st.version,
-                    where.get("path") or "the beginning", rb.ident)
-        self._rolling_back = False
-        if saved is not None:
-            driver.resumed()
-        else:
-            driver.dispatch_initial_tasks()
+        return saved, where
 
     # -- checkpoints (litz.ft.checkpoint) ------------------------------------------------------
     def _restore_fields(self) -> dict[str, dict[str, Any]]:
@@ -1155,11 +1202,13 @@ class Master:
                     if not driver._finished:
                         self._checkpoint_tick()
                 except _Rollback as rb:
-                    try:
-                        self._roll_back(driver, rb, batch + rb.received)
-                    except _Rollback as again:
-                        raise ProcessLost(f"{again.reason} during the recovery from the loss of {rb.ident}",
-                                          again.ident) from None
+                    leftover = batch + rb.received
+                    while True:  # a loss noticed while the driver resumes: roll back again
+                        try:
+                            self._roll_back(driver, rb, leftover)
+                            break
+                        except _Rollback as again:
+                            rb, leftover = again, again.received
                 self._send_outbox()
             if self.options.get("collect_stats", True):
                 stats = self.collect_stats()

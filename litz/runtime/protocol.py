@@ -135,26 +135,27 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("routes_ack", {"rid": "int"}),
     # -- SCAR partial recovery (DESIGN.md §5) --
     # master -> surviving server: host these shards of a dead server, rows from the checkpoint
-    MessageType("restore_shards", {"shards": "list", "restore?": "dict"}),
-    MessageType("shards_restored", {"shards": "list"}),
+    MessageType("restore_shards", {"shards": "list", "restore?": "dict", "round?": "int"}),
+    MessageType("shards_restored", {"shards": "list", "round?": "int"}),
     # master -> workers and servers, once its shards are restored: route around the dead
     # server and send again every request it never answered
     MessageType("server_lost", {"server": "str", "shard_map": "list"}),
     # master -> surviving worker: host these executors of a dead worker, their states from
     # the checkpoint (fresh ones if there is none); input is reloaded
-    MessageType("restore_executors", {"executors": "list", "restore?": "dict"}),
-    MessageType("executors_restored", {"executors": "list"}),
+    MessageType("restore_executors", {"executors": "list", "restore?": "dict", "round?": "int"}),
+    MessageType("executors_restored", {"executors": "list", "round?": "int"}),
     # -- full recovery: everything rolls back to the last consistent checkpoint (DESIGN.md §5) --
     # master -> surviving workers: stop every task, drop executors, queued tasks, update log and
     # cache; answer rolled_back once every update already sent to a live server was acknowledged
     # (so no update of the abandoned timeline can reach a server after it reloads)
-    MessageType("rollback", {"lost": "str"}),
-    MessageType("rolled_back", {}),
+    MessageType("rollback", {"lost": "list", "round": "int"}),
+    MessageType("rolled_back", {"round": "int"}),
     # master -> servers: serve exactly these shards, rows from the checkpoint (fresh without one)
-    MessageType("reload_shards", {"shards": "list", "restore?": "dict"}),
+    MessageType("reload_shards", {"shards": "list", "round": "int", "restore?": "dict"}),
     # master -> workers: host exactly these executors, states from the checkpoint, route by shard_map
-    MessageType("reload_executors", {"executors": "list", "shard_map": "list", "lost": "str", "restore?": "dict"}),
-    MessageType("reloaded", {}),
+    MessageType("reload_executors", {"executors": "list", "shard_map": "list", "lost": "list", "round": "int",
+                                       "restore?": "dict"}),
+    MessageType("reloaded", {"round": "int"}),  # answers carry the round: a later loss restarts it
     # -- checkpoints (DESIGN.md §5) --
     # master -> workers and servers (all tasks completed, none running): copy your state in
     # memory, answer checkpoint_snapshot at once, then write it under path and answer

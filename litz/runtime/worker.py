@@ -138,7 +138,7 @@ class Worker(Node):
         self.tasks_run = 0
         self.tasks_failed = 0
         self.update_errors: list[str] = []
-        self._rollback_from: str | None = None  # the master waiting for rolled_back
+        self._rollback_from: tuple[str, int] | None = None  # the master waiting for rolled_back, its round
         self.rollbacks = 0
 
     # -- set-up -------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class Worker(Node):
             self.moved_to.pop(eid, None)
             self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
         self.migrations_in += len(eids)
-        self.endpoint.send(msg.sender, "executors_restored", executors=eids)
+        self.endpoint.send(msg.sender, "executors_restored", executors=eids, round=msg.get("round", 0))
 
     # -- full recovery: roll back to the last consistent checkpoint -------------------------
     def on_rollback(self, msg: Message) -> None:
@@ -211,34 +211,33 @@ class Worker(Node):
         self._waiting_flush.clear()
         self._waiting_ack.clear()
         self._oldest_unsent = None
-        lost = msg["lost"]
-        if lost:
-            self._gone.add(lost)
+        lost = set(msg["lost"])  # servers that died
+        self._gone |= lost
         for rid, server in list(self._sent_to.items()):
-            if server == lost or rid not in self._update_items:
+            if server in lost or rid not in self._update_items:
                 del self._sent_to[rid]
                 if rid in self._update_items:
                     self._acked(rid)
         self.rollbacks += 1
-        self._rollback_from = msg.sender
+        self._rollback_from = (msg.sender, msg["round"])
         self._answer_rollback()
 
     def _answer_rollback(self) -> None:
         if self._rollback_from is not None and not self._update_items:
-            self.endpoint.send(self._rollback_from, "rolled_back")
+            master, round_ = self._rollback_from
+            self.endpoint.send(master, "rolled_back", round=round_)
             self._rollback_from = None
 
     def on_reload_executors(self, msg: Message) -> None:
         """Start the new timeline: these executors, from the checkpoint (or fresh), routing by
         the master's shard map."""
-        if msg["lost"]:
-            self._gone.add(msg["lost"])
+        self._gone |= set(msg["lost"])
         self.shard_map = list(msg["shard_map"])
         eids = list(msg["executors"])
         saved = self._saved_states(msg["restore"], eids) if msg.get("restore") else {}
         for eid in eids:
             self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
-        self.endpoint.send(msg.sender, "reloaded")
+        self.endpoint.send(msg.sender, "reloaded", round=msg["round"])
 
     # -- checkpoints ----------------------------------------------------------------------
     def on_checkpoint(self, msg: Message) -> None:
