@@ -174,6 +174,17 @@ def bridged(a: np.ndarray, b: np.ndarray, w: np.ndarray, parent: np.ndarray
     return np.concatenate([a, ba]), np.concatenate([b, bb]), np.concatenate([w, bw]), len(ba) + 1
 
 
+def merge_candidates(parent: np.ndarray, size: np.ndarray, candidates: list[tuple[np.ndarray, ...]]
+                     ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int]:
+    """The driver's step of a Borůvka round: the executors' ``(comp, a, b, w)`` candidates -> the edges
+    joined into the forest ``parent``/``size`` (in place) and how many candidates there were (0: done)."""
+    comp, a, b, w = (np.concatenate([np.asarray(c[i]) for c in candidates]) if candidates else np.empty(0)
+                     for i in range(4))
+    edges = hk.boruvka_merge(parent, size, comp.astype(np.int64), a.astype(np.int64), b.astype(np.int64),
+                             w.astype(np.float32))
+    return edges, len(comp)
+
+
 def cluster_graph(knn_idx: np.ndarray, knn_dist: np.ndarray, min_samples: int, min_cluster_size: int,
                   max_cluster_size: int = 0) -> np.ndarray:
     """HDBSCAN labels from a kNN graph (``(n, k)`` other points, ascending), in one process."""
@@ -334,11 +345,8 @@ class HDBDriver(litz.Driver):
         self._dispatch_all({"phase": "boruvka", "round": self.rounds})
 
     def _merge(self) -> None:
-        cand = self._candidates
-        parts = [np.concatenate([np.asarray(c[f]) for c in cand]) for f in ("comp", "a", "b", "w")]
-        found = len(parts[0])
-        a, b, w = hk.boruvka_merge(self.parent, self.size, parts[0].astype(np.int64), parts[1].astype(np.int64),
-                                   parts[2].astype(np.int64), parts[3].astype(np.float32))
+        (a, b, w), found = merge_candidates(self.parent, self.size,
+                                            [tuple(c[f] for f in ("comp", "a", "b", "w")) for c in self._candidates])
         self.edges.append((a, b, w))
         before, self.components = self.components, self.components - len(a)
         self.rounds += 1

@@ -81,7 +81,7 @@ def test_core_distance_is_hdbscan_convention() -> None:
 
 def boruvka_in_process(idx: np.ndarray, dist: np.ndarray, min_samples: int, parts: int
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """The app's Borůvka protocol without the runtime: ``parts`` executors, labels from the driver."""
+    """The app's Borůvka protocol without the runtime: ``parts`` executors' kernel, the driver's merge."""
     n = len(idx)
     core = hk.core_distances(dist, min_samples)
     owned = np.array_split(np.arange(n, dtype=np.int64), parts)
@@ -92,10 +92,10 @@ def boruvka_in_process(idx: np.ndarray, dist: np.ndarray, min_samples: int, part
     edges, rounds = [], 0
     while True:
         cand = [hk.cheapest_outgoing(o, nbr, w, s, comp) for o, (nbr, w), s in zip(owned, rows, starts, strict=True)]
-        c, a, b, w = (np.concatenate(f) for f in zip(*cand, strict=True))
-        if not len(c):
+        added, found = hd.merge_candidates(parent, size, cand)
+        if not found:
             break
-        edges.append(hk.boruvka_merge(parent, size, c, a, b, w))
+        edges.append(added)
         rounds += 1
         comp = hk.component_labels(parent)
     a, b, w = (np.concatenate(f) for f in zip(*edges, strict=True))
