@@ -47,6 +47,18 @@ def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
         raise CheckpointError(f"cannot open checkpoint storage {root!r}: {exc}") from exc
 
 
+def warm_up() -> None:
+    """Initialise Arrow's IPC writer and reader (about 0.3 s the first time in a process).
+
+    Processes of a job that checkpoints call it on a thread when they start, so that the first
+    checkpoint does not pay it while training waits for the round to complete."""
+    table = pa.table({"k": pa.array([0], pa.int64()), "v": pa.array([b""], pa.binary())})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    pa.ipc.open_file(sink.getvalue()).read_all()
+
+
 def _write_table(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
     with fs.open_output_stream(path) as out, pa.ipc.new_file(out, table.schema) as writer:
         writer.write_table(table)

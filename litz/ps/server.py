@@ -263,6 +263,8 @@ class ServerNode(Node):
             if msg.get("restore"):
                 self.store.restore(msg["restore"])
             self.master = msg["master"]
+            if msg.get("checkpoints"):
+                self.in_background(storage.warm_up, lambda _r, _e: None)
             self.endpoint.send(msg.sender, "ready", role=self.role)
         except Exception as exc:
             self.endpoint.send(msg.sender, "ready", role=self.role, error=f"{type(exc).__name__}: {exc}")

@@ -564,7 +564,8 @@ class Master:
         restore = self._restore_fields()
         for srv in servers:
             self.endpoint.send(srv, "init_server", tables=tables_blob, shards=state.shards_of(srv),
-                               num_shards=state.num_shards, master="master", **restore.get("shards", {}))
+                               num_shards=state.num_shards, master="master", checkpoints=self.checkpoints is not None,
+                               **restore.get("shards", {}))
         for w in workers:
             self.init_worker(w)
         ready: dict[str, Message] = {}

@@ -74,7 +74,7 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> server: the tables and the logical shards it hosts
     # ("restore": {"location", "path"} of a checkpoint to load the shards' rows from)
     MessageType("init_server", {"tables": "bytes", "shards": "list", "num_shards": "int", "master": "str",
-                                "restore?": "dict"}),
+                                "restore?": "dict", "checkpoints?": "bool"}),
     # master -> worker: the application, the executors it hosts, the shard map and its peers
     MessageType(
         "init_worker",
