@@ -213,3 +213,38 @@ def test_mlr_reaches_its_accuracy_after_losing_a_process(tmp_path: Path, monkeyp
     assert rec["lost"] == victim and rec["restored_from"] and rec["restored"] == restored
     assert rec.get("strategy", "partial") == recovery
     assert processes_mentioning(job) == []
+
+
+def test_an_etcd_restart_does_not_stop_a_job(tmp_path: Path, monkeypatch) -> None:
+    """etcd goes down and comes back mid-job: clients reconnect, leases are kept alive again,
+    nobody is declared lost, and the job ends with exact sums."""
+    from litz.runtime.etcd_server import LocalEtcd
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"etcd-restart-{time.time_ns()}"
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    server = LocalEtcd()
+    server.start()
+    try:
+        t, out = _start(app, workers=2, servers=2, job=job, etcd=server.url)
+        try:
+            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= 100)
+            pids = sorted(p["pid"] for p in st["processes"])
+            server.restart()
+            time.sleep(3.0)  # longer than a process lease's time-to-live
+            done = st["master"]["completed"]
+            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= done + 300, timeout=30)
+            assert sorted(p["pid"] for p in st["processes"]) == pids  # everyone still registered
+        finally:
+            stop.touch()
+            t.join(60)
+        assert not t.is_alive() and "error" not in out, out.get("error")
+        res = out["res"]
+        np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+        assert res.stats["master"]["recoveries"] == []
+    finally:
+        server.stop()
+    assert processes_mentioning(job) == []
