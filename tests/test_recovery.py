@@ -33,15 +33,23 @@ def _status_when(job: str, cond, timeout: float = 120.0) -> dict:  # noqa: ANN00
     raise AssertionError(f"job {job}: condition not met in {timeout} s")
 
 
+def _open_ended_job(tmp_path: Path, monkeypatch, name: str, executors: int,  # noqa: ANN001
+                    **config: object) -> tuple[str, Path, litz.App]:
+    """A job name, its stop file and an app that runs until the file appears (tasks with
+    exact sums and per-executor counts: testapps.TimedMigratingDriver)."""
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=executors, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop), **config)
+    return f"{name}-{time.time_ns()}", stop, app
+
+
 @pytest.mark.parametrize(("policy", "victims"), [("full", "s1"), ("priority", "s1"), ("full", "s1 s2")])
 def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_path: Path, monkeypatch,
                                                                           policy: str, victims: str) -> None:
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
-    job = f"scar-{time.time_ns()}"
-    stop = tmp_path / "stop"
-    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=True)  # reads pending at the death too
+    # the driver reads all the time: reads are pending at the death too
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar", 6, driver_reads=True)
     # checkpoints far enough apart that the kill falls after the one seen, not inside the next
     killed = victims.split()  # two at once: one recovery, planned as one
     t, out = _start(app, workers=2, servers=2 + len(killed), job=job, checkpoint_dir=str(tmp_path / "ckpt"),
@@ -77,11 +85,7 @@ def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_pa
 
 
 def test_without_recovery_a_killed_server_stops_the_job_cleanly(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
-    job = f"noscar-{time.time_ns()}"
-    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=60.0)
+    job, _, app = _open_ended_job(tmp_path, monkeypatch, "noscar", 4)
     t, out = _start(app, workers=1, servers=2, job=job)
     st = _status_when(job, lambda s: s["master"].get("phase") == "running")
     os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "s1"), signal.SIGKILL)
@@ -107,14 +111,9 @@ def test_full_recovery_rolls_everything_back_to_the_last_checkpoint(tmp_path: Pa
     final sums equal the driver's own record exactly and every executor's count is gapless.
     An update or a completion of the abandoned timeline that leaked through breaks both.
     Two servers killed at once are one rollback."""
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     killed = victims.split()
     servers = victims.startswith("s")
-    job = f"full-{killed[0]}-{time.time_ns()}"
-    stop = tmp_path / "stop"
-    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=True)  # reads pending at the death too
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, f"full-{killed[0]}", 6, driver_reads=True)
     t, out = _start(app, workers=2 if servers else 3, servers=4 if servers else 1, job=job,
                     checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=every, recovery="full")
     try:
@@ -156,12 +155,7 @@ def _epoch(st: dict) -> int:
 
 
 def test_killed_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
-    job = f"scar-w-{time.time_ns()}"
-    stop = tmp_path / "stop"
-    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=60.0, stop_file=str(stop))
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar-w", 6)
     t, out = _start(app, workers=3, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
                     checkpoint_every="0.5s", recovery="partial")
     try:
@@ -220,12 +214,7 @@ def test_an_etcd_restart_does_not_stop_a_job(tmp_path: Path, monkeypatch) -> Non
     nobody is declared lost, and the job ends with exact sums."""
     from litz.runtime.etcd_server import LocalEtcd
 
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
-    job = f"etcd-restart-{time.time_ns()}"
-    stop = tmp_path / "stop"
-    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=60.0, stop_file=str(stop))
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "etcd-restart", 4)
     server = LocalEtcd()
     server.start()
     try:
