@@ -126,6 +126,30 @@ def component_labels(parent: np.ndarray) -> np.ndarray:
 
 
 @_jit
+def _join_in_order(parent: np.ndarray, size: np.ndarray, eu: np.ndarray, ev: np.ndarray, ew: np.ndarray,
+                   limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Kruskal's step, shared by Kruskal and Borůvka's merge: take the edges by increasing weight
+    (stable), keep those joining two trees of ``parent`` (updated in place), at most ``limit``."""
+    order = np.argsort(ew, kind="mergesort")
+    oa = np.empty(limit, np.int64)
+    ob = np.empty(limit, np.int64)
+    ow = np.empty(limit, np.float32)
+    e = 0
+    for t in order:
+        if e == limit:
+            break
+        ra = _find(parent, eu[t])
+        rb = _find(parent, ev[t])
+        if ra != rb:
+            _union(parent, size, ra, rb)
+            oa[e] = eu[t]
+            ob[e] = ev[t]
+            ow[e] = ew[t]
+            e += 1
+    return oa[:e], ob[:e], ow[:e]
+
+
+@_jit
 def kruskal(ids: np.ndarray, nbr: np.ndarray, w: np.ndarray, n: int
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Minimum spanning forest of the rows' edges (one process): ``(a, b, w, parent)``.
@@ -150,25 +174,10 @@ def kruskal(ids: np.ndarray, nbr: np.ndarray, w: np.ndarray, n: int
                 ev[c] = nbr[i, s]
                 ew[c] = w[i, s]
                 c += 1
-    order = np.argsort(ew, kind="mergesort")
     parent = np.arange(n)
     size = np.ones(n, np.int64)
-    a = np.empty(max(n - 1, 0), np.int64)
-    b = np.empty(max(n - 1, 0), np.int64)
-    ww = np.empty(max(n - 1, 0), np.float32)
-    e = 0
-    for t in order:
-        ra = _find(parent, eu[t])
-        rb = _find(parent, ev[t])
-        if ra != rb:
-            _union(parent, size, ra, rb)
-            a[e] = eu[t]
-            b[e] = ev[t]
-            ww[e] = ew[t]
-            e += 1
-            if e == n - 1:
-                break
-    return a[:e], b[:e], ww[:e], parent
+    a, b, ww = _join_in_order(parent, size, eu, ev, ew, max(n - 1, 0))
+    return a, b, ww, parent
 
 
 @_inline
@@ -242,23 +251,8 @@ def boruvka_merge(parent: np.ndarray, size: np.ndarray, comp: np.ndarray, a: np.
 
     Two components may choose the same edge, and with the total order no set of chosen edges closes
     a cycle; the union-find check skips the duplicates."""
-    keep = _best_per_component(comp, w, a, b)
-    ka, kb, kw = a[keep], b[keep], w[keep]
-    order = np.argsort(kw, kind="mergesort")  # equal weights: keep's order is by component, fine
-    oa = np.empty(len(keep), np.int64)
-    ob = np.empty(len(keep), np.int64)
-    ow = np.empty(len(keep), np.float32)
-    e = 0
-    for t in order:
-        ra = _find(parent, ka[t])
-        rb = _find(parent, kb[t])
-        if ra != rb:
-            _union(parent, size, ra, rb)
-            oa[e] = ka[t]
-            ob[e] = kb[t]
-            ow[e] = kw[t]
-            e += 1
-    return oa[:e], ob[:e], ow[:e]
+    keep = _best_per_component(comp, w, a, b)  # equal weights: keep's order is by component, fine
+    return _join_in_order(parent, size, a[keep], b[keep], w[keep], len(keep))
 
 
 @_jit
