@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module", autouse=True)
 def _compiled() -> None:
+    """Compile every kernel here, once, into Numba's cache: the job's worker processes then load
+    them instead of compiling in parallel during their start-up (on a fresh machine that took
+    longer than the master waits for workers to initialise)."""
     hk.warmup()
+    hd.nndescent_warmup()
 
 
 def exact_graph(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
