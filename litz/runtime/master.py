@@ -706,7 +706,7 @@ class Master:
             running = storage.running_checkpoint(self.checkpoints.location)
             if running is not None:
                 path, manifest, partials = running
-                where = {"location": self.checkpoints.location, "path": path, "files": manifest[f"{kind}_files"],
+                where = {**self._where(self.checkpoints.location, path, manifest, kind),
                          **({"partials": partials} if role == "server" else {})}
             else:
                 log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(losts))
@@ -823,7 +823,6 @@ class Master:
             except _Rollback as again:
                 losses.append(again)
                 leftover = again.received
-        assert st is not None
         if saved is not None:
             self._set_driver_state(driver, saved["driver"])
             st.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
@@ -860,10 +859,7 @@ class Master:
             ck.rolled_back()
 
         def restore(kind: str) -> dict[str, Any]:
-            if not where:
-                return {}
-            return {"restore": {"location": where["location"], "path": where["path"],
-                                "files": where["manifest"][f"{kind}_files"]}}
+            return {"restore": self._where(where["location"], where["path"], where["manifest"], kind)} if where else {}
 
         waiting.clear()
         waiting.update(st.workers + st.servers)
@@ -878,12 +874,17 @@ class Master:
         return saved, where
 
     # -- checkpoints (litz.ft.checkpoint) ------------------------------------------------------
+    @staticmethod
+    def _where(location: str, path: str, manifest: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The ``restore`` field of a message: where a checkpoint's shard or executor files are."""
+        return {"location": location, "path": path, "files": manifest[f"{kind}_files"]}
+
     def _restore_fields(self) -> dict[str, dict[str, Any]]:
         """The ``restore`` fields of init messages when resuming: where the shards' and executors' files are."""
         if self.resume is None:
             return {}
-        r, m = self.resume, self.resume.manifest
-        return {kind: {"restore": {"location": r.location, "path": r.path, "files": m[f"{kind}_files"]}}
+        r = self.resume
+        return {kind: {"restore": self._where(r.location, r.path, r.manifest, kind)}
                 for kind in ("shards", "executors")}
 
     @staticmethod

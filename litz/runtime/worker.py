@@ -181,14 +181,20 @@ class Worker(Node):
             raise LitzError(f"checkpoint {where['path']} holds no state for executors {missing}")
         return out
 
-    def on_restore_executors(self, msg: Message) -> None:
-        """Take over executors of a worker that died (SCAR): states from the running checkpoint,
-        input reloaded from shared storage. The master then dispatches their tasks again."""
+    def _host_from_checkpoint(self, msg: Message) -> list[int]:
+        """Host ``msg["executors"]``: their states from the checkpoint in ``msg["restore"]``
+        (fresh ones without it), their input reloaded."""
         eids = list(msg["executors"])
         saved = self._saved_states(msg["restore"], eids) if msg.get("restore") else {}
         for eid in eids:
             self.moved_to.pop(eid, None)
             self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
+        return eids
+
+    def on_restore_executors(self, msg: Message) -> None:
+        """Take over executors of a worker that died (SCAR): states from the running checkpoint,
+        input reloaded from shared storage. The master then dispatches their tasks again."""
+        eids = self._host_from_checkpoint(msg)
         self.migrations_in += len(eids)
         self.endpoint.send(msg.sender, "executors_restored", executors=eids, round=msg.get("round", 0))
 
@@ -235,10 +241,7 @@ class Worker(Node):
         the master's shard map."""
         self._gone |= set(msg["lost"])
         self.shard_map = list(msg["shard_map"])
-        eids = list(msg["executors"])
-        saved = self._saved_states(msg["restore"], eids) if msg.get("restore") else {}
-        for eid in eids:
-            self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
+        self._host_from_checkpoint(msg)
         self.endpoint.send(msg.sender, "reloaded", round=msg["round"])
 
     # -- checkpoints ----------------------------------------------------------------------
