@@ -237,3 +237,33 @@ def test_an_etcd_restart_does_not_stop_a_job(tmp_path: Path, monkeypatch) -> Non
     finally:
         server.stop()
     assert processes_mentioning(job) == []
+
+
+def test_rollback_answer_waits_for_updates_sent_to_live_servers() -> None:
+    """A worker told to roll back answers ``rolled_back`` only once every update it already sent
+    to a live server was acknowledged (else the update could land after that server reloads the
+    checkpoint, on the new timeline); updates sent to the dead server are dropped, not awaited.
+    On loopback the race cannot be provoked, so this drives the worker's handlers directly."""
+    from litz.runtime.protocol import Message
+    from litz.runtime.worker import Worker
+
+    w = Worker("w0", "job", "127.0.0.1:1")  # etcd is contacted only by start(): never here
+    sent: list[tuple[str, str, dict]] = []
+    w.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    try:
+        w.master = "master"
+        row = np.ones((1, 2))
+        live, dead = w._send_update_groups({"s0": [["t", [0], row]], "s1": [["t", [1], row]]})
+        w._unacked |= {live, dead}
+        w.on_rollback(Message("rollback", {"lost": ["s1"], "round": 7}, sender="master"))
+        assert [k for _, k, _ in sent] == ["update", "update"]  # no answer yet: s0 owes an ack
+        assert dead not in w._update_items and dead not in w._sent_to  # never resent, never awaited
+        w._answer_rollback()  # the loop calls this every turn: still nothing to say
+        assert sent[-1][1] == "update"
+        w.on_update_ack(Message("update_ack", {"rid": live, "errors": []}, sender="s0"))
+        w._answer_rollback()  # the loop's next turn
+        assert sent[-1] == ("master", "rolled_back", {"round": 7})
+        w._answer_rollback()  # answered once only
+        assert sum(k == "rolled_back" for _, k, _ in sent) == 1 and w.rollbacks == 1
+    finally:
+        w.endpoint.close()
