@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,9 +188,11 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     if data.shape[0] != n:
         raise ValueError(f"NN-Descent over {n} points, but this executor's data has {data.shape[0]} rows")
     if args["op"] == "init":
-        trees = int(args.get("trees", 0))
-        blocks, deltas, counts = nk.nnd_init(data, owned, k, int(args["seed"]), block, trees,
-                                             trees * executor.executor_id)
+        seed = int(args["seed"])
+        G, pos, touched, counts = nk.init_random(data, owned, k, seed)
+        for order, bounds in _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30)):
+            nk.leaf_offers(data, G, order, bounds, k, pos, True, touched, counts)
+        blocks, deltas = nk.pack_updates(G, nk.empty_lists(1, k), k, pos, True, touched, block, counts)
     else:
         G = executor.ps.get_many(args["table"], range(num_blocks(n, block))).reshape(-1, 3 * k)[:n]
         blocks, deltas, counts = nk.nnd_round(data, G, owned, k, int(args["max_candidates"]), int(args["seed"]),
@@ -197,6 +200,37 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     if len(blocks):
         executor.ps.update_many(args["table"], blocks, deltas)
     return {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum())}
+
+
+_TREE_CACHE: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+_TREE_DATA: list[np.ndarray] = []
+_TREE_LOCK = threading.Lock()
+
+
+def _trees(data: np.ndarray, seed: int, trees: int, leaf: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ``trees`` random-projection trees of the initial lists, built once per process.
+
+    Every executor needs every tree (it offers each leaf's pairs to its own points only, so that it
+    sends only its own rows), and the trees are pure functions of (data, seed, tree): executors of
+    one worker process share them. Only the latest data set's trees are kept.
+    """
+    with _TREE_LOCK:
+        if not _TREE_DATA or _TREE_DATA[0] is not data:
+            _TREE_CACHE.clear()
+            _TREE_DATA[:] = [data]
+        out = []
+        for t in range(trees):
+            key = (seed, t, leaf)
+            if key not in _TREE_CACHE:
+                _TREE_CACHE[key] = nk.rp_tree(data, seed, t, leaf)
+            out.append(_TREE_CACHE[key])
+        return out
+
+
+def locality_order(data: np.ndarray, seed: int = 0) -> np.ndarray:
+    """A permutation of the points (int64) under which near points have near ids (module docstring,
+    "Locality"): apply it to the data before NN-Descent, and map ids back afterwards."""
+    return nk.locality_order(np.ascontiguousarray(data, np.float32), seed, BLOCK)
 
 
 def nndescent_warmup() -> None:
@@ -207,7 +241,11 @@ def nndescent_warmup() -> None:
             x = data.copy()
             x.flags.writeable = not readonly
             owned = np.arange(20, dtype=np.int64)
-            blocks, deltas, _ = nk.nnd_init(x, owned, 4, 0, 8, 1, 0)
+            G0, pos, touched, counts = nk.init_random(x, owned, 4, 0)
+            order, bounds = nk.rp_tree(x, 0, 0, 8)
+            nk.leaf_offers(x, G0, order, bounds, 4, pos, True, touched, counts)
+            blocks, deltas = nk.pack_updates(G0, nk.empty_lists(1, 4), 4, pos, True, touched, 8, counts)
+            nk.locality_order(x, 0, 8)
             G = nk.empty_lists(len(x), 4)
             for b, d in zip(blocks, deltas, strict=True):
                 nk.merge_lists(G[b * 8:(b + 1) * 8], d, 4)
@@ -251,7 +289,7 @@ class NNDescentPhase:
         self.table, self.block = table, int(block)
         self.max_candidates = int(max_candidates or min(60, k))  # pynndescent's default
         self.use_filter = bool(use_filter)
-        self.trees = -(-TREES // self.E) if trees is None else int(trees)  # per executor
+        self.trees = TREES if trees is None else int(trees)  # in all; every worker process builds them all
         self.report = report
         self.round = -1  # -1: initial lists
         self.converged = False

@@ -33,6 +33,7 @@ COUNTERS = ("distances", "proposed", "sent", "updates", "rows_sent", "marked")
 _jit = numba.njit(cache=True, nogil=True)
 _jit_fast = numba.njit(cache=True, nogil=True, fastmath=True)
 _inline = numba.njit(cache=True, nogil=True, inline="always")
+_inline_fast = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
 
 
 @_jit
@@ -237,25 +238,30 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     return new, old, marked
 
 
-@_jit_fast
-def _offer(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_filter: bool,
-           touched: np.ndarray, counts: np.ndarray, p: int, q: int) -> None:
+@_inline_fast
+def _offer(data: np.ndarray, G: np.ndarray, dmax: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray,
+           use_filter: bool, touched: np.ndarray, counts: np.ndarray, p: int, q: int) -> None:
     """Compute ``d(p, q)`` once and offer each point to the other's list (both directions)."""
     d = _sqdist(data, p, q)
     counts[0] += 1
     counts[1] += 2
-    _offer_one(G, box, k, pos, use_filter, touched, counts, p, q, d)
-    _offer_one(G, box, k, pos, use_filter, touched, counts, q, p, d)
+    _offer_one(G, dmax, box, k, pos, use_filter, touched, counts, p, q, d)
+    _offer_one(G, dmax, box, k, pos, use_filter, touched, counts, q, p, d)
 
 
 @_inline
-def _offer_one(G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_filter: bool, touched: np.ndarray,
-               counts: np.ndarray, a: int, b: int, d: float) -> None:
-    """Offer ``b`` at squared distance ``d`` to ``a``'s list."""
-    if d < G[a, 2 * k - 1]:  # d_max(a): the k-th distance as read at the round's start, then tighter
+def _offer_one(G: np.ndarray, dmax: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_filter: bool,
+               touched: np.ndarray, counts: np.ndarray, a: int, b: int, d: float) -> None:
+    """Offer ``b`` at squared distance ``d`` to ``a``'s list.
+
+    ``dmax`` mirrors column ``2k - 1`` of ``G`` (d_max): most offers fail this test, and a dense
+    ``n``-vector stays in cache where the ``3k``-float rows of ``G`` do not.
+    """
+    if d < dmax[a]:  # d_max(a): the k-th distance as read at the round's start, then tighter
         if _push(G[a], k, b, d, FLAG_PROPOSED):
             counts[3] += 1
             touched[a] = 1
+        dmax[a] = G[a, 2 * k - 1]
     if not use_filter and pos[a] < 0:  # without d_max: keep the k nearest offers, whatever a's list holds
         if _push(box[a], k, b, d, FLAG_PROPOSED):
             touched[a] = 1
@@ -271,6 +277,7 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
     the graph) with flag 2, so later offers in this call face the tightened ``d_max``.
     """
     mc = new.shape[1]
+    dmax = G[:, 2 * k - 1].copy()
     for a in range(owned.shape[0]):
         for x in range(mc):
             p = new[a, x]
@@ -280,13 +287,13 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
                 q = new[a, y]
                 if q < 0:
                     break
-                _offer(data, G, box, k, pos, use_filter, touched, counts, p, q)
+                _offer(data, G, dmax, box, k, pos, use_filter, touched, counts, p, q)
             for y in range(mc):
                 q = old[a, y]
                 if q < 0:
                     break
                 if q != p:
-                    _offer(data, G, box, k, pos, use_filter, touched, counts, p, q)
+                    _offer(data, G, dmax, box, k, pos, use_filter, touched, counts, p, q)
 
 
 @_jit
@@ -355,12 +362,15 @@ def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: in
 
 
 @_jit_fast
-def _rp_leaves(data: np.ndarray, seed: int, tree: int, leaf_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """A random-projection tree over all points: ``(order, bounds)``, leaf ``l`` is
+def _rp_leaves(data: np.ndarray, points: np.ndarray, seed: int, tree: int, leaf_size: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """A random-projection tree over ``points`` (ids into ``data``): ``(order, bounds)``, leaf ``l`` is
     ``order[bounds[l]:bounds[l + 1]]``. Each node splits by the hyperplane halfway between two of
-    its points drawn at random (pynndescent's Euclidean trees); a degenerate split halves at random."""
-    n, dim = data.shape
-    order = np.arange(n)
+    its points drawn at random (pynndescent's Euclidean trees); a degenerate split halves at random.
+    Leaves come out depth first, so ``order`` is also a space-filling order (:func:`locality_order`)."""
+    dim = data.shape[1]
+    n = points.shape[0]
+    order = points.astype(np.int64)
     side = np.empty(n, np.bool_)
     bounds = [0]
     stack = [(0, n)]
@@ -408,15 +418,23 @@ def _rp_leaves(data: np.ndarray, seed: int, tree: int, leaf_size: int) -> tuple[
     return order, np.array(bounds, np.int64)
 
 
-@_jit_fast
-def nnd_init(data: np.ndarray, owned: np.ndarray, k: int, seed: int, block: int, trees: int, tree_base: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The first lists: ``k`` distinct random other points for each owned point (all new), and the
-    offers of ``trees`` random-projection trees over all points (trees ``tree_base ..``).
+@_jit
+def locality_order(data: np.ndarray, seed: int, leaf_size: int) -> np.ndarray:
+    """A permutation of the points that keeps near points near in the order: the leaves of one
+    random-projection tree, depth first (apps/nndescent.py, "Locality")."""
+    return _rp_leaves(data, np.arange(data.shape[0]), seed, 0x0DE5, leaf_size)[0]
 
-    The random draws hash (seed, point, attempt), so a point's random list does not depend on the
-    partition; the trees (each executor builds its own) give every point near candidates to start
-    from, which saves NN-Descent most of its early rounds, as in pynndescent.
+
+@_jit_fast
+def init_random(data: np.ndarray, owned: np.ndarray, k: int, seed: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The first lists: ``k`` distinct random other points for each owned point, all new (the draws
+    hash (seed, point, attempt): a point's list does not depend on the partition). Returns
+    ``(G, pos, touched, counts)`` for :func:`leaf_offers` and :func:`pack_updates`.
+
+    The random entries connect far parts of the data set; the leaves of random-projection trees
+    (:func:`leaf_offers`) then give every point near candidates to start from, which saves
+    NN-Descent most of its early rounds, as in pynndescent.
     """
     n = data.shape[0]
     G = empty_lists(n, k)
@@ -437,20 +455,42 @@ def nnd_init(data: np.ndarray, owned: np.ndarray, k: int, seed: int, block: int,
             got += _push(G[i], k, j, d, FLAG_PROPOSED)
         touched[i] = 1
         counts[3] += got
-    leaf = max(2 * k, 30)
-    for tr in range(trees):
-        order, bounds = _rp_leaves(data, seed, tree_base + tr, leaf)
-        for lf in range(bounds.shape[0] - 1):
-            for x in range(bounds[lf], bounds[lf + 1]):
-                p = order[x]
-                for y in range(x + 1, bounds[lf + 1]):
-                    q = order[y]
-                    d = _sqdist(data, p, q)
-                    counts[0] += 1
-                    counts[1] += 2
-                    if _push(G[p], k, q, d, FLAG_PROPOSED):
-                        touched[p] = 1
-                    if _push(G[q], k, p, d, FLAG_PROPOSED):
-                        touched[q] = 1
-    blocks, deltas = pack_updates(G, empty_lists(1, k), k, pos, True, touched, block, counts)
-    return blocks, deltas, counts
+    return G, pos, touched, counts
+
+
+@_jit_fast
+def leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.ndarray, k: int, pos: np.ndarray,
+                owned_only: bool, touched: np.ndarray, counts: np.ndarray) -> None:
+    """Offer every pair of points sharing a leaf of a random-projection tree to each other's lists;
+    with ``owned_only`` only to owned points (pairs of two others are not even measured)."""
+    for lf in range(bounds.shape[0] - 1):
+        lo, hi = bounds[lf], bounds[lf + 1]
+        if owned_only:
+            mine = False
+            for x in range(lo, hi):
+                if pos[order[x]] >= 0:
+                    mine = True
+                    break
+            if not mine:
+                continue
+        for x in range(lo, hi):
+            p = order[x]
+            mp = not owned_only or pos[p] >= 0
+            for y in range(x + 1, hi):
+                q = order[y]
+                mq = not owned_only or pos[q] >= 0
+                if not (mp or mq):
+                    continue
+                d = _sqdist(data, p, q)
+                counts[0] += 1
+                counts[1] += 2
+                if mp and _push(G[p], k, q, d, FLAG_PROPOSED):
+                    touched[p] = 1
+                if mq and _push(G[q], k, p, d, FLAG_PROPOSED):
+                    touched[q] = 1
+
+
+@_jit_fast
+def rp_tree(data: np.ndarray, seed: int, tree: int, leaf_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random-projection tree ``tree`` over all points: ``(order, bounds)`` (see :func:`_rp_leaves`)."""
+    return _rp_leaves(data, np.arange(data.shape[0]), seed, tree, leaf_size)
