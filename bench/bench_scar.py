@@ -58,18 +58,47 @@ SERVERS = 4
 SMOOTHING = 20  # clocks (one epoch) the objective is averaged over
 
 
-class ScarDriver(mlr.MLRDriver):
-    """MLR's driver plus what the experiment needs: the objective after every clock, the
-    clocks executed (they survive a rollback: transient attributes are never restored), the
-    kill at the failure clock, and an early finish once the target is reached."""
+class ScarClock:
+    """What the experiment adds to an app's driver (a mixin before it): the objective after every
+    clock, the clocks executed (they survive a rollback: transient attributes are never
+    restored), the kill at the failure clock and an early finish once the target is reached."""
 
-    transient = (*mlr.MLRDriver.transient, "X_obj", "y_obj", "trace", "executed", "killed")
+    scar_transient = ("trace", "executed", "killed")
 
-    def dispatch_initial_tasks(self) -> None:
-        if not hasattr(self, "trace"):  # a rollback to the beginning calls this again
+    def _scar_start(self) -> None:
+        if not hasattr(self, "trace"):  # a rollback to the beginning dispatches the first tasks again
             self.trace: list[tuple[int, int, float]] = []
             self.executed = 0
             self.killed = False
+
+    def _scar_clock(self, clock: int, objective: float, window: int) -> None:
+        """Record clock ``clock`` (1-based) and its objective; finish once the objective averaged
+        over ``window`` clocks reaches the target; kill the victims at the failure clock."""
+        self.executed += 1
+        self.trace.append((self.executed, clock, objective))
+        cfg = self.config  # type: ignore[attr-defined]
+        recent = [o for _, _, o in self.trace[-window:]]
+        if cfg.get("target") is not None and len(recent) == window and sum(recent) / window <= cfg["target"]:
+            self.finish(self.result())  # type: ignore[attr-defined]
+            return
+        if cfg.get("fail_at") and not self.killed and clock == cfg["fail_at"]:
+            self.killed = True
+            master = self._master  # type: ignore[attr-defined]  # the victims' pids are the master's
+            assert master is not None
+            for ident in cfg["victims"]:
+                os.kill(master.procs[ident]["pid"], signal.SIGKILL)
+
+
+class ScarDriver(ScarClock, mlr.MLRDriver):
+    """MLR's driver with the experiment's clock (ScarClock) and, in failure-free runs, the weight
+    rows every C clocks (for :func:`change_concentration`)."""
+
+    transient = (*mlr.MLRDriver.transient, *ScarClock.scar_transient, "X_obj", "y_obj", "snapshots")
+
+    def dispatch_initial_tasks(self) -> None:
+        self._scar_start()
+        if not hasattr(self, "snapshots"):
+            self.snapshots: list[np.ndarray] = []
         self._load_objective()
         super().dispatch_initial_tasks()
 
@@ -87,24 +116,14 @@ class ScarDriver(mlr.MLRDriver):
 
     def on_iteration_end(self, iteration: int, results: list[litz.TaskResult]) -> None:
         super().on_iteration_end(iteration, results)
-        self.executed += 1
-        objective = evaluate(self.weights(), self.X_obj, self.y_obj)[0]
-        self.trace.append((self.executed, iteration + 1, objective))
         cfg = self.config
-        recent = [o for _, _, o in self.trace[-SMOOTHING:]]
-        if cfg.get("target") is not None and len(recent) == SMOOTHING and sum(recent) / SMOOTHING <= cfg["target"]:
-            self.finish(self.result())
-            return
-        if cfg.get("fail_at") and not self.killed and iteration + 1 == cfg["fail_at"]:
-            self.killed = True
-            master = self._master  # the experiment reaches into the master for the victims' pids
-            assert master is not None
-            for ident in cfg["victims"]:
-                os.kill(master.procs[ident]["pid"], signal.SIGKILL)
+        if cfg.get("snapshot_every") and (iteration + 1) % cfg["snapshot_every"] == 0:
+            self.snapshots.append(self.ps.get_many("W", range(cfg["blocks"])).copy())
+        self._scar_clock(iteration + 1, evaluate(self.weights(), self.X_obj, self.y_obj)[0], SMOOTHING)
 
     def result(self) -> dict[str, Any]:
         out = super().result()
-        out.update(trace=self.trace, executed=self.executed)
+        out.update(trace=self.trace, executed=self.executed, snapshots=self.snapshots)
         return out
 
 
@@ -113,7 +132,8 @@ def run_once(epochs: int, every: int, *, fail_at: int | None = None, victims: tu
              target: float | None = None) -> dict[str, Any]:
     app = mlr.make_app(["--epochs", str(epochs), "--quiet", "--blocks", "64"])
     app.driver = ScarDriver
-    app.config.update(fail_at=fail_at, victims=list(victims), target=target)
+    app.config.update(fail_at=fail_at, victims=list(victims), target=target,
+                      snapshot_every=every if fail_at is None else 0)
     with tempfile.TemporaryDirectory(prefix="litz-scar-") as ckpt:
         res = litz.run(app, workers=2, servers=SERVERS, num_executors=8, checkpoint_dir=ckpt,
                        checkpoint_every=str(every), recovery=recovery, checkpoint_policy=policy,
@@ -135,10 +155,10 @@ def smoothed(trace: list[tuple[int, int, float]], window: int = SMOOTHING) -> li
     return [(trace[i + window - 1][0], float(avg[i])) for i in range(len(avg))]
 
 
-def first_reaching(trace: list[tuple[int, int, float]], target: float) -> float | None:
+def first_reaching(trace: list[tuple[int, int, float]], target: float, window: int = SMOOTHING) -> float | None:
     """Clocks executed until the smoothed objective reaches ``target`` (linear in between)."""
     prev = None
-    for executed, obj in smoothed(trace):
+    for executed, obj in smoothed(trace, window):
         if obj <= target:
             if prev is None:
                 return float(executed)
@@ -146,6 +166,22 @@ def first_reaching(trace: list[tuple[int, int, float]], target: float) -> float 
             return e0 + (executed - e0) * (o0 - target) / (o0 - obj)
         prev = (executed, obj)
     return None
+
+
+def change_concentration(runs: list[list[np.ndarray]], fractions: tuple[float, ...] = (1 / 8, 1 / 2)
+                         ) -> dict[str, float]:
+    """Share of the squared change over C clocks held by the rows that changed most.
+
+    Priority checkpoints pay off when a few rows carry most of the change (SCAR's premise): a
+    fraction r of the rows saved r*C clocks apart then keeps the lost rows' distance small. If the
+    change is spread evenly, every row is about as stale under any policy as under a full
+    checkpoint, and only partial recovery itself can save work."""
+    shares: dict[str, list[float]] = {f"top {f:g}": [] for f in fractions}
+    for before, after in ((s[i - 1], s[i]) for s in runs for i in range(1, len(s))):
+        d = np.sort(((after.astype(np.float64) - before) ** 2).reshape(len(after), -1).sum(1))[::-1]
+        for f in fractions:
+            shares[f"top {f:g}"].append(float(d[: max(1, round(f * len(d)))].sum() / d.sum()))
+    return {k: statistics.fmean(v) for k, v in shares.items() if v}
 
 
 def interval(xs: list[float]) -> tuple[float, float]:
@@ -177,6 +213,9 @@ def main() -> None:
     target = statistics.fmean(dict(smoothed(b["trace"]))[at] for b in baselines)
     reach = [first_reaching(b["trace"], target) for b in baselines]
     base = statistics.fmean(r for r in reach if r is not None)
+    concentration = change_concentration([b["snapshots"] for b in baselines])
+    print("share of the squared change over C clocks in the rows that changed most: "
+          + ", ".join(f"{k} of the rows {100 * v:.0f}%" for k, v in concentration.items()), flush=True)
     print(f"target objective {target:.5f} (failure-free mean at clock {at} of {total}, averaged over 20 clocks); "
           f"failure-free runs reach it after {[round(r, 1) for r in reach if r]} clocks (mean {base:.1f}); "
           f"{time.monotonic() - t0:.0f} s",
@@ -198,7 +237,8 @@ def main() -> None:
     window = (round(1.25 * args.every), round(0.55 * total))
     results: dict[str, Any] = {"target": target, "baseline_clocks": reach, "epochs": args.epochs,
                                "baseline_traces": [[o for _, _, o in b["trace"]] for b in baselines],
-                               "every": args.every, "failure_window": window, "configs": {}}
+                               "every": args.every, "failure_window": window, "configs": {},
+                               "change_concentration": concentration}
     for name, cfg in configs:
         reworks, fails, seconds, traces = [], [], [], []
         for _ in range(args.reps):
@@ -227,11 +267,14 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    plot(results, out.with_suffix(".png"))
+    plot(results, out.with_suffix(".png"),
+         f"SCAR on Litz: MLR, 4 servers, full checkpoint every {results['every']} clocks")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path, title: str, unit: str = "clocks") -> None:
+    """Mean rework per configuration with its 95% interval; full recovery in blue, partial
+    recovery from full checkpoints in orange, from partial checkpoints in green."""
     try:
         import matplotlib
     except ImportError:
@@ -244,12 +287,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     means = [results["configs"][n]["mean"] for n in names]
     errs = [results["configs"][n]["ci95"] for n in names]
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.5))
-    ax.barh(range(len(names)), means, xerr=errs, color=["C0" if n.startswith("A full") else
-                                                        "C1" if n.startswith("A") else "C2" for n in names])
-    ax.set_yticks(range(len(names)), [n[2:] for n in names])
+    ax.barh(range(len(names)), means, xerr=errs, color=["C0" if "full recovery" in n else
+                                                        "C1" if "partial recovery" in n else "C2" for n in names])
+    ax.set_yticks(range(len(names)), [n.removeprefix("A ").removeprefix("B ") for n in names])
     ax.invert_yaxis()
-    ax.set_xlabel("rework (clocks until the target objective, minus failure-free), mean and 95% interval")
-    ax.set_title(f"SCAR on Litz: MLR, 4 servers, full checkpoint every {results['every']} clocks")
+    ax.set_xlabel(f"rework ({unit} until the target objective, minus failure-free), mean and 95% interval")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
