@@ -276,6 +276,9 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
     cheaper than comparing every pair. Accepted offers are merged into ``G`` (the executor's copy of
     the graph) with flag 2, so later offers in this call face the tightened ``d_max``.
     """
+    if use_filter:
+        _join_filtered(data, G, k, owned, new, old, touched, counts)
+        return
     mc = new.shape[1]
     dmax = G[:, 2 * k - 1].copy()
     for a in range(owned.shape[0]):
@@ -294,6 +297,46 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
                     break
                 if q != p:
                     _offer(data, G, dmax, box, k, pos, use_filter, touched, counts, p, q)
+
+
+@_jit_fast
+def _join_filtered(data: np.ndarray, G: np.ndarray, k: int, owned: np.ndarray, new: np.ndarray, old: np.ndarray,
+                   touched: np.ndarray, counts: np.ndarray) -> None:
+    """:func:`local_join` with the d_max filter, the common case, kept lean: the same pairs in the
+    same order with the same offers as the general loop, but counters in locals and no unfiltered
+    side list (three times faster at 2**18 points)."""
+    mc = new.shape[1]
+    dmax = G[:, 2 * k - 1].copy()  # d_max as a dense vector: most offers fail it, and it stays in cache
+    n_dist = 0
+    n_upd = 0
+    for a in range(owned.shape[0]):
+        for x in range(mc):
+            p = new[a, x]
+            if p < 0:
+                break
+            for y in range(x + 1, 2 * mc):  # the new candidates after p, then the old ones
+                q = new[a, y] if y < mc else old[a, y - mc]
+                if q < 0:
+                    if y < mc:
+                        continue
+                    break
+                if q == p:
+                    continue
+                d = _sqdist(data, p, q)
+                n_dist += 1
+                if d < dmax[p]:
+                    if _push(G[p], k, q, d, FLAG_PROPOSED):
+                        n_upd += 1
+                        touched[p] = 1
+                    dmax[p] = G[p, 2 * k - 1]
+                if d < dmax[q]:
+                    if _push(G[q], k, p, d, FLAG_PROPOSED):
+                        n_upd += 1
+                        touched[q] = 1
+                    dmax[q] = G[q, 2 * k - 1]
+    counts[0] += n_dist
+    counts[1] += 2 * n_dist
+    counts[3] += n_upd
 
 
 @_jit
@@ -425,25 +468,28 @@ def locality_order(data: np.ndarray, seed: int, leaf_size: int) -> np.ndarray:
     return _rp_leaves(data, np.arange(data.shape[0]), seed, 0x0DE5, leaf_size)[0]
 
 
-@_jit_fast
-def init_random(data: np.ndarray, owned: np.ndarray, k: int, seed: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The first lists: ``k`` distinct random other points for each owned point, all new (the draws
-    hash (seed, point, attempt): a point's list does not depend on the partition). Returns
-    ``(G, pos, touched, counts)`` for :func:`leaf_offers` and :func:`pack_updates`.
+@_jit
+def init_lists(n: int, owned: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Empty lists and bookkeeping for the first lists: ``(G, pos, touched, counts)`` for
+    :func:`leaf_offers`, :func:`fill_random` and :func:`pack_updates`."""
+    return empty_lists(n, k), _own_index(n, owned), np.zeros(n, np.uint8), np.zeros(len(COUNTERS), np.int64)
 
-    The random entries connect far parts of the data set; the leaves of random-projection trees
-    (:func:`leaf_offers`) then give every point near candidates to start from, which saves
-    NN-Descent most of its early rounds, as in pynndescent.
-    """
+
+@_jit_fast
+def fill_random(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, seed: int, touched: np.ndarray,
+                counts: np.ndarray) -> None:
+    """Complete each owned point's list with distinct random other points (all new), as pynndescent
+    does after its trees: with leaves of at least ``k + 1`` points no list is short, so this costs
+    nothing then. The draws hash (seed, point, attempt): a list does not depend on the partition."""
     n = data.shape[0]
-    G = empty_lists(n, k)
-    counts = np.zeros(len(COUNTERS), np.int64)
-    pos = _own_index(n, owned)
-    touched = np.zeros(n, np.uint8)
+    n_dist = 0
+    n_got = 0
     for a in range(owned.shape[0]):
         i = owned[a]
+        r = G[i]
         got = 0
+        while got < k and r[got] >= 0:
+            got += 1
         attempt = 0
         while got < k and got < n - 1:
             j = int(_hash(seed, 0x1A17, i, attempt) % np.uint64(n))
@@ -451,11 +497,13 @@ def init_random(data: np.ndarray, owned: np.ndarray, k: int, seed: int
             if j == i:
                 continue
             d = _sqdist(data, i, j)
-            counts[0] += 1
-            got += _push(G[i], k, j, d, FLAG_PROPOSED)
-        touched[i] = 1
-        counts[3] += got
-    return G, pos, touched, counts
+            n_dist += 1
+            if _push(r, k, j, d, FLAG_PROPOSED):
+                got += 1
+                n_got += 1
+                touched[i] = 1
+    counts[0] += n_dist
+    counts[3] += n_got
 
 
 @_jit_fast
@@ -463,6 +511,7 @@ def leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.n
                 owned_only: bool, touched: np.ndarray, counts: np.ndarray) -> None:
     """Offer every pair of points sharing a leaf of a random-projection tree to each other's lists;
     with ``owned_only`` only to owned points (pairs of two others are not even measured)."""
+    n_dist = 0
     for lf in range(bounds.shape[0] - 1):
         lo, hi = bounds[lf], bounds[lf + 1]
         if owned_only:
@@ -482,12 +531,13 @@ def leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.n
                 if not (mp or mq):
                     continue
                 d = _sqdist(data, p, q)
-                counts[0] += 1
-                counts[1] += 2
-                if mp and _push(G[p], k, q, d, FLAG_PROPOSED):
+                n_dist += 1
+                if mp and d <= G[p, 2 * k - 1] and _push(G[p], k, q, d, FLAG_PROPOSED):
                     touched[p] = 1
-                if mq and _push(G[q], k, p, d, FLAG_PROPOSED):
+                if mq and d <= G[q, 2 * k - 1] and _push(G[q], k, p, d, FLAG_PROPOSED):
                     touched[q] = 1
+    counts[0] += n_dist  # counters in locals: array writes in the loop cost as much as the distances
+    counts[1] += 2 * n_dist
 
 
 @_jit_fast
