@@ -176,7 +176,8 @@ class Elasticity:
         request: dict[str, Any] = {"command": op.cid}
         for kind, prefix, n in (("workers", "w", workers), ("servers", "s", servers)):
             if n:
-                taken = [int(p[1:]) + 1 for p in self.m.procs if p[:1] == prefix and p[1:].isdigit()]
+                known = (*self.m.procs, *self.m.lost)  # a lost id stays fenced: never given again
+                taken = [int(p[1:]) + 1 for p in known if p[:1] == prefix and p[1:].isdigit()]
                 first = max([self._next_id.get(prefix, 0), *taken])
                 request[kind] = [f"{prefix}{first + i}" for i in range(n)]
                 self._next_id[prefix] = first + n

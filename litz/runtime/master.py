@@ -12,6 +12,7 @@ parameters before the completed task's updates were applied (DESIGN.md §2).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -32,7 +33,7 @@ from litz.ft.checkpoint import CheckpointCoordinator, select_top
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
-from litz.runtime.node import PROCS, proc_key
+from litz.runtime.node import PROCS, kill_job_process, proc_key
 from litz.runtime.protocol import Message
 from litz.runtime.transport import Endpoint, host_name
 
@@ -389,7 +390,8 @@ class Master:
         self._written: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()  # driver files written
         # None: a lost process stops the job; "partial": SCAR; "full": everything rolls back
         self.recovery = self.options.get("recovery")
-        self.lost: set[str] = set()
+        self.lost: set[str] = set()  # fenced: declared lost, never heard again (see _fence)
+        self._fenced_told: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
         self._restoring: dict[str, Any] | None = None  # the server recovery in progress
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
@@ -413,7 +415,9 @@ class Master:
                     msg = self.endpoint.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if msg is not None:
+                if msg is not None and msg.sender in self.lost:
+                    self._from_fenced(msg)
+                elif msg is not None:
                     out.append(msg)
         now = time.monotonic()
         if now - self._last_health > 0.2:
@@ -427,6 +431,17 @@ class Master:
             self._last_status = now
             self.publish_status("running" if self.driver is not None else "starting")
         return out
+
+    def _from_fenced(self, msg: Message) -> None:
+        """A message from a process declared lost (it stalled past its lease and came back):
+        dropped, and the process is told to leave, once."""
+        if msg.sender in self._fenced_told:
+            return
+        self._fenced_told.add(msg.sender)
+        log.warning("%s is back after it was declared lost and its work recovered elsewhere: its messages "
+                    "are ignored and it is told to leave", msg.sender)
+        with contextlib.suppress(Exception):
+            self.endpoint.send(msg.sender, "shutdown", reason="declared lost: its work was recovered elsewhere")
 
     def publish_status(self, phase: str) -> None:
         """Write the job's status to etcd (``status`` under the job prefix) for ``litz status``."""
@@ -683,6 +698,18 @@ class Master:
         log.error("%s; restoring its %s on the others", reason, "shards" if role == "server" else "executors")
         self._recover(ident, role)
 
+    def _fence(self, ident: str) -> None:
+        """Declare ``ident`` lost for good: its work is being recovered elsewhere, so it must
+        never act again. A process that only stalled past its lease (a long pause, swapping,
+        SIGSTOP) would otherwise come back and report tasks and send updates that others now
+        redo. One on this machine is killed; messages from any fenced process are dropped
+        (``_poll``), and it is told to leave."""
+        self.lost.add(ident)
+        info = self.procs.pop(ident, None) or {}
+        if info.get("pid") and info.get("host") == host_name(self.endpoint.host):
+            if kill_job_process(int(info["pid"]), ident, self.job):
+                log.warning("killed %s (pid %s): declared lost, it must not come back", ident, info["pid"])
+
     def _recover(self, lost: str, role: str) -> None:
         """SCAR: restore only what the dead held, from the running checkpoint, on the survivors.
 
@@ -694,8 +721,7 @@ class Master:
         """
         st = self.state
         assert st is not None
-        self.lost.add(lost)
-        self.procs.pop(lost, None)
+        self._fence(lost)
         (st.servers if role == "server" else st.workers).remove(lost)
         prev = self._restoring
         losts = [*(prev["losts"] if prev else []), lost]
@@ -803,8 +829,7 @@ class Master:
             rb = losses.pop(0)
             log.error("%s; rolling the whole job back to its last checkpoint", rb.reason)
             lost.append(rb.ident)
-            self.lost.add(rb.ident)
-            self.procs.pop(rb.ident, None)
+            self._fence(rb.ident)
             moved |= {(rb.role, i) for items in st.roll_back(rb.ident, rb.role).values() for i in items}
             if rb.role == "server":
                 lost_servers.append(rb.ident)

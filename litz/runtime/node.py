@@ -226,6 +226,28 @@ class Node:
             os.close(self._wake_w)
 
 
+def kill_job_process(pid: int, ident: str, job: str) -> bool:
+    """SIGKILL process ``pid`` if it still is ``ident`` of ``job`` on this machine; whether it was.
+
+    The master fences a process it declared lost this way. A pid can be reused once its
+    process is gone, so the command line (``--id IDENT --job JOB``, as the launcher spawns
+    them) is checked first: a stranger with the same pid is never touched.
+    """
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:  # gone already, or no /proc here
+        return False
+    pairs = set(zip(argv, argv[1:], strict=False))
+    if (b"--id", ident.encode()) not in pairs or (b"--job", job.encode()) not in pairs:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def die_with_parent() -> None:
     """Ask Linux to kill this process when the launcher that started it dies (no orphans)."""
     parent = os.environ.get("LITZ_PARENT_PID")
