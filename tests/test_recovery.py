@@ -301,3 +301,25 @@ def test_rollback_answer_waits_for_updates_sent_to_live_servers() -> None:
         assert sum(k == "rolled_back" for _, k, _ in sent) == 1 and w.rollbacks == 1
     finally:
         w.endpoint.close()
+
+
+def test_a_fenced_process_is_never_heard_again() -> None:
+    """After the master's ``fence``, a worker drops everything the lost process sends (a stalled
+    process elsewhere, which the master cannot kill, may come back); nobody else can fence."""
+    from litz.runtime.protocol import Message
+    from litz.runtime.worker import Worker
+
+    w = Worker("w0", "job", "127.0.0.1:1")
+    sent: list[tuple[str, str, dict]] = []
+    w.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    try:
+        w.master = "master"
+        w.dispatch(Message("fence", {"ident": "w0"}, sender="w1"))  # not the master: ignored
+        w.dispatch(Message("fence", {"ident": "w1"}, sender="master"))
+        assert w.fenced == {"w1"}
+        w.dispatch(Message("run_task", {"junk": 1}, sender="w1"))  # would be answered with an error
+        assert sent == []
+        w.dispatch(Message("run_task", {"junk": 1}, sender="s0"))
+        assert [k for _, k, _ in sent] == ["error"]  # the same message from anyone else is handled
+    finally:
+        w.endpoint.close()

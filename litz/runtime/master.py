@@ -702,13 +702,19 @@ class Master:
         """Declare ``ident`` lost for good: its work is being recovered elsewhere, so it must
         never act again. A process that only stalled past its lease (a long pause, swapping,
         SIGSTOP) would otherwise come back and report tasks and send updates that others now
-        redo. One on this machine is killed; messages from any fenced process are dropped
-        (``_poll``), and it is told to leave."""
+        redo. One on this machine is killed. Every other process is told to drop its messages
+        (``fence``), as the master does (``_poll``), and it is told to leave if it speaks again.
+        The fence goes out before anything of the recovery, so it precedes, on each connection,
+        the restored work the stalled process could otherwise collide with."""
         self.lost.add(ident)
         info = self.procs.pop(ident, None) or {}
         if info.get("pid") and info.get("host") == host_name(self.endpoint.host):
             if kill_job_process(int(info["pid"]), ident, self.job):
                 log.warning("killed %s (pid %s): declared lost, it must not come back", ident, info["pid"])
+        for peer, about in self.procs.items():  # one elsewhere cannot be killed: nobody listens to it
+            if about.get("role") in ("worker", "server") and peer not in self.lost:
+                with contextlib.suppress(Exception):
+                    self.endpoint.send(peer, "fence", ident=ident)
 
     def _recover(self, lost: str, role: str) -> None:
         """SCAR: restore only what the dead held, from the running checkpoint, on the survivors.

@@ -57,6 +57,7 @@ class Node:
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
+        self.fenced: set[str] = set()  # processes declared lost: their messages are dropped
         self.stopping = False
         self.exit_code = 0
         self.poller = zmq.Poller()
@@ -147,6 +148,9 @@ class Node:
                 self.dispatch(msg)
 
     def dispatch(self, msg: Message) -> None:
+        if msg.sender in self.fenced:
+            log.debug("%s: dropped %r from %s, which was declared lost", self.ident, msg.type, msg.sender)
+            return
         handler = getattr(self, f"on_{msg.type}", None)
         if handler is None:
             log.warning("%s: unexpected %r message from %s; ignored", self.ident, msg.type, msg.sender)
@@ -157,6 +161,12 @@ class Node:
         except Exception as exc:  # a bad request must never kill the process
             log.exception("%s: failed to handle %r from %s", self.ident, msg.type, msg.sender)
             self.reply_error(msg, f"{type(exc).__name__}: {exc}")
+
+    def on_fence(self, msg: Message) -> None:
+        """The master declared a process lost and recovers its work elsewhere: if it only stalled
+        and comes back, nothing it sends (updates, forwarded tasks) may count twice."""
+        if msg.sender == self.master:
+            self.fenced.add(msg["ident"])
 
     def reply_error(self, msg: Message, reason: str) -> None:
         fields: dict[str, Any] = {"reason": reason, "about": msg.type}

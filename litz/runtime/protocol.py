@@ -134,6 +134,9 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("routes", {"rid": "int", "shard_map": "list", "gone": "list"}),
     MessageType("routes_ack", {"rid": "int"}),
     # -- SCAR partial recovery (DESIGN.md §5) --
+    # master -> every live worker and server: this process was declared lost (it may only have
+    # stalled past its lease); never accept another message from it
+    MessageType("fence", {"ident": "str"}),
     # master -> surviving server: host these shards of a dead server, rows from the checkpoint
     MessageType("restore_shards", {"shards": "list", "restore?": "dict", "round?": "int"}),
     MessageType("shards_restored", {"shards": "list", "round?": "int"}),
