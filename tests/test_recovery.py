@@ -155,21 +155,34 @@ def _epoch(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("epoch ") else -1
 
 
-def test_killed_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_lost_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path: Path, monkeypatch, sig: int) -> None:
+    """A worker killed, or one alive but silent past its lease (SIGSTOP here; a long pause or
+    swapping in life): either is declared lost and its executors resume elsewhere from the
+    checkpoint. A stalled one must never come back, so the master kills it (fencing). Without
+    that, the job broke when it resumed and reported tasks that had been dispatched again."""
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar-w", 6)
     t, out = _start(app, workers=3, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
                     checkpoint_every="0.5s", recovery="partial")
+    victim: dict = {}
     try:
         st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
         victim = next(p for p in st["processes"] if p["id"] == "w1")
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(victim["pid"], sig)  # SIGSTOP: alive, but its lease keep-alive stops with it
         st = _status_when(job, lambda s: s["master"].get("recoveries"))
         rec = st["master"]["recoveries"][0]
         assert rec["lost"] == "w1" and rec["role"] == "worker" and rec["restored"] == len(victim["executors"])
         workers = {p["id"]: p["executors"] for p in st["processes"] if p["role"] == "worker" and p["id"] != "w1"}
         assert sorted(e for v in workers.values() for e in v) == list(range(6))
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{victim['pid']}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # killed (by us or, when stalled, by the master), then reaped
+        assert not Path(f"/proc/{victim['pid']}").exists(), "the lost worker was not fenced"
         time.sleep(1.0)
     finally:
+        if victim:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim["pid"], signal.SIGCONT)
         stop.touch()
         t.join(60)
     assert not t.is_alive() and "error" not in out, out.get("error")
@@ -178,39 +191,6 @@ def test_killed_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_pat
         if e in victim["executors"]:  # rolled back to the checkpoint: counts repeat, with no gap
             assert set(seqs) == set(range(max(seqs) + 1)) and len(seqs) > len(set(seqs)) >= 1
         else:  # the others never rolled back
-            assert sorted(seqs) == list(range(len(seqs)))
-    assert processes_mentioning(job) == []
-
-
-def test_a_worker_stalled_past_its_lease_is_fenced_and_its_executors_recovered(tmp_path: Path, monkeypatch) -> None:
-    """A process that is alive but silent (SIGSTOP here; a long pause or swapping in life) loses
-    its lease and is declared lost like a dead one. Its executors are recovered elsewhere, so it
-    must never come back: the master kills it. Without that, the job broke when it resumed and
-    reported tasks that had been dispatched again."""
-    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "stall", 6)
-    t, out = _start(app, workers=3, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                    checkpoint_every="0.5s", recovery="partial")
-    try:
-        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
-        victim = next(p for p in st["processes"] if p["id"] == "w1")
-        os.kill(victim["pid"], signal.SIGSTOP)  # alive, but its lease keep-alive stops with it
-        st = _status_when(job, lambda s: s["master"].get("recoveries"))
-        assert st["master"]["recoveries"][0]["lost"] == "w1"
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{victim['pid']}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)  # killed by the master, then reaped by the local cluster
-        assert not Path(f"/proc/{victim['pid']}").exists(), "the stalled worker was not fenced"
-        time.sleep(1.0)  # training goes on
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim["pid"], signal.SIGCONT)
-        stop.touch()
-        t.join(60)
-    assert not t.is_alive() and "error" not in out, out.get("error")
-    for e, seqs in enumerate(out["res"].value["done_seq"]):
-        if e in victim["executors"]:  # back to the checkpoint: counts repeat, with no gap
-            assert set(seqs) == set(range(max(seqs) + 1))
-        else:
             assert sorted(seqs) == list(range(len(seqs)))
     assert processes_mentioning(job) == []
 
