@@ -105,7 +105,20 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address the job's processes listen on (default 127.0.0.1); "
                         "an address beyond loopback requires --secret-file")
+    p.add_argument("--lease-ttl", default=None, metavar="SECONDS",
+                   help="a process silent this long is declared lost (default $LITZ_LEASE_TTL, else 2); "
+                        "more avoids false alarms on a heavily loaded machine")
     return p
+
+
+def _process_env(opts: argparse.Namespace) -> None:
+    """Settings every process of this host reads from its environment (they inherit it)."""
+    import os
+
+    if opts.log_level:
+        os.environ["LITZ_LOG_LEVEL"] = opts.log_level
+    if opts.lease_ttl is not None:
+        os.environ["LITZ_LEASE_TTL"] = str(opts.lease_ttl)
 
 
 def launch(argv: list[str]) -> int:
@@ -120,10 +133,7 @@ def launch(argv: list[str]) -> int:
     opts, app_argv = _launch_parser().parse_known_args(rest)
     opts.workers = 2 if opts.workers is None else opts.workers
     opts.servers = 1 if opts.servers is None else opts.servers
-    if opts.log_level:
-        import os
-
-        os.environ["LITZ_LOG_LEVEL"] = opts.log_level
+    _process_env(opts)
     logging.basicConfig(level=(opts.log_level or "WARNING").upper(),
                         format="%(asctime)s master %(levelname)s %(name)s: %(message)s")
     from litz.runtime.launcher import run
@@ -160,10 +170,7 @@ def _join(argv: list[str]) -> int:
     if not opts.job or not opts.etcd:
         print("litz: launch --join needs --job NAME and --etcd URL of the running job", file=sys.stderr)
         return 2
-    if opts.log_level:
-        import os
-
-        os.environ["LITZ_LOG_LEVEL"] = opts.log_level
+    _process_env(opts)
     logging.basicConfig(level=(opts.log_level or "WARNING").upper(),
                         format="%(asctime)s agent %(levelname)s %(name)s: %(message)s")
     from litz.runtime.launcher import join

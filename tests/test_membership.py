@@ -203,8 +203,11 @@ def test_deregister_removes_keys_at_once(members: Callable[..., Membership]) -> 
         a.put("procs/worker/w0/status", {}, lease=True)  # no registration to attach to any more
 
 
-def test_killed_process_disappears_within_ttl(etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
-    """Failure detection itself: a SIGKILLed process's key expires with its lease and watchers see it."""
+@pytest.mark.parametrize(("ttl", "low", "high"), [(None, 0.0, 3.0), ("4", 2.6, 5.0)])
+def test_killed_process_disappears_within_ttl(etcd: LocalEtcd, members: Callable[..., Membership],
+                                              ttl: str | None, low: float, high: float) -> None:
+    """Failure detection itself: a SIGKILLed process's key expires with its lease and watchers see it,
+    after the default 2 s or the ``$LITZ_LEASE_TTL`` the process was started with."""
     watcher = members()
     watcher.watch_prefix("procs/")
     child_code = textwrap.dedent(
@@ -213,13 +216,16 @@ def test_killed_process_disappears_within_ttl(etcd: LocalEtcd, members: Callable
         from litz.runtime.membership import Membership
         m = Membership({etcd.url!r}, {JOB!r})
         m.start()
-        m.register("procs/worker/doomed", {{"pid": 1}}, ttl=2)
+        m.register("procs/worker/doomed", {{"pid": 1}})
         print("registered", flush=True)
         time.sleep(60)
         """
     )
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": pythonpath}
+    env.pop("LITZ_LEASE_TTL", None)
+    if ttl is not None:
+        env["LITZ_LEASE_TTL"] = ttl
     child = subprocess.Popen([sys.executable, "-c", child_code], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert child.stdout is not None
@@ -228,7 +234,7 @@ def test_killed_process_disappears_within_ttl(etcd: LocalEtcd, members: Callable
         killed_at = time.monotonic()
         child.send_signal(signal.SIGKILL)
         child.wait()
-        _events_until(watcher, _has("delete", "procs/worker/doomed"), timeout=4)
+        _events_until(watcher, _has("delete", "procs/worker/doomed"), timeout=high + 1)
         elapsed = time.monotonic() - killed_at
     finally:
         if child.poll() is None:
@@ -236,8 +242,8 @@ def test_killed_process_disappears_within_ttl(etcd: LocalEtcd, members: Callable
             child.wait()
         if child.stdout is not None:
             child.stdout.close()
-    # TTL 2 s after the last keep-alive (at most ttl/3 before the kill), plus etcd's 0.5 s expiry sweep.
-    assert elapsed < 3.0, f"lease expiry took {elapsed:.2f} s"
+    # the TTL after the last keep-alive (at most ttl/3 before the kill), plus etcd's 0.5 s expiry sweep
+    assert low < elapsed < high, f"lease expiry took {elapsed:.2f} s"
     assert watcher.get("procs/worker/doomed") is None
 
 
@@ -324,3 +330,17 @@ def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
             break
         assert time.monotonic() < deadline, f"etcd (pid {pid}) outlived its killed launcher"
         time.sleep(0.05)
+
+
+def test_lease_ttl_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from litz.errors import ConfigError
+    from litz.runtime.membership import lease_ttl
+
+    monkeypatch.delenv("LITZ_LEASE_TTL", raising=False)
+    assert lease_ttl() == 2
+    monkeypatch.setenv("LITZ_LEASE_TTL", " 7 ")
+    assert lease_ttl() == 7
+    for bad in ("0", "-3", "2.5", "soon"):
+        monkeypatch.setenv("LITZ_LEASE_TTL", bad)
+        with pytest.raises(ConfigError, match="LITZ_LEASE_TTL"):
+            lease_ttl()

@@ -105,6 +105,19 @@ def test_recovery_options_are_checked_before_anything_starts() -> None:
         litz.run(app, recovery="sometimes", checkpoint_dir="/tmp/x")
 
 
+def test_litz_launch_refuses_a_bad_lease_ttl_before_anything_starts(tmp_path: Path) -> None:
+    """``litz launch --lease-ttl`` sets what every process of the job reads; a bad value stops
+    the launch before anything starts."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    bad = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--lease-ttl", "0"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "LITZ_LEASE_TTL must be a whole number of seconds >= 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 @pytest.mark.parametrize(("victims", "every"), [("s1", "0.5s"), ("w1", "0.5s"), ("s1", "600s"), ("s1 s2", "0.5s")])
 def test_full_recovery_rolls_everything_back_to_the_last_checkpoint(tmp_path: Path, monkeypatch, victims: str,
                                                                      every: str) -> None:

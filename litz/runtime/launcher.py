@@ -30,7 +30,7 @@ from litz.runtime import jobs, security
 from litz.runtime.elastic import AGENTS
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import Master, Resume
-from litz.runtime.membership import Membership
+from litz.runtime.membership import Membership, lease_ttl
 from litz.runtime.node import proc_key
 from litz.runtime.transport import check_bind_host, host_name
 
@@ -243,6 +243,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         options["recovery"] = recovery
     if secret_file is None:
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None
+    lease_ttl()  # a bad $LITZ_LEASE_TTL is refused before anything starts (every process reads it)
     driver = app.driver()
     with LocalCluster(job, workers=workers, servers=servers, etcd=etcd, host=host,
                       secret_file=secret_file) as cluster:
@@ -271,6 +272,7 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
     """
     if secret_file is None:
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None
+    lease_ttl()
     with LocalCluster(job, workers=workers, servers=servers, etcd=etcd, host=host, secret_file=secret_file,
                       join=True) as cluster:
         agent = cluster._agent

@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,7 +38,30 @@ from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientE
 
 from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProtocolError
 
-__all__ = ["Event", "Membership"]
+__all__ = ["LEASE_TTL_ENV", "Event", "Membership", "lease_ttl"]
+
+LEASE_TTL_ENV = "LITZ_LEASE_TTL"
+DEFAULT_LEASE_TTL = 2
+
+
+def lease_ttl() -> int:
+    """Seconds a process's lease outlives its last keep-alive: ``$LITZ_LEASE_TTL``, default 2.
+
+    The trade-off: a dead process is noticed after about this long (on another host; on the
+    master's own host its exit is seen at once), but a live one that stalls longer (a long
+    pause, swapping, a starved machine) is declared lost too, fenced and recovered from. On a
+    heavily loaded shared machine a few seconds more avoid such false alarms.
+    """
+    raw = os.environ.get(LEASE_TTL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LEASE_TTL
+    try:
+        ttl = int(raw)
+    except ValueError:
+        ttl = 0
+    if ttl < 1:
+        raise ConfigError(f"{LEASE_TTL_ENV} must be a whole number of seconds >= 1, got {raw!r}")
+    return ttl
 
 _log = logging.getLogger(__name__)
 
@@ -272,14 +296,17 @@ class Membership:
 
     # -- public operations ------------------------------------------------------------------------------
 
-    def register(self, key: str, value: dict, ttl: int = 2) -> None:
+    def register(self, key: str, value: dict, ttl: int | None = None) -> None:
         """Put ``key`` = ``value`` under a new lease of ``ttl`` seconds and keep that lease alive.
 
         The keep-alive runs every ``ttl/3`` s on the etcd thread.  If the lease is lost (etcd restarted
         with a lease gone, or this process stalled past the TTL) or the key disappears, the lease is granted
         again and the keys are put back, with a warning.  Registering again replaces the previous
         registration (its lease is revoked and keys attached with ``put(lease=True)`` go with it).
+        ``ttl`` defaults to :func:`lease_ttl` (``$LITZ_LEASE_TTL``).
         """
+        if ttl is None:
+            ttl = lease_ttl()
         if ttl < 1:
             raise ValueError(f"ttl must be at least 1 s, got {ttl}")
         self._call(f"register {key}", self._register(key, _encode(value), int(ttl)))
