@@ -199,11 +199,8 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
         raise ValueError(f"NN-Descent over {n} points, but this executor's data has {data.shape[0]} rows")
     if args["op"] == "init":
         seed = int(args["seed"])
-        G, pos, touched, counts = nk.init_lists(n, owned, k)
-        for order, bounds in _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30)):
-            nk.leaf_offers(data, G, order, bounds, k, pos, True, touched, counts)
-        nk.fill_random(data, G, owned, k, seed, touched, counts)
-        blocks, deltas = nk.pack_updates(G, nk.empty_lists(1, k), k, pos, True, touched, block, counts)
+        trees = _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30))
+        blocks, deltas, counts = _initial_lists(data, owned, k, seed, trees, block)
     else:
         G = executor.ps.get_many(args["table"], range(num_blocks(n, block))).reshape(-1, 3 * k)[:n]
         blocks, deltas, counts = nk.nnd_round(data, G, owned, k, int(args["max_candidates"]), int(args["seed"]),
@@ -211,6 +208,19 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     if len(blocks):
         executor.ps.update_many(args["table"], blocks, deltas)
     return {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum())}
+
+
+def _initial_lists(data: np.ndarray, owned: np.ndarray, k: int, seed: int,
+                   trees: list[tuple[np.ndarray, np.ndarray]], block: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The owned points' first lists, as row updates ``(blocks, deltas, counts)``: the pairs of
+    every tree leaf offered to owned points, then random points for lists still short."""
+    G, pos, touched, counts = nk.init_lists(len(data), owned, k)
+    for order, bounds in trees:
+        nk.leaf_offers(data, G, order, bounds, k, pos, touched, counts)
+    nk.fill_random(data, G, owned, k, seed, touched, counts)
+    blocks, deltas = nk.pack_updates(G, nk.empty_lists(1, k), k, pos, True, touched, block, counts)
+    return blocks, deltas, counts
 
 
 _TREE_CACHE: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -252,11 +262,7 @@ def nndescent_warmup() -> None:
             x = data.copy()
             x.flags.writeable = not readonly
             owned = np.arange(20, dtype=np.int64)
-            G0, pos, touched, counts = nk.init_lists(len(x), owned, 4)
-            order, bounds = nk.rp_tree(x, 0, 0, 8)
-            nk.leaf_offers(x, G0, order, bounds, 4, pos, True, touched, counts)
-            nk.fill_random(x, G0, owned, 4, 0, touched, counts)
-            blocks, deltas = nk.pack_updates(G0, nk.empty_lists(1, 4), 4, pos, True, touched, 8, counts)
+            blocks, deltas, _ = _initial_lists(x, owned, 4, 0, [nk.rp_tree(x, 0, 0, 8)], 8)
             nk.locality_order(x, 0, 8)
             G = nk.empty_lists(len(x), 4)
             for b, d in zip(blocks, deltas, strict=True):

@@ -508,26 +508,25 @@ def fill_random(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, seed
 
 @_jit_fast
 def leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.ndarray, k: int, pos: np.ndarray,
-                owned_only: bool, touched: np.ndarray, counts: np.ndarray) -> None:
-    """Offer every pair of points sharing a leaf of a random-projection tree to each other's lists;
-    with ``owned_only`` only to owned points (pairs of two others are not even measured)."""
+                touched: np.ndarray, counts: np.ndarray) -> None:
+    """Offer every pair of points sharing a leaf of a random-projection tree to each other's lists,
+    owned points' lists only (pairs of two others are not even measured)."""
     n_dist = 0
     for lf in range(bounds.shape[0] - 1):
         lo, hi = bounds[lf], bounds[lf + 1]
-        if owned_only:
-            mine = False
-            for x in range(lo, hi):
-                if pos[order[x]] >= 0:
-                    mine = True
-                    break
-            if not mine:
-                continue
+        mine = False
+        for x in range(lo, hi):
+            if pos[order[x]] >= 0:
+                mine = True
+                break
+        if not mine:
+            continue
         for x in range(lo, hi):
             p = order[x]
-            mp = not owned_only or pos[p] >= 0
+            mp = pos[p] >= 0
             for y in range(x + 1, hi):
                 q = order[y]
-                mq = not owned_only or pos[q] >= 0
+                mq = pos[q] >= 0
                 if not (mp or mq):
                     continue
                 d = _sqdist(data, p, q)
