@@ -121,6 +121,9 @@ class EmbeddingExecutor(nd.NNDescentExecutorMixin, litz.Executor):
 
 @pytest.fixture(scope="module")
 def embedded(etcd) -> dict[str, Any]:
+    # compile (or load) the kernels here first: two workers compiling them at once from a cold
+    # cache took longer than the job's 60 s start-up limit when this file ran first
+    nd.nndescent_warmup()
     app = litz.App(EmbeddingDriver, EmbeddingExecutor, tables=nd.nndescent_tables(N, K), num_executors=EXECUTORS)
     return litz.run(app, workers=2, servers=1, etcd=etcd.url).value
 
