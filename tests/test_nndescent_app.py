@@ -155,7 +155,7 @@ def test_recall_counts_missing_neighbours() -> None:
 
 def test_dmax_filter_sends_fewer_candidates_at_equal_recall(etcd, embedded: dict[str, Any]) -> None:
     app = nd.make_app(["--data", "blobs", "--points", str(N), "--dim", str(DIM), "--k", str(K), "--seed", "3",
-                       "--no-filter", "--return-graph", "--quiet"])
+                       "--no-filter", "--no-order", "--return-graph", "--quiet"])
     res = litz.run(app, workers=2, servers=1, num_executors=EXECUTORS, etcd=etcd.url).value
     off, on = res["stats"], embedded["stats"]
     assert not off["filter"] and on["filter"]
@@ -164,6 +164,58 @@ def test_dmax_filter_sends_fewer_candidates_at_equal_recall(etcd, embedded: dict
     np.testing.assert_array_equal(res["indices"], embedded["indices"])
     assert on["candidates_sent"] < 0.7 * off["candidates_sent"], (on["candidates_sent"], off["candidates_sent"])
     assert res["recall"] >= 0.95
+
+
+def test_locality_order_gives_the_graph_in_the_input_numbering(etcd) -> None:
+    app = nd.make_app(["--data", "blobs", "--points", str(N), "--dim", str(DIM), "--k", str(K), "--seed", "3",
+                       "--return-graph", "--quiet"])
+    perm = nd.job_order(app.config)
+    assert sorted(perm.tolist()) == list(range(N)) and (perm != np.arange(N)).any()
+    res = litz.run(app, workers=2, servers=1, num_executors=EXECUTORS, etcd=etcd.url).value
+    x = nd.blobs(N, DIM)
+    ind, dist = res["indices"], res["distances"]
+    assert not (ind == np.arange(N)[:, None]).any()
+    true = np.sqrt(((x[ind].astype(np.float64) - x[:, None, :]) ** 2).sum(-1))
+    np.testing.assert_allclose(dist, true, rtol=1e-4, atol=1e-4)  # ids and distances mapped back together
+    assert res["recall"] >= 0.95 and nd.recall(x, ind, np.arange(N), K) >= 0.95
+    assert res["order_seconds"] > 0 and res["seconds"] > res["order_seconds"]
+
+
+def test_tree_space_projects_only_high_dimensional_data() -> None:
+    low = nd.blobs(500, DIM)
+    assert nd.tree_space(low, 0) is low
+    rng = np.random.default_rng(0)  # points near a 5-d subspace of a 384-d space: neighbours mean something
+    high = (rng.standard_normal((500, 5)) @ rng.standard_normal((5, 3 * nd.TREE_DIMS))
+            + 0.1 * rng.standard_normal((500, 3 * nd.TREE_DIMS))).astype(np.float32)
+    a, b = nd.tree_space(high, 0), nd.tree_space(high, 0)
+    assert a.shape == (500, nd.TREE_DIMS) and a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)  # a pure function of (data, seed)
+    # the projection keeps near points near: each point's nearest neighbour in the projection is
+    # mostly among its 10 nearest in the full space
+    full, _ = nd.exact_knn(high, np.arange(100), 10)
+    proj, _ = nd.exact_knn(a, np.arange(100), 1)
+    assert np.mean([proj[i, 0] in full[i] for i in range(100)]) >= 0.5
+
+
+class MismatchedExecutor(EmbeddingExecutor):
+    """Executor 0 sees other points than the rest: as if one process had renumbered them differently."""
+
+    def load_input(self) -> nd.NNDInput:
+        x = nd.blobs(N, DIM, seed=int(self.executor_id == 0))
+        return nd.NNDInput(x, nd.NNDInput.partition(N, self.num_executors, self.executor_id))
+
+
+class PhaseOnlyDriver(EmbeddingDriver):
+    def dispatch_initial_tasks(self) -> None:
+        self.phase = nd.NNDescentPhase(self, N, K, num_executors=self.num_executors, seed=3)
+        self.mine = []
+        self.phase.start()
+
+
+def test_executors_that_see_different_points_fail_the_phase_clearly(etcd) -> None:
+    app = litz.App(PhaseOnlyDriver, MismatchedExecutor, tables=nd.nndescent_tables(N, K), num_executors=EXECUTORS)
+    with pytest.raises(Exception, match="do not all see the same points"):
+        litz.run(app, workers=2, servers=1, etcd=etcd.url)
 
 
 def test_litz_launch_prints_rounds_and_recall_and_leaves_nothing() -> None:
