@@ -3,13 +3,16 @@
 - **pynndescent** ``NNDescent(X, n_neighbors=k, metric="euclidean", random_state=0)`` with its
   defaults (RP-forest initialisation, ``delta`` 0.001, ``n_jobs`` = all cores), timed from the
   constructor call to its return (the graph is built there).
-- **Litz** ``apps/nndescent.py``, 2 workers, 1 server, 4 executors: the NN-Descent phase's own
-  clock, from dispatching the initial lists to convergence, plus reading the graph back
-  (cluster start-up and data loading are not counted; the job's wall time is printed too).
+- **Litz** ``apps/nndescent.py``, 2 workers, 1 server, 4 executors: the driver's computation of
+  the locality order of the points, plus the NN-Descent phase's own clock, from dispatching the
+  initial lists to convergence, plus reading the graph back (cluster start-up and data loading,
+  the executors' renumbered copies of the data included, are not counted; the job's wall time
+  is printed too).
   Once with the d_max filter and once without (``--no-filter``): candidates sent, bytes sent by
   all processes, and time; best of ``--repeats`` interleaved runs (the machine may be shared).
 
-Initial lists: random, improved by 8 random-projection trees in all (pynndescent starts from a forest too).
+Initial lists: 8 random-projection trees in all, over a 128-d projection of the data (pynndescent starts
+from a forest too, in the full space), then random points for short lists.
 Numba compilation is excluded: both run once on a small set first (pynndescent compiles ~30 s,
 Litz's kernels come from Numba's on-disk cache). Recall of both against exact neighbours of the
 same 1,000 random query points (ties at the k-th distance count as found). Ratios are
