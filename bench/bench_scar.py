@@ -127,10 +127,14 @@ class ScarDriver(ScarClock, mlr.MLRDriver):
         return out
 
 
+#: options of apps/mlr.py for every run (``--blocks`` and ``--mlr-args`` set them)
+MLR_ARGS: list[str] = ["--blocks", "64"]
+
+
 def run_once(epochs: int, every: int, *, fail_at: int | None = None, victims: tuple[str, ...] = (),
              recovery: str = "partial", policy: str = "full", fraction: float = 1.0,
              target: float | None = None) -> dict[str, Any]:
-    app = mlr.make_app(["--epochs", str(epochs), "--quiet", "--blocks", "64"])
+    app = mlr.make_app(["--epochs", str(epochs), "--quiet", *MLR_ARGS])
     app.driver = ScarDriver
     app.config.update(fail_at=fail_at, victims=list(victims), target=target,
                       snapshot_every=every if fail_at is None else 0)
@@ -202,8 +206,12 @@ def main() -> None:
     p.add_argument("--every", type=int, default=24, help="C: clocks between full checkpoints")
     p.add_argument("--only", choices=["A", "B"], default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--blocks", type=int, default=64, help="row blocks of the weight table (785: one row per feature)")
+    p.add_argument("--mlr-args", default="",
+                   help="more options for apps/mlr.py, e.g. \"--batch-size 1024 --lr-decay 0\"")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scar"))
     args = p.parse_args()
+    MLR_ARGS[:] = ["--blocks", str(args.blocks), *args.mlr_args.split()]
     rng = random.Random(args.seed)
     total = args.epochs * 20
 
@@ -235,7 +243,7 @@ def main() -> None:
                                  "fraction": 1 / r}))
     # failures after the first checkpoint (before it, both strategies start from scratch)
     window = (round(1.25 * args.every), round(0.55 * total))
-    results: dict[str, Any] = {"target": target, "baseline_clocks": reach, "epochs": args.epochs,
+    results: dict[str, Any] = {"mlr_args": MLR_ARGS, "target": target, "baseline_clocks": reach, "epochs": args.epochs,
                                "baseline_traces": [[o for _, _, o in b["trace"]] for b in baselines],
                                "every": args.every, "failure_window": window, "configs": {},
                                "change_concentration": concentration}
@@ -268,7 +276,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"),
-         f"SCAR on Litz: MLR, 4 servers, full checkpoint every {results['every']} clocks")
+         f"SCAR on Litz: MLR ({' '.join(MLR_ARGS)}), 4 servers, full checkpoint every {results['every']} clocks")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
