@@ -276,7 +276,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"),
-         f"SCAR on Litz: MLR ({' '.join(MLR_ARGS)}), 4 servers, full checkpoint every {results['every']} clocks")
+         f"SCAR on Litz: MLR, 4 servers, full checkpoint every {results['every']} clocks\n"
+         f"(apps/mlr.py {' '.join(MLR_ARGS)})")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
