@@ -221,12 +221,14 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     return out
 
 
-def data_fingerprint(data: np.ndarray) -> str:
-    """A digest of 64 rows spread over ``data``: executors that renumber the points on their own
-    (:func:`job_points`) must all see the same matrix, or the graph would silently mix numberings."""
+def data_fingerprint(data: np.ndarray, perm: np.ndarray | None = None) -> str:
+    """A digest of 64 rows spread over ``data`` (renumbered by ``perm``, without copying the rest):
+    executors that renumber the points on their own (:func:`job_points`) must all see the same
+    matrix, and the driver the same numbering, or the graph would silently mix numberings."""
     import hashlib
 
-    rows = np.ascontiguousarray(data[np.linspace(0, len(data) - 1, 64).astype(np.int64)])
+    idx = np.linspace(0, len(data) - 1, 64).astype(np.int64)
+    rows = np.ascontiguousarray(data[idx if perm is None else perm[idx]])
     return hashlib.sha1(rows.tobytes()).hexdigest()
 
 
@@ -411,6 +413,7 @@ class NNDescentPhase:
             if len(self._fingerprints) != 1:
                 raise RuntimeError(f"the executors do not all see the same points (data digests and how many "
                                    f"executors saw each: {self._fingerprints})")
+            self.stats["data_fingerprint"] = next(iter(self._fingerprints))
             self.stats["init_seconds"] = seconds
             self._say(f"initial lists  {seconds:.3f} s")
         else:
@@ -611,6 +614,9 @@ class NNDDriver(litz.Driver):
         cfg = self.config
         t = time.perf_counter()
         ordered, dist_ordered = self.phase.graph()
+        if data_fingerprint(load_points(cfg), self.perm) != self.phase.stats["data_fingerprint"]:
+            raise RuntimeError("the driver's locality order differs from the executors': the graph cannot be "
+                               "mapped back to the input's numbering")
         indices, distances = np.empty_like(ordered), np.empty_like(dist_ordered)
         indices[self.perm] = self.perm[ordered]  # back to the input's numbering
         distances[self.perm] = dist_ordered
