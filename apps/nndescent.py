@@ -223,7 +223,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
 
 def data_fingerprint(data: np.ndarray, perm: np.ndarray | None = None) -> str:
     """A digest of 64 rows spread over ``data`` (renumbered by ``perm``, without copying the rest):
-    executors that renumber the points on their own (:func:`job_points`) must all see the same
+    executors that renumber the points on their own (:func:`ordered_points`) must all see the same
     matrix, and the driver the same numbering, or the graph would silently mix numberings."""
     import hashlib
 
@@ -531,7 +531,7 @@ def job_order(config: dict[str, Any]) -> np.ndarray:
 _POINTS: dict[tuple[int, int], np.ndarray] = {}
 
 
-def job_points(config: dict[str, Any]) -> np.ndarray:
+def ordered_points(config: dict[str, Any]) -> np.ndarray:
     """The points in the job's numbering (:func:`job_order`), memoized per process."""
     x, perm = load_points(config), job_order(config)
     key = (id(x), id(perm))
@@ -645,7 +645,7 @@ class NNDExecutor(NNDescentExecutorMixin, litz.Executor):
     """Holds every point (read-only, in the job's order) and owns a contiguous range of them."""
 
     def load_input(self) -> NNDInput:
-        data = job_points(self.config)
+        data = ordered_points(self.config)
         return NNDInput(data, NNDInput.partition(len(data), self.num_executors, self.executor_id))
 
     def setup(self) -> None:
