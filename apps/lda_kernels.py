@@ -148,9 +148,7 @@ def _draw_sparse(u: float, row: np.ndarray, inv: np.ndarray, coef: np.ndarray, d
         j = 0
         for jj in range(nnz):  # the first j with u < cum[j], counted without a branch per entry
             j += cum[jj] <= u  # (draws are random: an early exit mispredicts; 3-6% faster sweeps)
-        if j >= nnz:
-            j = nnz - 1
-        return doc_list[off + 1 + 2 * j], j
+        return doc_list[off + 1 + 2 * j], j  # j < nnz: u < r, and r is cum[nnz - 1]
     u = (u - r) / alpha
     K = inv.shape[0]
     if u < q:
