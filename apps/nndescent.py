@@ -210,7 +210,8 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
         trees = _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30))
         blocks, deltas, counts = _initial_lists(data, owned, k, seed, trees, block)
     else:
-        G = executor.ps.get_many(args["table"], range(num_blocks(n, block))).reshape(-1, 3 * k)[:n]
+        nb = num_blocks(n, block)
+        G = executor.ps.get_many(args["table"], range(nb), out=_graph_buffer(nb, block, 3 * k)).reshape(-1, 3 * k)[:n]
         blocks, deltas, counts = nk.nnd_round(data, G, owned, k, int(args["max_candidates"]), int(args["seed"]),
                                               int(args["round"]), bool(args["filter"]), block)
     if len(blocks):
@@ -219,6 +220,24 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     if args["op"] == "init":
         out["fingerprint"] = data_fingerprint(data)
     return out
+
+
+_GRAPH_BUFFER: list[np.ndarray] = []
+
+
+def _graph_buffer(rows: int, block: int, width: int) -> np.ndarray:
+    """This process's buffer for a round's copy of the graph, reused from round to round.
+
+    A fresh array of the whole graph (47 MB at 2**18 points) costs a page fault per 4 KB on first
+    touch, about as long as the copy into it. One buffer serves every executor of the process: a
+    task fills it when its ``get_many`` returns and is done with it when ``nnd_round`` returns, and
+    nothing in between yields to another task (tasks are greenlets of one thread; the kernel and
+    ``update_many`` never block), so no two tasks ever hold it at once.
+    """
+    shape = (rows, block, width)
+    if not _GRAPH_BUFFER or _GRAPH_BUFFER[0].shape != shape:
+        _GRAPH_BUFFER[:] = [np.empty(shape, np.float32)]
+    return _GRAPH_BUFFER[0]
 
 
 def data_fingerprint(data: np.ndarray, perm: np.ndarray | None = None) -> str:

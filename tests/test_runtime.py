@@ -55,6 +55,25 @@ def test_update_sums_exact(etcd, update_log: bool) -> None:
         assert res.total("update_rows_sent", "worker") < res.total("updates_logged", "worker")
 
 
+def test_reads_and_updates_cut_into_frames_stay_exact(etcd) -> None:
+    # frame_bytes of one row: every read and update of the 40 rows travels as 40 items, each its
+    # own frame. Rule 1 still holds (round r sees the 6 increments of every earlier round), every
+    # increment lands once, and get_many fills the buffer it was given.
+    rows, rounds, executors = 40, 5, 6
+    app = litz.App(testapps.FramesDriver, testapps.FramesExecutor, num_executors=executors,
+                   tables=[litz.Table("f", (8,), "float64", num_rows=rows)], config={"rows": rows, "rounds": rounds})
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url, options={"frame_bytes": 64})
+    results = res.value["results"]
+    assert len(results) == rounds * executors
+    for r in results:
+        assert r["seen"] >= r["round"] * executors
+        assert r["same_buffer"]
+        assert r["refused"] == ("table 'f': get_many(out=...) needs a writeable float64 array of shape (40, 8), "
+                                "got float64 (40, 7)")
+    np.testing.assert_array_equal(res.value["final"], np.full((rows, 8), rounds * executors))
+    assert res.total("update_errors", "worker") == 0
+
+
 def test_crashing_run_task_stops_job_cleanly(etcd) -> None:
     app = litz.App(testapps.CrashDriver, testapps.CrashExecutor, num_executors=4, config={"crash_on": 2},
                    tables=[litz.Table("t", (1,))])

@@ -101,6 +101,43 @@ class RoundsExecutor(litz.Executor):
         return 8
 
 
+class FramesDriver(RoundsDriver):
+    """Rounds in which every executor reads the whole table and adds one to every row."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.results: list[dict] = []
+        super().dispatch_initial_tasks()
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.results.append(result.value)
+        self.left -= 1
+        if self.left == 0:
+            self.round += 1
+            if self.round == self.config["rounds"]:
+                self.finish({"results": self.results, "final": self.ps.get_many("f", range(self.config["rows"]))})
+            else:
+                self._round()
+
+
+class FramesExecutor(litz.Executor):
+    """Reads every row into a buffer it reuses (``get_many(out=...)``), checks that it sees every
+    earlier round's increments, adds one to every row; also tries an ``out`` of the wrong shape."""
+
+    def run_task(self, args: dict) -> dict:
+        n = self.config["rows"]
+        if not hasattr(self, "buf"):
+            self.buf = np.zeros((n, 8))
+        rows = self.ps.get_many("f", range(n), out=self.buf)
+        seen = float(rows.min())
+        self.ps.update_many("f", range(n), np.ones((n, 8)))
+        try:
+            self.ps.get_many("f", range(n), out=np.empty((n, 7)))
+            refused = None
+        except litz.TableError as exc:
+            refused = str(exc)
+        return {"round": args["round"], "same_buffer": rows is self.buf, "seen": seen, "refused": refused}
+
+
 class SumDriver(litz.Driver):
     """Random integer-valued updates (exact in float64) from many tasks; the driver keeps the truth."""
 

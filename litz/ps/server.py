@@ -293,10 +293,13 @@ class ServerNode(Node):
                 keys = table.check_keys(keys)
                 local, remote = store.split(keys)
                 if kind == "get":
-                    out = np.empty((len(keys), *table.shape), table.dtype)
-                    if local:
-                        out[local] = store.get(table.name, [keys[j] for j in local])
-                    pend.values[i] = out
+                    if len(local) == len(keys):  # the common case: no second copy of a big read
+                        pend.values[i] = store.get(table.name, keys)
+                    else:
+                        out = np.empty((len(keys), *table.shape), table.dtype)
+                        if local:
+                            out[local] = store.get(table.name, [keys[j] for j in local])
+                        pend.values[i] = out
                 else:
                     deltas = item[2]
                     if not isinstance(deltas, np.ndarray):

@@ -204,7 +204,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
     ``servers`` server and ``workers`` worker processes) and stopped at the end.
     ``num_executors`` defaults to the app's, else 4 per worker. ``options`` tunes the runtime
-    (``cache``, ``update_log``, ``flush_interval``, ``flush_bytes``, ``num_shards``).
+    (``cache``, ``update_log``, ``flush_interval``, ``flush_bytes``, ``frame_bytes``, ``num_shards``).
     ``secret_file`` (default ``$LITZ_SECRET_FILE``) turns on CURVE authentication and
     encryption for every process; ``host``, the address every process binds to, must be
     loopback unless a secret is given (``ConfigError`` otherwise, before anything starts).

@@ -42,6 +42,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "update_log": True,  # merge updates in the log (False: one message per ps.update)
     "flush_bytes": 8 << 20,  # flush the log when it holds this much
     "flush_interval": 0.005,  # ... or when a completion has waited this long (seconds)
+    # reads and updates are cut into items of at most this many bytes, each its own frame: buffers
+    # this size are reused by malloc, where a frame of tens of MB is a fresh mapping every time
+    # (a page fault per 4 KB, on the server, in transit and here)
+    "frame_bytes": 8 << 20,
 }
 
 
@@ -424,9 +428,12 @@ class Worker(Node):
             record = []
             items = []
             for name, keyver in by_table.items():
-                keys = [k for k, _ in keyver]
-                record.append((name, keys, [v for _, v in keyver]))
-                items.append([name, keys])
+                step = self._rows_per_frame(name)
+                for lo in range(0, len(keyver), step):
+                    part = keyver[lo:lo + step]
+                    keys = [k for k, _ in part]
+                    record.append((name, keys, [v for _, v in part]))
+                    items.append([name, keys])
             self._fetching[self._rid] = record
             self._sent_to[self._rid] = server
             self.endpoint.send(server, "get", rid=self._rid, items=items)
@@ -505,9 +512,16 @@ class Worker(Node):
                 g = groups.setdefault(self.shard_map[shard_of(key, self.num_shards)], ([], []))
                 g[0].append(key)
                 g[1].append(row)
+            step = self._rows_per_frame(name)
             for server, (gkeys, grows) in groups.items():
-                by_server.setdefault(server, []).append([name, gkeys, np.stack(grows)])
+                for lo in range(0, len(gkeys), step):
+                    by_server.setdefault(server, []).append([name, gkeys[lo:lo + step], np.stack(grows[lo:lo + step])])
         return by_server
+
+    def _rows_per_frame(self, name: str) -> int:
+        """Rows of table ``name`` per message item (see the ``frame_bytes`` option)."""
+        table = self.tables.get(name)
+        return max(1, self.options["frame_bytes"] // table.row_nbytes) if table is not None else 1 << 30
 
     def _send_update_groups(self, by_server: dict[str, list[Any]]) -> list[int]:
         rids = []
