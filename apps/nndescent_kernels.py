@@ -149,17 +149,22 @@ def _uniform(seed: int, a: int, b: int, c: int) -> float:
 
 @_inline
 def _push_candidate(ids: np.ndarray, pri: np.ndarray, mc: int, j: int, p: float) -> None:
-    """Keep the ``mc`` candidates of smallest priority (sorted), each id once (first come wins)."""
+    """Keep the ``mc`` candidates of smallest priority (sorted), each id once.
+
+    A candidate's priority is a function of the unordered pair (:func:`sample_candidates`), so a
+    second offer of an id carries the same priority as the first and lands next to it: the
+    duplicate test looks only at the entries of equal priority, not at the whole list.
+    """
     if p >= pri[mc - 1]:
         return
-    for s in range(mc):
-        if ids[s] == j:
-            return
-        if ids[s] < 0:
-            break
     pos = mc - 1
     while pos > 0 and pri[pos - 1] > p:
         pos -= 1
+    q = pos - 1
+    while q >= 0 and pri[q] == p:
+        if ids[q] == j:
+            return
+        q -= 1
     for t in range(mc - 1, pos, -1):
         ids[t] = ids[t - 1]
         pri[t] = pri[t - 1]
@@ -208,7 +213,7 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
             pj = pos[j]
             if pi < 0 and pj < 0:
                 continue
-            p = _uniform(seed, rnd, i, j)
+            p = _uniform(seed, rnd, min(i, j), max(i, j))  # one priority per pair: see _push_candidate
             if G[i, 2 * k + s] > 0:
                 if pi >= 0:
                     _push_candidate(new[pi], new_p[pi], mc, j, p)
