@@ -246,6 +246,20 @@ class LDAExecutor(litz.Executor):
         self.ps.update("topic_totals", 0, totals)
         return {"tokens": len(z), "totals": totals}
 
+    def _own_rounds_since(self, counted: int) -> np.ndarray:
+        """This executor's change of ``n_k`` in its rounds after ``counted``, the last one whose
+        completion the driver had seen when it dispatched this task. With ``--pipeline 1`` that is
+        always the previous round, and the sum is zero; with more, a task can be dispatched while
+        its executor's previous rounds still run, and their moves are missing from the driver's
+        totals. The executor ran them (its tasks run in order), so it adds them back: each task
+        sees every move of its own executor, as in the plain schedule."""
+        kept = [(r, d) for r, d in self.state.get("own_rounds", []) if r > counted]
+        self.state["own_rounds"] = kept
+        out = np.zeros(self.config["topics"], np.int64)
+        for _, d in kept:
+            out += d
+        return out
+
     def _sample(self, args: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
         K = cfg["topics"]
@@ -254,6 +268,7 @@ class LDAExecutor(litz.Executor):
         chunks = layout.chunks(block, _num_blocks(cfg, self.num_executors))
         rows3 = self.ps.get_many("word_topic", chunks)  # a fresh copy, ours to change
         totals = np.array(args["totals"], np.int64)  # n_k as of the dispatch (see the module docstring)
+        totals += self._own_rounds_since(args.get("totals_has", args["round"] - 1))
         rows = rows3.reshape(-1, K)
         rows_before = rows.copy()
         totals_before = totals.copy()
@@ -265,12 +280,15 @@ class LDAExecutor(litz.Executor):
                                 self.state["doc_list"], cfg["alpha"], cfg["beta"], cfg["num_words"] * cfg["beta"],
                                 cfg["sampler"], lk.task_seed(cfg["seed"], self.executor_id, args["round"], sweep))
         dtotals = totals - totals_before
+        self.state.setdefault("own_rounds", []).append((args["round"], dtotals))
         if changed:
             delta = (rows - rows_before).reshape(rows3.shape)
             moved = np.flatnonzero(delta.reshape(len(chunks), -1).any(axis=1))
             self.ps.update_many("word_topic", np.asarray(chunks)[moved], delta[moved])
             self.ps.update("topic_totals", 0, dtotals)
         out: dict[str, Any] = {"tokens": int(hi - lo), "changed": changed, "totals": dtotals}
+        if cfg["collect"]:  # for tests: the n_k this task sampled with
+            out["totals_seen"] = totals_before
         if args.get("report_words"):
             out["word_ll"], out["colsum"] = lk.block_loglik(rows, self._word_table)
         if args.get("report_docs"):
@@ -304,7 +322,9 @@ class LDADriver(litz.Driver):
         self.iterations = int(cfg["iterations"])
         self.S = int(cfg["sweeps_per_task"])
         self.cycles = -(-self.iterations // self.S)
-        self.rotation = litz.BlockRotation(E, self.B, self.cycles * self.B)
+        self.rotation = litz.BlockRotation(E, self.B, self.cycles * self.B, int(cfg.get("pipeline", 1)))
+        self._completed_round = [-1] * E  # each executor's last round whose change is in self.totals
+        self._seen: list[tuple[int, int, int, np.ndarray, np.ndarray]] = []  # with --collect (tests)
         self.layout = _layout(cfg)
         self.history: list[dict[str, float]] = []
         self._reports: dict[int, dict[str, Any]] = {}
@@ -338,6 +358,7 @@ class LDADriver(litz.Driver):
             report = after // every > (cycle * self.S) // every or cycle == self.cycles - 1
             self.dispatch_task(e, {"op": "sample", "round": rnd, "block": block, "cycle": cycle,
                                    "sweeps": after - cycle * self.S, "totals": self.totals.copy(),
+                                   "totals_has": self._completed_round[e],
                                    "report_docs": report and rnd % self.B == self.B - 1,
                                    "report_words": report and self._last_use_in_cycle(block, rnd)})
             self._in_flight += 1
@@ -354,6 +375,10 @@ class LDADriver(litz.Driver):
         elif op == "sample":
             self._in_flight -= 1
             self.totals += result.value["totals"]
+            self._completed_round[result.executor_id] = result.args["round"]
+            if self.config["collect"]:
+                self._seen.append((result.executor_id, result.args["round"], result.args["totals_has"],
+                                   np.asarray(result.value["totals_seen"]), np.asarray(result.value["totals"])))
             self._record(result.args, result.value)
             self._dispatch(self.rotation.complete(result.executor_id, result.args["round"]))
             if self.rotation.finished() and self._in_flight == 0:
@@ -437,6 +462,7 @@ class LDADriver(litz.Driver):
             result["word_topic"] = rows[words >= 0][np.argsort(words[words >= 0])]  # (V, K) in word-id order
             result["totals"] = totals
             result["assignments"] = self._dumps
+            result["totals_seen"] = self._seen
         self.finish(result)
 
     def progress(self) -> str:
@@ -468,6 +494,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=32,
                    help="rows of the word-topic table (groups of words; a block is a range of them)")
     p.add_argument("--min-count", type=int, default=5, help="drop words seen fewer times in the corpus")
+    p.add_argument("--pipeline", type=int, default=1,
+                   help="tasks in flight per executor (2: an executor's next round waits in its queue while it "
+                        "samples, which hides the messages between rounds; needs --blocks above the executors)")
     p.add_argument("--sweeps-per-task", type=int, default=1,
                    help="resample a block's tokens S times per task: S times fewer rounds (each a few round trips "
                         "between processes) per iteration, at some cost in mixing per iteration")
@@ -488,13 +517,15 @@ def make_app(argv: list[str]) -> litz.App:
     """The app for ``litz launch apps/lda.py ARGV``. It loads the corpus here (cached on disk) because the
     tables' shapes depend on the vocabulary, and the count dtype on the most frequent word."""
     args = parser().parse_args(argv)
-    if min(args.topics, args.iterations, args.ll_every, args.sweeps_per_task) < 1 or min(args.alpha, args.beta) <= 0:
-        raise litz.ConfigError("LDA needs --topics, --iterations, --ll-every and --sweeps-per-task >= 1, "
+    if (min(args.topics, args.iterations, args.ll_every, args.sweeps_per_task, args.pipeline) < 1
+            or min(args.alpha, args.beta) <= 0):
+        raise litz.ConfigError("LDA needs --topics, --iterations, --ll-every, --sweeps-per-task and --pipeline >= 1, "
                                "and --alpha, --beta > 0")
     config: dict[str, Any] = {
         "corpus": args.corpus, "min_count": args.min_count, "topics": args.topics, "iterations": args.iterations,
         "alpha": args.alpha, "beta": args.beta, "sampler": args.sampler, "blocks": args.blocks,
-        "ll_every": args.ll_every, "sweeps_per_task": args.sweeps_per_task, "top_words": args.top_words,
+        "ll_every": args.ll_every, "sweeps_per_task": args.sweeps_per_task, "pipeline": args.pipeline,
+        "top_words": args.top_words,
         "seed": args.seed, "collect": args.collect,
         "quiet": args.quiet,
         "synthetic": {"num_docs": args.synthetic_docs, "doc_len": args.synthetic_doc_len,

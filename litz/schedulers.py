@@ -104,19 +104,37 @@ class BlockRotation:
     finished round ``r`` and returns the assignments ``(executor, round, block)`` that became
     possible. At every moment a block has at most one user, and each block is visited in
     round order.
+
+    ``depth`` is how many tasks an executor may have dispatched and not completed. With the
+    default 1 an executor gets its next round only once its last one completed, so every
+    round pays the whole chain between processes (flush, acknowledgement, completion,
+    dispatch) before it starts. With ``depth = 2`` and more blocks than executors, an
+    executor's next round is dispatched as soon as the block it needs is released (by the
+    completion of that block's previous use, as always), even while the executor still works
+    on its current round: the task waits in the executor's queue and starts the moment the
+    current one returns, and the chain overlaps with sampling. A task then runs before the
+    driver has seen its own executor's previous completion; its block's rows are still
+    exact (they were released by a completion the driver saw), but anything the driver
+    accumulates from completions (LDA's topic totals) lacks that executor's latest rounds,
+    which the executor can add itself (apps/lda.py does).
     """
 
-    def __init__(self, num_executors: int, num_blocks: int | None = None, num_rounds: int | None = None) -> None:
+    def __init__(self, num_executors: int, num_blocks: int | None = None, num_rounds: int | None = None,
+                 depth: int = 1) -> None:
         blocks = num_blocks or num_executors
         if num_executors < 1 or blocks < num_executors:
             raise ConfigError(f"block rotation needs at least as many blocks ({blocks}) as executors "
                               f"({num_executors})")
+        if depth < 1:
+            raise ConfigError(f"block rotation needs a depth of at least 1 task per executor, got {depth}")
         self.E = num_executors
         self.B = blocks
         self.rounds = num_rounds
+        self.depth = depth
         self._next_round = {b: self._next_use(b, 0) for b in range(blocks)}
-        self._executor_round = dict.fromkeys(range(num_executors), 0)
-        self._busy: set[int] = set()
+        self._next_dispatch = dict.fromkeys(range(num_executors), 0)  # the executor's next round to hand out
+        self._completed = dict.fromkeys(range(num_executors), 0)  # rounds it completed (in order)
+        self._in_flight = dict.fromkeys(range(num_executors), 0)
         self.active: dict[int, tuple[int, int]] = {}  # block -> (executor, round)
 
     def block(self, executor: int, rnd: int) -> int:
@@ -130,15 +148,20 @@ class BlockRotation:
         return r
 
     def _try(self, executor: int) -> list[tuple[int, int, int]]:
-        rnd = self._executor_round[executor]
-        if executor in self._busy or (self.rounds is not None and rnd >= self.rounds):
-            return []
-        b = self.block(executor, rnd)
-        if self._next_round[b] != rnd:
-            return []
-        self._busy.add(executor)
-        self.active[b] = (executor, rnd)
-        return [(executor, rnd, b)]
+        """Hand ``executor`` its next rounds while its depth allows and their blocks are free."""
+        out = []
+        while self._in_flight[executor] < self.depth:
+            rnd = self._next_dispatch[executor]
+            if self.rounds is not None and rnd >= self.rounds:
+                break
+            b = self.block(executor, rnd)
+            if self._next_round[b] != rnd or b in self.active:
+                break
+            self.active[b] = (executor, rnd)
+            self._in_flight[executor] += 1
+            self._next_dispatch[executor] = rnd + 1
+            out.append((executor, rnd, b))
+        return out
 
     def start(self) -> list[tuple[int, int, int]]:
         return [a for e in range(self.E) for a in self._try(e)]
@@ -148,19 +171,19 @@ class BlockRotation:
         if self.active.get(b) != (executor, rnd):
             raise ConfigError(f"executor {executor} did not hold block {b} in round {rnd}")
         del self.active[b]
-        self._busy.discard(executor)
-        self._executor_round[executor] = rnd + 1
+        self._in_flight[executor] -= 1
+        self._completed[executor] = rnd + 1
         self._next_round[b] = self._next_use(b, rnd + 1)
         out = self._try(executor)
         # the executor that needs block b next may now start
         nxt = self._next_round[b]
         user = (b - nxt) % self.B
-        if user != executor and self._executor_round.get(user) == nxt:
+        if user != executor and self._next_dispatch.get(user) == nxt:
             out += self._try(user)
         return out
 
     def finished(self) -> bool:
-        return self.rounds is not None and all(r >= self.rounds for r in self._executor_round.values())
+        return self.rounds is not None and all(r >= self.rounds for r in self._completed.values())
 
 
 class BlockRotationDriver(Driver):
@@ -172,6 +195,7 @@ class BlockRotationDriver(Driver):
 
     rounds: int | None = None
     num_blocks: int | None = None
+    depth: int = 1  #: tasks in flight per executor (see BlockRotation)
 
     def task_args(self, executor_id: int, rnd: int, block: int) -> Any:
         return {"round": rnd, "block": block}
@@ -192,7 +216,7 @@ class BlockRotationDriver(Driver):
         if not isinstance(rounds, int) or rounds < 1:
             raise ConfigError(f"BlockRotationDriver needs a positive number of rounds, got {rounds!r}")
         self._rotation = BlockRotation(self.num_executors, self.num_blocks or self.config.get("num_blocks"),
-                                       rounds)
+                                       rounds, self.depth)
         self._assignment: dict[int, tuple[int, int]] = {}
         self._round_results: dict[int, list[TaskResult]] = defaultdict(list)
         self._dispatch(self._rotation.start())

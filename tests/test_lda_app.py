@@ -140,13 +140,15 @@ def _topic_similarity(word_topic: np.ndarray, phi: np.ndarray, beta: float) -> n
     return (1 - 0.5 * np.abs(phi[:, None, :] - est[None, :, :]).sum(-1)).max(axis=1)
 
 
-def test_multiprocess_run_keeps_counts_exact_and_recovers_topics(etcd) -> None:
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_multiprocess_run_keeps_counts_exact_and_recovers_topics(etcd, pipeline: int) -> None:
     # 5 true topics, 7 in the model: with exactly 5, Gibbs sampling merges two true topics in a local
     # optimum in about 1 run of 20 (any implementation; measured with the kernel alone over 150 seeds);
-    # with 2 spare topics no run out of 500 failed (worst similarity 0.915)
+    # with 2 spare topics no run out of 500 failed (worst similarity 0.915). With --pipeline 2 an
+    # executor's next round is queued while it samples: counts must stay exact all the same.
     argv = ["--corpus", "synthetic", "--topics", "7", "--iterations", "60", "--blocks", "4", "--chunks", "8",
             "--synthetic-docs", "400", "--synthetic-doc-len", "40", "--synthetic-topics", "5", "--collect",
-            "--quiet", "--ll-every", "5"]
+            "--quiet", "--ll-every", "5", "--pipeline", str(pipeline)]
     app = lda.make_app(argv)
     res = litz.run(app, workers=2, servers=2, num_executors=3, etcd=etcd.url)
     out = res.value
@@ -168,6 +170,22 @@ def test_multiprocess_run_keeps_counts_exact_and_recovers_topics(etcd) -> None:
     # recovery: every true topic has a learned one within total variation distance 0.15
     _, phi = lda.synthetic_corpus(num_docs=400, doc_len=40, num_topics=5, seed=0)
     assert _topic_similarity(out["word_topic"], phi, 0.01).min() > 0.85
+
+
+def test_pipelined_tasks_sample_with_their_own_executors_latest_totals(etcd) -> None:
+    # One executor, two blocks, two tasks in flight: its next round is dispatched before the driver
+    # sees the current one complete, so the driver's n_k lacks that round. Every change of n_k is
+    # this executor's, so each task must sample with exactly the previous task's n_k plus its change.
+    argv = ["--corpus", "synthetic", "--topics", "5", "--iterations", "30", "--blocks", "2", "--chunks", "4",
+            "--synthetic-docs", "100", "--collect", "--quiet", "--ll-every", "30", "--pipeline", "2"]
+    res = litz.run(lda.make_app(argv), workers=1, servers=1, num_executors=1, etcd=etcd.url)
+    seen = sorted(res.value["totals_seen"], key=lambda t: t[1])
+    assert [t[1] for t in seen] == list(range(60))
+    assert any(has < rnd - 1 for _, rnd, has, _, _ in seen)  # some task ran ahead of the driver
+    for (_, _, _, before, change), (_, _, _, after, _) in zip(seen[:-1], seen[1:], strict=True):
+        np.testing.assert_array_equal(after, before + change)
+    last = seen[-1]
+    np.testing.assert_array_equal(res.value["totals"], last[3] + last[4])
 
 
 def test_executors_migrate_with_their_assignments_and_counts_stay_exact(tmp_path: Path, monkeypatch) -> None:

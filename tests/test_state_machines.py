@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import msgpack
 import numpy as np
 import pytest
@@ -227,9 +229,45 @@ def test_block_rotation_never_shares_a_block_and_keeps_round_order(E: int, B: in
         assert rs == sorted(rs), (b, rs)  # each block visited in round order
 
 
+@pytest.mark.parametrize("E, B, depth", [(2, 4, 2), (3, 5, 2), (2, 6, 3), (4, 4, 2)])
+def test_block_rotation_with_depth_pipelines_and_keeps_every_rule(E: int, B: int, depth: int) -> None:
+    # executors run their tasks in order (a FIFO queue each); the others complete at random
+    rounds = 9
+    rot = BlockRotation(E, B, rounds, depth)
+    rng = np.random.default_rng(E * 100 + B * 10 + depth)
+    queues: dict[int, deque[tuple[int, int, int]]] = {e: deque() for e in range(E)}
+    handed = dict.fromkeys(range(E), 0)
+    deepest = 0
+
+    def take(assignments: list[tuple[int, int, int]]) -> None:
+        for e, r, b in assignments:
+            assert r == handed[e] and b == (e + r) % B  # each executor's rounds in order
+            handed[e] += 1
+            queues[e].append((e, r, b))
+
+    take(rot.start())
+    visits: dict[int, list[int]] = {b: [] for b in range(B)}
+    while any(queues.values()):
+        held = [b for q in queues.values() for _, _, b in q]
+        assert len(held) == len(set(held))  # one user per block, queued tasks included
+        deepest = max(deepest, *(len(q) for q in queues.values()))
+        assert deepest <= depth
+        e = int(rng.choice([e for e, q in queues.items() if q]))
+        _, r, b = queues[e].popleft()
+        visits[b].append(r)
+        take(rot.complete(e, r))
+    assert rot.finished() and all(n == rounds for n in handed.values())
+    for b, rs in visits.items():
+        assert rs == sorted(rs), (b, rs)
+    if B > E:  # spare blocks: some executor had its next round while still on its current one
+        assert deepest == depth
+
+
 def test_block_rotation_needs_enough_blocks() -> None:
     with pytest.raises(ConfigError):
         BlockRotation(4, 3)
+    with pytest.raises(ConfigError, match="depth"):
+        BlockRotation(2, 4, depth=0)
 
 
 def test_master_state_migration_holds_tasks_until_arrival() -> None:
