@@ -246,6 +246,14 @@ class LDAExecutor(litz.Executor):
         self.ps.update("topic_totals", 0, totals)
         return {"tokens": len(z), "totals": totals}
 
+    def prefetch(self, args: dict[str, Any]) -> list[tuple[str, range]]:
+        """A sampling task reads its block's rows: with ``--pipeline 2`` they arrive while the
+        executor still samples its previous block."""
+        if args.get("op") != "sample":
+            return []
+        blocks = _num_blocks(self.config, self.num_executors)
+        return [("word_topic", _layout(self.config).chunks(args["block"], blocks))]
+
     def _own_rounds_since(self, counted: int) -> np.ndarray:
         """This executor's change of ``n_k`` in its rounds after ``counted``, the last one whose
         completion the driver had seen when it dispatched this task. With ``--pipeline 1`` that is

@@ -129,6 +129,19 @@ class Executor:
         """Run one micro-task; returning is the completion signal, the value goes to the driver."""
         raise NotImplementedError
 
+    def prefetch(self, args: Any) -> Iterable[tuple[str, Iterable[Hashable]]]:
+        """``(table, keys)`` pairs that a task with ``args`` will read (default: none).
+
+        The worker asks when a task arrives while this executor is still busy with an earlier
+        one, and fetches those rows right away, tagged with the waiting task's version: when
+        the task starts, its reads hit the process cache instead of waiting for a round trip.
+        That is consistent (DESIGN.md §2): the fetch leaves after the task's dispatch, so it
+        sees every update the task must see. Called in the worker's event loop, so it must be
+        quick and must not use ``self.ps``; a hint that raises or names an unknown table is
+        logged and ignored (the task then fetches as usual).
+        """
+        return ()
+
     def get_state(self) -> Any:
         """The state to ship or checkpoint (default: ``self.state``)."""
         return self.state

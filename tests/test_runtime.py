@@ -25,6 +25,19 @@ def test_consistency_rule_across_processes_with_cache(etcd) -> None:
     assert res.total("tasks_run", "worker") >= 800
 
 
+def test_prefetch_hints_keep_the_consistency_rule(etcd) -> None:
+    # 24 tasks in flight over 4 executors: tasks wait in queues, and their hinted rows are fetched
+    # at their versions before they start. Rule 1 and exact sums must hold all the same, and
+    # broken hints (an unknown table, a hint that raises) are ignored.
+    app = testapps.causal_app(keys=6, tasks=600, inflight=24, executors=4,
+                              executor=testapps.PrefetchingCausalExecutor)
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url)
+    out = res.value
+    assert out["violations"] == []
+    assert out["final"] == [2.0 * 0 + c for c in out["completed"]]
+    assert res.total("prefetches", "worker") > 0
+
+
 def test_cache_is_used_when_allowed(etcd) -> None:
     app = litz.App(testapps.RoundsDriver, testapps.RoundsExecutor,
                    tables=[litz.Table("w", (16,), "float32", num_rows=4)], num_executors=16,

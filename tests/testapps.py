@@ -62,8 +62,21 @@ class CausalExecutor(litz.Executor):
         return value
 
 
-def causal_app(keys: int = 8, tasks: int = 600, inflight: int = 6, executors: int = 8, seed: int = 0) -> litz.App:
-    return litz.App(CausalDriver, CausalExecutor, tables=[litz.Table("c", (2,), "float64", num_rows=keys)],
+class PrefetchingCausalExecutor(CausalExecutor):
+    """Hints the key it will read; for some keys the hint names an unknown table or raises,
+    which must only cost the task its prefetch."""
+
+    def prefetch(self, args: dict) -> list:
+        if args["key"] % 3 == 0:
+            return [("no-such-table", [0])]
+        if args["key"] % 3 == 1:
+            raise ValueError("a broken hint")
+        return [("c", [args["key"]])]
+
+
+def causal_app(keys: int = 8, tasks: int = 600, inflight: int = 6, executors: int = 8, seed: int = 0,
+               executor: type[litz.Executor] = CausalExecutor) -> litz.App:
+    return litz.App(CausalDriver, executor, tables=[litz.Table("c", (2,), "float64", num_rows=keys)],
                     num_executors=executors,
                     config={"keys": keys, "tasks": tasks, "inflight": inflight, "seed": seed})
 

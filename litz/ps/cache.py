@@ -29,6 +29,7 @@ class ProcessCache:
         self.misses = 0
         self.fetches = 0
         self.coalesced = 0
+        self.prefetches = 0
 
     def lookup(self, table: str, key: Hashable, version: int) -> np.ndarray | None:
         """The cached value if a task of ``version`` may use it, else None (a miss)."""
@@ -39,6 +40,28 @@ class ProcessCache:
                 return entry[0]
         self.misses += 1
         return None
+
+    def covers(self, table: str, key: Hashable, version: int) -> bool:
+        """Whether a task of ``version`` would find the key here or in flight (no fetch needed);
+        counts nothing (for prefetching)."""
+        ck = (table, key)
+        entry = self._entries.get(ck)
+        inflight = self._inflight.get(ck)
+        return self.enabled and ((entry is not None and entry[1] >= version)
+                                 or (inflight is not None and inflight >= version))
+
+    def prefetch(self, table: str, key: Hashable, version: int) -> bool:
+        """Mark a fetch of the key at ``version`` in flight with nobody waiting yet (a queued
+        task's hint); True if it must be sent. Tasks that ask later coalesce with it."""
+        if not self.enabled or self.covers(table, key, version):
+            return False
+        ck = (table, key)
+        inflight = self._inflight.get(ck)
+        if inflight is None or version > inflight:
+            self._inflight[ck] = version
+        self.fetches += 1
+        self.prefetches += 1
+        return True
 
     def request(self, table: str, key: Hashable, version: int, token: Any) -> bool:
         """Register ``token`` as waiting for the key at ``version``; True if a fetch must be sent."""
@@ -92,4 +115,4 @@ class ProcessCache:
 
     def counters(self) -> dict[str, int]:
         return {"cache_hits": self.hits, "cache_misses": self.misses, "fetches": self.fetches,
-                "coalesced": self.coalesced, "cache_entries": len(self._entries)}
+                "coalesced": self.coalesced, "prefetches": self.prefetches, "cache_entries": len(self._entries)}

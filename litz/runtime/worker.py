@@ -292,9 +292,26 @@ class Worker(Node):
             if slot is None:
                 self._record("failed", [task_id, f"executor {eid} is not hosted by worker {self.ident}"])
                 continue
-            slot.queue.append(Task(task_id, eid, version, args))
+            task = Task(task_id, eid, version, args)
+            slot.queue.append(task)
             if not slot.running and not slot.leaving:
                 self._start_next(slot)
+            else:
+                self._prefetch(slot, task)
+        self._send_fetches()
+
+    def _prefetch(self, slot: Slot, task: Task) -> None:
+        """Fetch what a queued task says it will read (``Executor.prefetch``), at its version."""
+        try:
+            for name, keys in slot.executor.prefetch(task.args) or ():
+                table = self.table(name)
+                for key in table.check_keys(keys):
+                    if self.cache.prefetch(table.name, key, task.version):
+                        server = self.shard_map[shard_of(key, self.num_shards)]
+                        self._to_fetch.setdefault(server, {}).setdefault(table.name, []).append((key, task.version))
+        except Exception as exc:  # a hint must never cost the task anything: it fetches as usual
+            log.warning("%s: executor %d's prefetch hint for task %d was ignored: %s: %s", self.ident,
+                        task.executor_id, task.task_id, type(exc).__name__, exc)
 
     # -- migration ------------------------------------------------------------------------------
     def on_migrate_out(self, msg: Message) -> None:
