@@ -296,12 +296,17 @@ class Worker(Node):
             slot.queue.append(task)
             if not slot.running and not slot.leaving:
                 self._start_next(slot)
-            else:
+            elif len(slot.queue) == 1:  # next in line
                 self._prefetch(slot, task)
         self._send_fetches()
 
     def _prefetch(self, slot: Slot, task: Task) -> None:
-        """Fetch what a queued task says it will read (``Executor.prefetch``), at its version."""
+        """Fetch what the task next in line says it will read (``Executor.prefetch``), at its version.
+
+        Only the next one: a task further back would fetch at its (older) version rows that a
+        later task's fetch, at a newer version, may serve anyway (prefetching every queued task
+        was slower in one measurement with 16 MLR executors per worker: 0.137 against 0.118 s
+        per epoch without any prefetching)."""
         try:
             for name, keys in slot.executor.prefetch(task.args) or ():
                 table = self.table(name)
@@ -369,6 +374,8 @@ class Worker(Node):
         slot.running = True
         glet = slot.glet = greenlet.greenlet(self._task_body, parent=self.hub)
         self.runnable.append((glet, task))
+        if slot.queue:
+            self._prefetch(slot, slot.queue[0])
 
     def _task_body(self, task: Task) -> None:
         slot = self.slots[task.executor_id]
