@@ -83,6 +83,23 @@ def test_combiner_keeps_the_k_nearest_distinct_ids_in_any_order_and_grouping() -
         comb.merge_into(np.zeros((2, 9), np.float32), np.zeros((2, 9), np.float32))
 
 
+def test_combiner_merge_many_equals_row_by_row_even_with_a_row_listed_twice() -> None:
+    rng = np.random.default_rng(2)
+    k, universe = 5, 30
+    dist = rng.integers(0, 12, universe).astype(np.float32)
+    comb = nd.KeepKNearest(k)
+    accs = [_random_lists(rng, 8, k, universe, dist) for _ in range(6)]
+    upds = np.stack([_random_lists(rng, 8, k, universe, dist) for _ in range(6)])
+    expected = [comb.merge_into(a.copy(), u) for a, u in zip(accs, upds, strict=True)]
+    batch = [a.copy() for a in accs]
+    comb.merge_many(batch, upds)  # one kernel call
+    for got, want in zip(batch, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    twice = accs[0].copy()  # the same row twice in one batch: both updates must land
+    comb.merge_many([twice, accs[1].copy(), twice], upds[:3])
+    np.testing.assert_array_equal(twice, comb.merge_into(comb.merge_into(accs[0].copy(), upds[0]), upds[2]))
+
+
 # ----------------------------------------------------------------------------------------------------
 # a driver that embeds the phase (as the HDBSCAN app does) and the app itself
 # ----------------------------------------------------------------------------------------------------

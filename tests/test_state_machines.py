@@ -157,6 +157,25 @@ def test_update_log_merges_exactly_with_each_combiner() -> None:
     assert out["k"][1][0].tolist() == [1.0, 5.0, 6.0]
 
 
+def test_update_log_add_many_equals_one_add_at_a_time() -> None:
+    # keys repeat within one call and across calls; "assign" makes the order visible
+    rng = np.random.default_rng(3)
+    for combiner in ("add", "assign", "min"):
+        t = Table("t", (3,), "float64", combiner=combiner)
+        one, many = UpdateLog(), UpdateLog()
+        for _ in range(20):
+            keys = rng.integers(0, 6, 7).tolist()
+            deltas = rng.normal(size=(7, 3))
+            for key, d in zip(keys, deltas, strict=True):
+                one.add(t, key, d)
+            many.add_many(t, keys, deltas)
+        a, b = one.drain()["t"], many.drain()["t"]
+        assert dict(zip(*a, strict=True)).keys() == dict(zip(*b, strict=True)).keys()
+        for key, row in zip(*a, strict=True):
+            np.testing.assert_array_equal(dict(zip(*b, strict=True))[key], row)
+        assert one.updates_in == many.updates_in == 140
+
+
 def test_update_log_copies_the_callers_array() -> None:
     t = Table("a", (2,))
     log = UpdateLog()

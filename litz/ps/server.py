@@ -177,9 +177,7 @@ class ShardStore:
             raise TableError(f"table {table.name!r}: deltas must be an array, got {type(deltas).__name__}")
         deltas = table.check_delta(deltas, n=len(keys), what="update")
         rows = [self._row(table, key) for key in keys]  # raises before anything is applied
-        comb = table.comb
-        for i, row in enumerate(rows):
-            comb.apply_into(row, deltas[i])
+        table.comb.apply_many(rows, deltas)
         self.updates += len(keys)
 
     def handle_get(self, items: list[Any]) -> tuple[list[Any], list[Any]]:

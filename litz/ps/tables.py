@@ -39,6 +39,21 @@ class Combiner:
     def apply_into(self, value: np.ndarray, upd: np.ndarray) -> np.ndarray:
         return self.merge_into(value, upd)
 
+    def merge_many(self, accs: list[np.ndarray], upds: np.ndarray) -> None:
+        """``merge_into(accs[i], upds[i])`` for every i, each ``accs[i]`` changed in place.
+
+        The default loops; a combiner whose work is a compiled kernel should override it with
+        one call over all rows (a server applies thousands of rows per message, and a Python
+        call per row can cost more than the kernel)."""
+        for acc, upd in zip(accs, upds, strict=True):
+            out = self.merge_into(acc, upd)
+            if out is not acc:
+                acc[...] = out
+
+    def apply_many(self, values: list[np.ndarray], upds: np.ndarray) -> None:
+        """``apply_into`` for every row, in place (default: :meth:`merge_many`)."""
+        self.merge_many(values, upds)
+
     @staticmethod
     def of(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str = "custom") -> Combiner:
         """A combiner from an associative function ``fn(a, b) -> combined`` (used to merge and to apply)."""

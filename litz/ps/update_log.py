@@ -40,8 +40,26 @@ class UpdateLog:
             table.comb.merge_into(acc, delta)
 
     def add_many(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
+        """``add`` for every key; the rows already in the log merge in one ``merge_many`` call."""
+        rows = self._rows.get(table.name)
+        if rows is None:
+            rows = self._rows[table.name] = {}
+            self._tables[table.name] = table
+        self.updates_in += len(keys)
+        accs: list[np.ndarray] = []
+        idx: list[int] = []
         for i, key in enumerate(keys):
-            self.add(table, key, deltas[i])
+            acc = rows.get(key)
+            if acc is None:
+                rows[key] = np.array(deltas[i], dtype=table.dtype, copy=True)
+                self.nbytes += table.row_nbytes
+            else:
+                accs.append(acc)
+                idx.append(i)
+        if len(idx) == len(keys):
+            table.comb.merge_many(accs, deltas)
+        elif idx:
+            table.comb.merge_many(accs, deltas[idx])
 
     def discard(self) -> None:
         """Drop everything buffered (a rollback abandons these updates)."""
