@@ -56,7 +56,12 @@ whose total gives the topic term). The driver adds them up and prints one line p
 acknowledgement, completion), about 2 ms on a busy 2-core machine, and a cycle has ``B >= E`` rounds
 that depend on each other. So the fewest executors that keep every worker busy, one per worker, is
 fastest (``litz launch apps/lda.py --executors 2`` with the default 2 workers); more executors give
-finer elasticity at the price of more rounds. ``--sweeps-per-task 2`` halves the rounds per iteration;
+finer elasticity at the price of more rounds. ``--pipeline 2`` with more blocks than executors queues an
+executor's next round behind its current one as soon as its block is released, and prefetches that
+block's rows (``prefetch``), so the messages between rounds overlap with sampling; each task then adds
+its own executor's rounds that the driver had not seen at dispatch to ``n_k`` (``_own_rounds_since``).
+On a 2-core machine it was not faster (README): the messages' CPU comes out of the samplers' cores.
+``--sweeps-per-task 2`` halves the rounds per iteration;
 a task's second sweep sees the rest of each document (its tokens in other blocks) as the first did,
 which costs some mixing per iteration.
 
