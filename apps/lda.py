@@ -254,10 +254,11 @@ class LDAExecutor(litz.Executor):
     def prefetch(self, args: dict[str, Any]) -> list[tuple[str, range]]:
         """A sampling task reads its block's rows: with ``--pipeline 2`` they arrive while the
         executor still samples its previous block."""
-        if args.get("op") != "sample":
-            return []
-        blocks = _num_blocks(self.config, self.num_executors)
-        return [("word_topic", _layout(self.config).chunks(args["block"], blocks))]
+        return [("word_topic", self._block_rows(args["block"]))] if args.get("op") == "sample" else []
+
+    def _block_rows(self, block: int) -> range:
+        """The rows (chunks) of ``word_topic`` that hold ``block``'s words."""
+        return _layout(self.config).chunks(block, _num_blocks(self.config, self.num_executors))
 
     def _own_rounds_since(self, counted: int) -> np.ndarray:
         """This executor's change of ``n_k`` in its rounds after ``counted``, the last one whose
@@ -268,17 +269,13 @@ class LDAExecutor(litz.Executor):
         sees every move of its own executor, as in the plain schedule."""
         kept = [(r, d) for r, d in self.state.get("own_rounds", []) if r > counted]
         self.state["own_rounds"] = kept
-        out = np.zeros(self.config["topics"], np.int64)
-        for _, d in kept:
-            out += d
-        return out
+        return sum((d for _, d in kept), np.zeros(self.config["topics"], np.int64))
 
     def _sample(self, args: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
         K = cfg["topics"]
-        layout = _layout(cfg)
         block = args["block"]
-        chunks = layout.chunks(block, _num_blocks(cfg, self.num_executors))
+        chunks = self._block_rows(block)
         rows3 = self.ps.get_many("word_topic", chunks)  # a fresh copy, ours to change
         totals = np.array(args["totals"], np.int64)  # n_k as of the dispatch (see the module docstring)
         totals += self._own_rounds_since(args.get("totals_has", args["round"] - 1))

@@ -124,11 +124,16 @@ class KeepKNearest(litz.Combiner):
     def __init__(self, k: int) -> None:
         self.k = int(k)
 
-    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+    def _check(self, acc_shape: tuple[int, ...], upd_shape: tuple[int, ...]) -> int:
+        """The list width ``3k``, once the shapes agree with it and with each other."""
         width = 3 * self.k
-        if acc.shape[-1] != width or upd.shape != acc.shape:
+        if acc_shape[-1] != width or upd_shape != acc_shape:
             raise ValueError(f"keep-k-nearest(k={self.k}): lists of width {width} expected, "
-                             f"got {acc.shape} and {upd.shape}")
+                             f"got {acc_shape} and {upd_shape}")
+        return width
+
+    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        width = self._check(acc.shape, upd.shape)
         work = acc if acc.flags.c_contiguous and acc.dtype == np.float32 else np.ascontiguousarray(acc, np.float32)
         nk.merge_lists(work.reshape(-1, width), np.ascontiguousarray(upd, np.float32).reshape(-1, width), self.k)
         if work is not acc:
@@ -141,10 +146,7 @@ class KeepKNearest(litz.Combiner):
         if len(accs) < 2 or len({id(a) for a in accs}) < len(accs):
             super().merge_many(accs, upds)
             return
-        width = 3 * self.k
-        if upds.shape[1:] != accs[0].shape or accs[0].shape[-1] != width:
-            raise ValueError(f"keep-k-nearest(k={self.k}): lists of width {width} expected, "
-                             f"got {accs[0].shape} and {upds.shape[1:]}")
+        width = self._check(accs[0].shape, upds.shape[1:])
         work = np.stack(accs).astype(np.float32, copy=False)
         nk.merge_lists(work.reshape(-1, width), np.ascontiguousarray(upds, np.float32).reshape(-1, width), self.k)
         for acc, row in zip(accs, work, strict=True):
