@@ -213,9 +213,10 @@ class LDAExecutor(litz.Executor):
 
     def init_state(self) -> dict[str, np.ndarray]:
         inp = self.input
+        K = self.config["topics"]
         rng = np.random.default_rng([self.config["seed"], self.executor_id, 1])
-        z = rng.integers(0, self.config["topics"], size=len(inp["tok_word"])).astype(np.int32)
-        return {"z": z, "doc_list": lk.build_doc_lists(inp["tok_off"], z, int(inp["doc_off"][-1]))}
+        z = rng.integers(0, K, size=len(inp["tok_word"])).astype(np.int32)
+        return {"z": z, "doc_list": lk.build_doc_lists(inp["tok_off"], z, int(inp["doc_off"][-1]), K)}
 
     def setup(self) -> None:
         lk.warmup()  # compile or load the kernels before the first task, here or after a move

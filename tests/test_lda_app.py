@@ -74,10 +74,11 @@ def test_sparse_and_exact_samplers_draw_the_true_conditional(case: int) -> None:
         assert np.abs(hist / n - p).max() < 0.01, sampler
 
 
+@pytest.mark.parametrize("K", [6, 16, 17])  # 16 topics fill 4 bits of a packed pair, 17 need 5
 @pytest.mark.parametrize("sampler", sorted(lk.SAMPLERS))
-def test_sweeps_keep_every_count_consistent(sampler: str) -> None:
+def test_sweeps_keep_every_count_consistent(sampler: str, K: int) -> None:
     corpus, _ = lda.synthetic_corpus(num_docs=60, doc_len=15, num_topics=4, words_per_topic=6, seed=3)
-    K, V, beta, alpha = 6, corpus.num_words, 0.01, 0.1
+    V, beta, alpha = corpus.num_words, 0.01, 0.1
     doc_len = np.diff(corpus.doc_ptr)
     tok_doc = np.repeat(np.arange(corpus.num_docs), doc_len)
     order = np.lexsort((tok_doc, corpus.words))
@@ -85,7 +86,7 @@ def test_sweeps_keep_every_count_consistent(sampler: str) -> None:
     off = lk.doc_offsets(doc_len, K)
     tok_off = off[tok_doc[order]].astype(np.int32)
     z = np.random.default_rng(0).integers(0, K, len(tok_word)).astype(np.int32)
-    doc_list = lk.build_doc_lists(tok_off, z, int(off[-1]))
+    doc_list = lk.build_doc_lists(tok_off, z, int(off[-1]), K)
     rows = np.zeros((V, K), np.int32)
     np.add.at(rows, (tok_word, z), 1)
     totals = rows.sum(0).astype(np.int64)
@@ -97,13 +98,19 @@ def test_sweeps_keep_every_count_consistent(sampler: str) -> None:
     recount = np.zeros((V, K), np.int32)
     np.add.at(recount, (tok_word, z), 1)
     assert (rows == recount).all() and (totals == recount.sum(0)).all()
-    fresh = lk.build_doc_lists(tok_off, z, int(off[-1]))
+    fresh = lk.build_doc_lists(tok_off, z, int(off[-1]), K)
     for d in range(corpus.num_docs):  # same (topic, count) pairs, in whatever order
-        a, b = doc_list[off[d]:off[d + 1]], fresh[off[d]:off[d + 1]]
-        assert a[0] == b[0]
-        pairs = sorted(zip(a[1:1 + 2 * a[0]:2], a[2:2 + 2 * a[0]:2], strict=True))
-        assert pairs == sorted(zip(b[1:1 + 2 * b[0]:2], b[2:2 + 2 * b[0]:2], strict=True))
+        a, b = lk.doc_pairs(doc_list, off[d], K), lk.doc_pairs(fresh, off[d], K)
+        assert sorted(zip(*a, strict=True)) == sorted(zip(*b, strict=True))
+        assert (a[1] > 0).all()
     assert lk.block_loglik(rows, table)[0] > first  # the words concentrate on fewer topics
+
+
+def test_a_document_too_long_for_packed_counts_is_refused() -> None:
+    # 65,536 topics take 16 bits of each packed (count, topic) pair, leaving 15 for the count
+    lk.doc_offsets(np.array([3, 32767]), 65536)
+    with pytest.raises(ValueError, match="document of 32768 tokens is too long for 65536 topics"):
+        lk.doc_offsets(np.array([3, 32768]), 65536)
 
 
 def test_loglik_parts_match_a_dense_formula() -> None:
@@ -114,7 +121,7 @@ def test_loglik_parts_match_a_dense_formula() -> None:
     z = rng.integers(0, K, doc_len.sum()).astype(np.int32)
     tok_doc = np.repeat(np.arange(D), doc_len)
     off = lk.doc_offsets(doc_len, K)
-    doc_list = lk.build_doc_lists(off[tok_doc].astype(np.int32), z, int(off[-1]))
+    doc_list = lk.build_doc_lists(off[tok_doc].astype(np.int32), z, int(off[-1]), K)
     ndk = np.zeros((D, K))
     np.add.at(ndk, (tok_doc, z), 1)
     nwk = np.zeros((V, K), np.int32)
