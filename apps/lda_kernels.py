@@ -50,12 +50,19 @@ import math
 import numba as nb
 import numpy as np
 
+from apps.kernel_util import prefetch
+
 __all__ = ["COUNT_DTYPES", "SAMPLERS", "block_loglik", "build_doc_lists", "conditional", "doc_loglik", "doc_offsets",
            "doc_pairs", "draw_topics", "lgamma_table", "sweep", "task_seed", "topic_bits", "topic_loglik", "warmup"]
 
 SAMPLERS = {"exact": 0, "sparse": 1}
 COUNT_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))  # word-topic counts: int16 when every word is rarer than 2**15
 _JIT = {"cache": True, "nogil": True}
+# The sweep asks for the document list of the token this many places ahead (apps/kernel_util.py):
+# they are scattered, and a miss costs more than a token's arithmetic. Sweeps measured 1.2x faster on
+# fortunes and 1.6-2x on wordnet (the lists of 2 MB exceed the L2 cache); any distance from 2 to 24 did
+# as well.
+_AHEAD = 8
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -239,6 +246,8 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
                     mark[k] = w
                     q += c * inv[k]
         for t in range(i, end):
+            if t + _AHEAD < n:
+                prefetch(doc_list, tok_off[t + _AHEAD])
             off = tok_off[t]
             k0 = z[t]
             # take the token out (tentatively)

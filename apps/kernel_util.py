@@ -1,0 +1,47 @@
+"""Small Numba building blocks shared by the apps' kernels.
+
+:func:`prefetch` asks the CPU to start loading an array element into cache without waiting for it.
+Kernels whose loop reads one array at positions known a few iterations ahead (the LDA sweep's
+document lists, in the order of its tokens) call it for a later iteration: the cache miss then
+overlaps with the current iteration's arithmetic instead of stalling the next one. Out-of-order
+execution alone does not get there, because each iteration ends in data-dependent branches (which
+bucket the random draw falls in) whose mispredictions discard the loads issued after them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["prefetch"]
+
+# LLVM 15 made pointers opaque, which renamed the intrinsic's overload
+_PREFETCH = "llvm.prefetch.p0" if llvm_binding.llvm_version_info >= (15,) else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def prefetch(typingctx: Any, arr: types.Type, idx: types.Type) -> Any:
+    """``prefetch(arr, i)`` inside a jitted function: a hint to cache ``arr[i]`` (1-d, no bounds check
+    and no wraparound: an address out of range is harmless, the CPU drops the hint)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(idx, types.Integer)):
+        return None
+    sig = types.void(arr, idx)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _PREFETCH)
+        # read (0), keep in all cache levels (3), data cache (1)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
