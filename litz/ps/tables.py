@@ -11,6 +11,7 @@ Rows are created on first touch by the initializer, which is a pure function of
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -166,11 +167,13 @@ class Table:
     distance: Any = "l2"
     _combiner: Combiner = field(init=False, repr=False)
     _distance: Callable[[np.ndarray, np.ndarray], float] = field(init=False, repr=False)
+    _row_nbytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(s) for s in (self.shape if isinstance(self.shape, (tuple, list)) else
                                             (self.shape,)))
         self.dtype = np.dtype(self.dtype)
+        self._row_nbytes = math.prod(self.shape) * self.dtype.itemsize  # asked for every row logged or sent
         if isinstance(self.combiner, str):
             if self.combiner not in COMBINERS:
                 raise TableError(f"table {self.name!r}: unknown combiner {self.combiner!r} "
@@ -206,7 +209,7 @@ class Table:
 
     @property
     def row_nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return self._row_nbytes
 
     # -- keys -----------------------------------------------------------------
     def check_key(self, key: Any) -> Key:
