@@ -52,17 +52,19 @@ import numpy as np
 
 from apps.kernel_util import prefetch
 
-__all__ = ["COUNT_DTYPES", "SAMPLERS", "block_loglik", "build_doc_lists", "conditional", "doc_loglik", "doc_offsets",
-           "doc_pairs", "draw_topics", "lgamma_table", "sweep", "task_seed", "topic_bits", "topic_loglik", "warmup"]
+__all__ = ["AHEAD", "COUNT_DTYPES", "SAMPLERS", "block_loglik", "build_doc_lists", "conditional", "doc_loglik",
+           "doc_offsets", "doc_pairs", "draw_topics", "lgamma_table", "sweep", "task_seed", "topic_bits",
+           "topic_loglik", "warmup"]
 
 SAMPLERS = {"exact": 0, "sparse": 1}
 COUNT_DTYPES = (np.dtype(np.int16), np.dtype(np.int32))  # word-topic counts: int16 when every word is rarer than 2**15
 _JIT = {"cache": True, "nogil": True}
 # The sweep asks for the document list of the token this many places ahead (apps/kernel_util.py):
-# they are scattered, and a miss costs more than a token's arithmetic. Sweeps measured 1.2x faster on
-# fortunes and 1.6-2x on wordnet (the lists of 2 MB exceed the L2 cache); any distance from 2 to 24 did
-# as well.
-_AHEAD = 8
+# they are scattered, and a miss costs more than a token's arithmetic. bench/bench_lda_sweep.py measures
+# it against 0 (no prefetch): sweeps 1.07-1.12x faster on fortunes and 1.27-1.39x on wordnet (whose
+# lists of 1.8 MB exceed the L2 cache) on a quiet machine, 1.2x and 1.6-2x while other work competed for
+# memory; any distance from 2 to 24 did as well.
+AHEAD = 8
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def _next(x: np.uint64) -> tuple[np.uint64, float]:
 # state (short documents) instead of three arrays. Packing halves the lists against (topic, count) as two
 # int32s: the lists are the one structure a sweep reads at random (documents are scattered over the
 # word-major token order), and at half the size more of them stay in cache. Sweeps measured 1.15-1.4x
-# faster (fortunes and wordnet, K = 20 and 100, one or two cores busy).
+# faster than with two int32s per pair (fortunes and wordnet, K = 20 and 100, one or two cores busy).
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -203,7 +205,8 @@ def _inv_minus_one(total: int, vbeta: float) -> float:
 
 @nb.njit(**_JIT)
 def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: np.ndarray, z: np.ndarray,
-           doc_list: np.ndarray, alpha: float, beta: float, vbeta: float, sparse: bool, seed: int, tb: int) -> int:
+           doc_list: np.ndarray, alpha: float, beta: float, vbeta: float, sparse: bool, seed: int, tb: int,
+           ahead: int) -> int:
     """Resample each token: take it out, draw, put it back. When the draw returns the token's own topic
     (most tokens, once the chain mixes) nothing changes at all: the taken-out values are computed from
     cached ``1 / (n_k - 1 + Vβ)`` and the old ones restored, so such a token costs no division and
@@ -246,8 +249,8 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
                     mark[k] = w
                     q += c * inv[k]
         for t in range(i, end):
-            if t + _AHEAD < n:
-                prefetch(doc_list, tok_off[t + _AHEAD])
+            if ahead and t + ahead < n:
+                prefetch(doc_list, tok_off[t + ahead])
             off = tok_off[t]
             k0 = z[t]
             # take the token out (tentatively)
@@ -329,12 +332,14 @@ def task_seed(seed: int, executor: int, rnd: int, sweep: int = 0) -> int:
 
 def sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: np.ndarray, z: np.ndarray,
           doc_list: np.ndarray, alpha: float, beta: float, vbeta: float, sampler: str = "sparse",
-          seed: int = 0) -> int:
+          seed: int = 0, ahead: int = AHEAD) -> int:
     """Resample every token once, in the given order (grouped by word); returns how many changed topic.
 
     Updates ``rows`` (Vb, K) int16 or int32, ``totals`` (K,) int64, ``z`` and ``doc_list`` in place.
     ``tok_word`` indexes ``rows``; ``tok_off`` is the offset of the token's document in ``doc_list``
     (see :func:`build_doc_lists`). ``vbeta`` is V·β with V the whole vocabulary (not the block's).
+    ``ahead``: prefetch the document list of the token this many places ahead (0: none); it changes
+    the speed only, never the draws.
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {sorted(SAMPLERS)}")
@@ -347,7 +352,8 @@ def sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: n
     if not len(tok_word) == len(tok_off) == len(z):
         raise ValueError("tok_word, tok_off and z differ in length")
     return int(_sweep(rows, totals, tok_word, tok_off, z, doc_list, float(alpha), float(beta), float(vbeta),
-                      sampler == "sparse", np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF), topic_bits(rows.shape[1])))
+                      sampler == "sparse", np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF), topic_bits(rows.shape[1]),
+                      max(0, int(ahead))))
 
 
 def topic_bits(num_topics: int) -> int:

@@ -106,6 +106,29 @@ def test_sweeps_keep_every_count_consistent(sampler: str, K: int) -> None:
     assert lk.block_loglik(rows, table)[0] > first  # the words concentrate on fewer topics
 
 
+def test_prefetching_changes_no_draw() -> None:
+    corpus, _ = lda.synthetic_corpus(num_docs=80, doc_len=20, num_topics=4, words_per_topic=6, seed=5)
+    K, V = 8, corpus.num_words
+    doc_len = np.diff(corpus.doc_ptr)
+    tok_doc = np.repeat(np.arange(corpus.num_docs), doc_len)
+    order = np.lexsort((tok_doc, corpus.words))
+    off = lk.doc_offsets(doc_len, K)
+    tok_word, tok_off = corpus.words[order].astype(np.int32), off[tok_doc[order]].astype(np.int32)
+    z0 = np.random.default_rng(1).integers(0, K, len(tok_word)).astype(np.int32)
+    finals = []
+    for ahead in (0, 1, lk.AHEAD, 10**6):  # 10**6: past the end, never asked for
+        z = z0.copy()
+        doc_list = lk.build_doc_lists(tok_off, z, int(off[-1]), K)
+        rows = np.zeros((V, K), np.int32)
+        np.add.at(rows, (tok_word, z), 1)
+        totals = rows.sum(0).astype(np.int64)
+        for s in range(5):
+            lk.sweep(rows, totals, tok_word, tok_off, z, doc_list, 0.1, 0.01, V * 0.01, "sparse", s, ahead=ahead)
+        finals.append((z, rows, doc_list))
+    for z, rows, doc_list in finals[1:]:
+        assert (z == finals[0][0]).all() and (rows == finals[0][1]).all() and (doc_list == finals[0][2]).all()
+
+
 def test_a_document_too_long_for_packed_counts_is_refused() -> None:
     # 65,536 topics take 16 bits of each packed (count, topic) pair, leaving 15 for the count
     lk.doc_offsets(np.array([3, 32767]), 65536)
