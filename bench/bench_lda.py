@@ -1,7 +1,9 @@
-"""LDA on the Debian fortunes: Litz against the ``lda`` package (collapsed Gibbs) and ``tomotopy``.
+"""LDA on the Debian fortunes or wordnet glosses: Litz against the ``lda`` package (collapsed Gibbs)
+and ``tomotopy``.
 
-Same corpus (the app's tokenization: 15,100 documents, 176,714 tokens, 7,324 words), same K, α, β
-and number of iterations for all three, side by side in one run. Each system reports
+Same corpus (the app's tokenization; fortunes: 15,100 documents, 176,714 tokens, 7,324 words;
+``--corpus wordnet``: 117,081 glosses, 775,081 tokens, 18,268 words), same K, α, β and number of
+iterations for all three, side by side in one run. Each system reports
 
 * the log-likelihood per token ``log p(w, z) / N`` of its final state, computed here by one function
   from each system's final counts (the formula of ``lda.LDA.loglikelihood``), and
@@ -21,8 +23,9 @@ alpha, eta)``, one thread.
 The last two columns are ratios: tokens per second against tomotopy's (above 1 = faster), and the
 log-likelihood per token against ``lda``'s (positive = higher, i.e. better).
 
-Run: ``python bench/bench_lda.py [--topics 20 100] [--iterations 200] [--sweeps 1 2] [--repeats 1]``
-(about 1.5 minutes for the defaults on 2 cores, most of it ``lda`` at K = 100).
+Run: ``python bench/bench_lda.py [--corpus fortunes|wordnet] [--topics 20 100] [--iterations 200]
+[--sweeps 1 2] [--repeats 1] [--skip-lda]`` (about 1.5 minutes for the defaults on 2 cores, most of it
+``lda`` at K = 100; wordnet with 50 iterations and ``--repeats 2`` takes about 4 minutes).
 """
 
 from __future__ import annotations
