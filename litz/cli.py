@@ -396,12 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"launch": launch, "status": status, "scale": scale, "checkpoint": checkpoint, "secret": secret}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: litz COMMAND ...\n\ncommands:\n  launch   run an application (litz launch --help)\n"
-              "  status   show a running job (litz status --help)\n"
-              "  scale    resize a running job (litz scale --help)\n"
+        helpful = not argv or argv[0] in ("-h", "--help")
+        if not helpful:
+            print(f"litz: unknown command {argv[0]!r}", file=sys.stderr)
+        print("usage: litz COMMAND ...\n\ncommands:\n"
+              "  launch      run an application (litz launch --help)\n"
+              "  status      show a running job (litz status --help)\n"
+              "  scale       resize a running job (litz scale --help)\n"
               "  checkpoint  take a checkpoint of a running job (litz checkpoint --help)\n"
-              "  secret   create a job secret file for cluster mode (litz secret PATH)")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+              "  secret      create a job secret file for cluster mode (litz secret PATH)",
+              file=sys.stdout if helpful else sys.stderr)
+        return 0 if helpful else 2
     return commands[argv[0]](argv[1:])
 
 

@@ -70,3 +70,13 @@ def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
             "restored_from": None, "rolled_back_from_version": 534, "rolled_back_to_version": 0, "seconds": 1.5}
     assert describe_recovery(full) == ("lost worker w1: full recovery, 2 executors onto w0, restored from scratch "
                                        "(no checkpoint yet), everything rolled back from version 534 to 0 in 1.50 s")
+
+
+def test_an_unknown_command_is_named_and_fails(capsys) -> None:
+    from litz.cli import main
+
+    assert main(["frob"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'frob'" in err and "checkpoint  take a checkpoint" in err
+    assert main(["--help"]) == 0
+    assert "launch      run an application" in capsys.readouterr().out
