@@ -344,20 +344,3 @@ def test_lease_ttl_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("LITZ_LEASE_TTL", bad)
         with pytest.raises(ConfigError, match="LITZ_LEASE_TTL"):
             lease_ttl()
-
-
-def test_orphaned_server_directories_are_removed_and_no_other(tmp_path: Path) -> None:
-    """A launcher killed with SIGKILL leaves its server's directory (in memory, /dev/shm, when
-    there is room); the next server started removes it, and nothing that is alive or not ours."""
-    from litz.runtime.etcd_server import _memory_dir, _remove_orphans
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    for name, owner in (("litz-etcd-dead", str(dead.pid)), ("litz-etcd-alive", str(os.getpid())),
-                        ("litz-etcd-unowned", None), ("other-dead", str(dead.pid))):
-        (tmp_path / name / "data").mkdir(parents=True)
-        if owner is not None:
-            (tmp_path / name / "owner").write_text(owner)
-    _remove_orphans(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["litz-etcd-alive", "litz-etcd-unowned", "other-dead"]
-    assert _memory_dir(str(tmp_path / "missing")) is None

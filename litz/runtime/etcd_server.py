@@ -1,8 +1,7 @@
 """A private, throw-away etcd server for tests, examples and single-machine jobs.
 
 Litz detects failures through etcd lease expiry, so every test of membership and fault tolerance needs a
-real etcd.  ``LocalEtcd`` starts one on free loopback ports in a fresh temporary data directory (in memory,
-``/dev/shm``, where there is room: see :func:`_memory_dir`), with short
+real etcd.  ``LocalEtcd`` starts one on free loopback ports in a fresh temporary data directory, with short
 Raft timeouts so that it elects itself leader (and therefore answers) within a fraction of a second, and
 removes everything again on ``stop()``.  ``restart()`` keeps the data directory and the ports, so tests can
 check that a job survives its etcd going away for a moment.
@@ -136,47 +135,6 @@ def _finalize(proc_box: list[subprocess.Popen[bytes] | None], tmpdir: str) -> No
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-#: The private server's files go to a memory file system when one has this much room (bytes).
-_MEMORY_DIR_MIN_FREE = 512 * 2**20
-
-
-def _memory_dir(candidate: str = "/dev/shm") -> str | None:
-    """``candidate`` when it is a writable directory with room to spare, else None (the temp dir).
-
-    Why: etcd syncs its write-ahead log to disk at every write (a status update, a lease grant), and
-    on a shared virtual disk one sync now and then takes over a second. Lease keep-alives stall
-    behind it, and with the default 2-second leases a healthy job then loses processes (seen in the
-    test suite). This server's data is never needed after the job, so memory is the right place for
-    it; etcd 3.4 has no flag to skip the syncs, and on tmpfs they cost nothing. Each server takes
-    about 65 MB there (etcd preallocates its log), freed when it stops.
-    """
-    try:
-        ok = os.path.isdir(candidate) and os.access(candidate, os.W_OK)
-        return candidate if ok and shutil.disk_usage(candidate).free >= _MEMORY_DIR_MIN_FREE else None
-    except OSError:
-        return None
-
-
-def _remove_orphans(parent: str) -> None:
-    """Remove the directories of private servers whose owning process is gone.
-
-    A launcher killed with SIGKILL cannot remove its server's directory (its etcd dies with it), and
-    in memory that would hold 65 MB until the next reboot. Each directory names its owner's pid in
-    ``owner``; a directory without one is left alone (not ours, or still being created).
-    """
-    for d in Path(parent).glob("litz-etcd-*"):
-        try:
-            pid = int((d / "owner").read_text())
-        except (OSError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except OSError:
-            continue  # alive, another user's
-
-
 class LocalEtcd:
     """A single-member etcd on 127.0.0.1 (or ``host``) in a temporary directory; a context manager.
 
@@ -258,11 +216,7 @@ class LocalEtcd:
         if self.pid is not None:
             return
         if self._tmpdir is None:
-            memory = _memory_dir()
-            if memory is not None:
-                _remove_orphans(memory)
-            self._tmpdir = tempfile.mkdtemp(prefix="litz-etcd-", dir=memory)
-            Path(self._tmpdir, "owner").write_text(str(os.getpid()))
+            self._tmpdir = tempfile.mkdtemp(prefix="litz-etcd-")
             self._client_port, self._peer_port = _free_loopback_ports(2, self._host)
             self._finalizer = weakref.finalize(self, _finalize, self._proc_box, self._tmpdir)
         try:
