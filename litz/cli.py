@@ -106,7 +106,7 @@ def _launch_parser() -> argparse.ArgumentParser:
                    help="address the job's processes listen on (default 127.0.0.1); "
                         "an address beyond loopback requires --secret-file")
     p.add_argument("--lease-ttl", default=None, metavar="SECONDS",
-                   help="a process silent this long is declared lost (default $LITZ_LEASE_TTL, else 2); "
+                   help="a process silent this long is declared lost (default $LITZ_LEASE_TTL, else 5); "
                         "more avoids false alarms on a heavily loaded machine")
     return p
 

@@ -240,6 +240,7 @@ def test_an_etcd_restart_does_not_stop_a_job(tmp_path: Path, monkeypatch) -> Non
     """etcd goes down and comes back mid-job: clients reconnect, leases are kept alive again,
     nobody is declared lost, and the job ends with exact sums."""
     from litz.runtime.etcd_server import LocalEtcd
+    from litz.runtime.membership import lease_ttl
 
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "etcd-restart", 4)
     server = LocalEtcd()
@@ -250,7 +251,7 @@ def test_an_etcd_restart_does_not_stop_a_job(tmp_path: Path, monkeypatch) -> Non
             st = _status_when(job, lambda s: s["master"].get("completed", 0) >= 100)
             pids = sorted(p["pid"] for p in st["processes"])
             server.restart()
-            time.sleep(3.0)  # longer than a process lease's time-to-live
+            time.sleep(lease_ttl() + 1.0)  # longer than a process lease's time-to-live
             done = st["master"]["completed"]
             st = _status_when(job, lambda s: s["master"].get("completed", 0) >= done + 300, timeout=30)
             assert sorted(p["pid"] for p in st["processes"]) == pids  # everyone still registered
