@@ -142,7 +142,9 @@ def test_full_recovery_rolls_everything_back_to_the_last_checkpoint(tmp_path: Pa
         st = _status_when(job, lambda s: s["master"].get("recoveries"))
         rec = st["master"]["recoveries"][0]
         assert rec["lost"] == ", ".join(killed) and rec["strategy"] == "full"
-        assert rec["rolled_back_to_version"] < rec["rolled_back_from_version"]
+        # equal when a checkpoint (one every 0.5 s) completed between the last completion and the
+        # kill: a loaded machine did that once (rolled back from version 221 to 221)
+        assert rec["rolled_back_to_version"] <= rec["rolled_back_from_version"]
         if every == "600s":
             assert rec["restored_from"] is None and rec["rolled_back_to_version"] == 0
         else:
