@@ -373,10 +373,10 @@ def doc_offsets(doc_len: np.ndarray, num_topics: int) -> np.ndarray:
     """
     doc_len = np.asarray(doc_len, np.int64)
     longest = int(np.max(doc_len, initial=0))
-    if longest >= 1 << (31 - topic_bits(num_topics)):
+    count_bits = 31 - topic_bits(num_topics)
+    if longest >= 1 << count_bits:
         raise ValueError(f"a document of {longest} tokens is too long for {num_topics} topics: counts are packed "
-                         f"in {31 - topic_bits(num_topics)} bits; split documents longer than "
-                         f"{(1 << (31 - topic_bits(num_topics))) - 1} tokens")
+                         f"in {count_bits} bits; split documents longer than {(1 << count_bits) - 1} tokens")
     size = 1 + np.minimum(doc_len, num_topics)
     off = np.zeros(len(size) + 1, np.int64)
     np.cumsum(size, out=off[1:])

@@ -25,34 +25,39 @@ class UpdateLog:
         self.updates_in = 0
         self.rows_out = 0
 
-    def add(self, table: Table, key: Hashable, delta: np.ndarray) -> None:
-        """Merge one validated row delta (the log copies it: the caller may reuse its array)."""
+    def _table_rows(self, table: Table) -> dict[Hashable, np.ndarray]:
+        """The buffered rows of ``table`` (registered on first use)."""
         rows = self._rows.get(table.name)
         if rows is None:
             rows = self._rows[table.name] = {}
             self._tables[table.name] = table
+        return rows
+
+    def _first(self, table: Table, rows: dict[Hashable, np.ndarray], key: Hashable, delta: np.ndarray) -> None:
+        """Buffer the first delta of ``key`` (a copy: the caller may reuse its array)."""
+        rows[key] = np.array(delta, dtype=table.dtype, copy=True)
+        self.nbytes += table.row_nbytes
+
+    def add(self, table: Table, key: Hashable, delta: np.ndarray) -> None:
+        """Merge one validated row delta (the log copies it: the caller may reuse its array)."""
+        rows = self._table_rows(table)
         self.updates_in += 1
         acc = rows.get(key)
         if acc is None:
-            rows[key] = np.array(delta, dtype=table.dtype, copy=True)
-            self.nbytes += table.row_nbytes
+            self._first(table, rows, key, delta)
         else:
             table.comb.merge_into(acc, delta)
 
     def add_many(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
         """``add`` for every key; the rows already in the log merge in one ``merge_many`` call."""
-        rows = self._rows.get(table.name)
-        if rows is None:
-            rows = self._rows[table.name] = {}
-            self._tables[table.name] = table
+        rows = self._table_rows(table)
         self.updates_in += len(keys)
         accs: list[np.ndarray] = []
         idx: list[int] = []
         for i, key in enumerate(keys):
             acc = rows.get(key)
             if acc is None:
-                rows[key] = np.array(deltas[i], dtype=table.dtype, copy=True)
-                self.nbytes += table.row_nbytes
+                self._first(table, rows, key, deltas[i])
             else:
                 accs.append(acc)
                 idx.append(i)
