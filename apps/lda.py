@@ -13,9 +13,9 @@ Who holds what:
 
 **Model scheduling.** The vocabulary is cut into ``B >= E`` blocks, which ``litz.BlockRotation`` rotates
 over the ``E`` executors: in round ``r`` executor ``e`` samples its tokens whose words are in block
-``(e + r) % B``, and a block is held by one executor at a time. A task fetches its block's rows at
-its start; because the rotation dispatches a block's next task only after the driver was told that the
-previous holder completed, Litz's consistency rule guarantees that the fetch sees every earlier update:
+``(e·B/E + r) % B`` (the executors spread evenly over the blocks), and a block is held by one executor
+at a time. A task fetches its block's rows at its start; because the rotation dispatches a block's
+next task only after the driver was told that the previous holder completed, Litz's consistency rule guarantees that the fetch sees every earlier update:
 the word-topic counts a task samples with are exact, and no two executors ever sample the same words
 at once. ``B`` rounds make one cycle, in which every token is resampled ``S`` times
 (``--sweeps-per-task``, default 1): ``S`` iterations. Rows of the word table are chunks
@@ -359,7 +359,7 @@ class LDADriver(litz.Driver):
     def _last_use_in_cycle(self, block: int, rnd: int) -> bool:
         """Whether round ``rnd`` is the last one of its cycle in which some executor holds ``block``."""
         end = (rnd // self.B + 1) * self.B
-        return all((block - r) % self.B >= self.num_executors for r in range(rnd + 1, end))
+        return all(self.rotation.user(block, r) is None for r in range(rnd + 1, end))
 
     def _dispatch(self, assignments: list[tuple[int, int, int]]) -> None:
         every = self.config["ll_every"]

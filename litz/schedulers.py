@@ -5,9 +5,10 @@ has fully completed (``s = 0`` is bulk-synchronous). Executors run their tasks i
 so iterations complete in order.
 
 ``BlockRotation``: model scheduling (as LDA uses). ``B >= E`` parameter blocks rotate over
-``E`` executors; in round ``r`` executor ``e`` works on block ``(e + r) % B``. A block is
-used by one executor at a time and in round order, and an executor starts its next round as
-soon as the block it needs is released: there is no global barrier between rounds.
+``E`` executors; in round ``r`` executor ``e`` works on block ``(offset(e) + r) % B``, with the
+executors spread evenly over the blocks (``offset(e) = e * B // E``). A block is used by one
+executor at a time and in round order, and an executor starts its next round as soon as the
+block it needs is released: there is no global barrier between rounds.
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ class BlockRotation:
     exact (they were released by a completion the driver saw), but anything the driver
     accumulates from completions (LDA's topic totals) lacks that executor's latest rounds,
     which the executor can add itself (apps/lda.py does).
+
+    Executor ``e`` starts at block ``offset(e) = e * B // E``, so the executors lie spread over
+    the blocks with the spare blocks between them: the block an executor needs next was last
+    held by the executor ``B // E`` places behind it, ``B // E`` rounds earlier. With packed
+    offsets (``e``) it would be held by its neighbour in the current round, so with ``B = 2E``
+    every executor's next round would wait for that neighbour's current one to complete, and
+    ``depth = 2`` could never queue it early. With ``B = E`` both are the same rotation.
     """
 
     def __init__(self, num_executors: int, num_blocks: int | None = None, num_rounds: int | None = None,
@@ -131,19 +139,28 @@ class BlockRotation:
         self.B = blocks
         self.rounds = num_rounds
         self.depth = depth
+        self._by_offset = {self.offset(e): e for e in range(num_executors)}
         self._next_round = {b: self._next_use(b, 0) for b in range(blocks)}
         self._next_dispatch = dict.fromkeys(range(num_executors), 0)  # the executor's next round to hand out
         self._completed = dict.fromkeys(range(num_executors), 0)  # rounds it completed (in order)
         self._in_flight = dict.fromkeys(range(num_executors), 0)
         self.active: dict[int, tuple[int, int]] = {}  # block -> (executor, round)
 
+    def offset(self, executor: int) -> int:
+        """The block ``executor`` holds in round 0."""
+        return executor * self.B // self.E
+
     def block(self, executor: int, rnd: int) -> int:
-        return (executor + rnd) % self.B
+        return (self.offset(executor) + rnd) % self.B
+
+    def user(self, block: int, rnd: int) -> int | None:
+        """The executor that works on ``block`` in round ``rnd``, or None (a spare block then)."""
+        return self._by_offset.get((block - rnd) % self.B)
 
     def _next_use(self, block: int, rnd: int) -> int:
         """The first round >= rnd in which some executor works on ``block``."""
         r = rnd
-        while (block - r) % self.B >= self.E:
+        while self.user(block, r) is None:
             r += 1
         return r
 
@@ -177,8 +194,8 @@ class BlockRotation:
         out = self._try(executor)
         # the executor that needs block b next may now start
         nxt = self._next_round[b]
-        user = (b - nxt) % self.B
-        if user != executor and self._next_dispatch.get(user) == nxt:
+        user = self.user(b, nxt)
+        if user is not None and user != executor and self._next_dispatch[user] == nxt:
             out += self._try(user)
         return out
 

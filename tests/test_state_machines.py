@@ -260,7 +260,7 @@ def test_block_rotation_with_depth_pipelines_and_keeps_every_rule(E: int, B: int
 
     def take(assignments: list[tuple[int, int, int]]) -> None:
         for e, r, b in assignments:
-            assert r == handed[e] and b == (e + r) % B  # each executor's rounds in order
+            assert r == handed[e] and b == (e * B // E + r) % B  # each executor's rounds in order
             handed[e] += 1
             queues[e].append((e, r, b))
 
