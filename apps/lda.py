@@ -15,13 +15,13 @@ Who holds what:
 over the ``E`` executors: in round ``r`` executor ``e`` samples its tokens whose words are in block
 ``(e·B/E + r) % B`` (the executors spread evenly over the blocks), and a block is held by one executor
 at a time. A task fetches its block's rows at its start; because the rotation dispatches a block's
-next task only after the driver was told that the previous holder completed, Litz's consistency rule guarantees that the fetch sees every earlier update:
-the word-topic counts a task samples with are exact, and no two executors ever sample the same words
-at once. ``B`` rounds make one cycle, in which every token is resampled ``S`` times
-(``--sweeps-per-task``, default 1): ``S`` iterations. Rows of the word table are chunks
-of words (``--chunks``), not single words, because the runtime pays per key; words are dealt to chunks
-in frequency order, in a snake, so that every chunk, hence every block, carries about the same
-number of tokens.
+next task only after the driver was told that the previous holder completed, Litz's consistency rule
+guarantees that the fetch sees every earlier update: the word-topic counts a task samples with are
+exact, and no two executors ever sample the same words at once. ``B`` rounds make one cycle, in which
+every token is resampled ``S`` times (``--sweeps-per-task``, default 1): ``S`` iterations. Rows of the
+word table are chunks of words (``--chunks``), not single words, because the runtime pays per key;
+words are dealt to chunks in frequency order, in a snake, so that every chunk, hence every block,
+carries about the same number of tokens.
 
 **Topic totals** are shared by all blocks, so they cannot be scheduled. Each task starts from ``n_k``
 as of its dispatch, keeps a local copy that follows its own moves, and pushes its net change at its
