@@ -8,6 +8,7 @@ from litz.api import App, Driver, Executor, JobResult, ParameterServer, TaskFail
 from litz.errors import (
     ConfigError,
     EtcdUnreachable,
+    JobStopped,
     LitzError,
     ProcessLost,
     ProtocolError,
@@ -22,6 +23,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "App", "BlockRotation", "BlockRotationDriver", "Combiner", "ConfigError", "Driver", "EtcdUnreachable",
-    "Executor", "JobResult", "LitzError", "ParameterServer", "ProcessLost", "ProtocolError", "SSPDriver",
+    "Executor", "JobResult", "JobStopped", "LitzError", "ParameterServer", "ProcessLost", "ProtocolError", "SSPDriver",
     "Table", "TableError", "TaskError", "TaskFailure", "TaskResult", "run",
 ]

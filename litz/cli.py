@@ -2,6 +2,7 @@
 
 ``litz launch APP.py [--workers N] [--servers M] [--executors E] [--job NAME] [--etcd URL] [app args]``
 runs an application file on an embedded local cluster (or on the etcd named by ``--etcd``).
+``litz stop --job NAME [--checkpoint]`` ends it (then ``litz launch`` exits with status 75).
 The application file defines ``make_app(argv) -> litz.App`` (its own options are parsed
 there, so ``litz launch APP.py --help`` shows them) or a module-level ``app``.
 """
@@ -20,7 +21,10 @@ from typing import Any
 import cloudpickle
 
 from litz.api import App
-from litz.errors import LitzError, TaskError
+from litz.errors import JobStopped, LitzError, TaskError
+
+#: ``litz launch``'s exit status when ``litz stop`` ended the job (sysexits' EX_TEMPFAIL: it may be resumed)
+EXIT_STOPPED = 75
 
 
 def load_app_module(path: str) -> ModuleType:
@@ -150,6 +154,9 @@ def launch(argv: list[str]) -> int:
     except TaskError as exc:
         print(f"litz: job failed: {exc}", file=sys.stderr)
         return 1
+    except JobStopped as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
     except LitzError as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return 1
@@ -375,6 +382,47 @@ def checkpoint(argv: list[str]) -> int:
     return 0
 
 
+def stop(argv: list[str]) -> int:
+    """``litz stop --job NAME [--checkpoint] [--etcd URL] [--timeout S]``: end a running job.
+
+    With ``--checkpoint`` the job first takes a consistent checkpoint (it needs a
+    ``--checkpoint-dir``), so that ``litz launch --resume`` continues it later: what a cluster
+    scheduler does before it takes the machines back. The job's ``litz launch`` exits with
+    status 75 (``EX_TEMPFAIL``: stopped, may be resumed) and names the checkpoint.
+    """
+    import secrets as _secrets
+    import time
+
+    from litz.runtime import jobs
+    from litz.runtime.master import STOP_KEY
+    from litz.runtime.membership import Membership
+
+    p = argparse.ArgumentParser(prog="litz stop", description="Stop a running job, optionally after a checkpoint.")
+    p.add_argument("--job", required=True)
+    p.add_argument("--checkpoint", action="store_true",
+                   help="take a consistent checkpoint first (the job needs --checkpoint-dir); resume with --resume")
+    p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    cid = _secrets.token_hex(4)
+    try:
+        url = args.etcd or jobs.lookup(args.job)["etcd"]
+        with Membership(url, args.job) as mem:
+            result = _command(mem, STOP_KEY, {"id": cid, "checkpoint": args.checkpoint},
+                              time.monotonic() + args.timeout)
+    except LitzError as exc:
+        print(f"litz: {exc}", file=sys.stderr)
+        return 1
+    if result is None:
+        print(f"litz: the job did not stop within {args.timeout:.0f} s (command {cid})", file=sys.stderr)
+        return 1
+    if not result["ok"]:
+        print(f"litz: stop refused: {result['reason']}", file=sys.stderr)
+        return 1
+    print(f"job {args.job} {result['reason']}")
+    return 0
+
+
 def secret(argv: list[str]) -> int:
     """``litz secret PATH``: create a job secret file (32 random bytes, mode 600) for cluster mode."""
     from litz.runtime.security import generate_secret_file
@@ -394,7 +442,8 @@ def secret(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"launch": launch, "status": status, "scale": scale, "checkpoint": checkpoint, "secret": secret}
+    commands = {"launch": launch, "status": status, "scale": scale, "checkpoint": checkpoint, "stop": stop,
+                "secret": secret}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         helpful = not argv or argv[0] in ("-h", "--help")
         if not helpful:
@@ -404,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
               "  status      show a running job (litz status --help)\n"
               "  scale       resize a running job (litz scale --help)\n"
               "  checkpoint  take a checkpoint of a running job (litz checkpoint --help)\n"
+              "  stop        stop a running job, optionally after a checkpoint (litz stop --help)\n"
               "  secret      create a job secret file for cluster mode (litz secret PATH)",
               file=sys.stdout if helpful else sys.stderr)
         return 0 if helpful else 2

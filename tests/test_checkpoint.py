@@ -282,3 +282,107 @@ def test_a_failing_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: 
     assert "table 's': distance function failed: RuntimeError: no distance today" in failed[0]["errors"][0]
     base, _, partials = storage.running_checkpoint(str(tmp_path))  # type: ignore[misc]
     assert base == records[0]["path"] and partials == []
+
+
+def _wait_running(job: str, timeout: float = 30.0) -> None:
+    import time
+
+    from litz.cli import job_status
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if job_status(job)["master"].get("phase") == "running":
+                return
+        except litz.LitzError:
+            pass
+        assert time.monotonic() < deadline, f"job {job} never reached the running phase"
+        time.sleep(0.1)
+
+
+def test_litz_stop_after_a_checkpoint_then_resume_goes_on_exactly(tmp_path: Path, monkeypatch) -> None:
+    import threading
+    import time
+
+    from litz.cli import stop
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    ckpt = str(tmp_path / "ckpt")
+    done_file = tmp_path / "done"
+    out: dict = {}
+
+    def run(app: litz.App, job: str, **kw) -> None:
+        try:
+            out[job] = litz.run(app, workers=2, servers=1, job=job, **kw)
+        except litz.JobStopped as exc:
+            out[job] = exc
+
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.05)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(done_file))
+    with_dir, without = f"stop-ck-{time.time_ns()}", f"stop-plain-{time.time_ns()}"
+    runners = [threading.Thread(target=run, args=(app, with_dir), kwargs={"checkpoint_dir": ckpt}),
+               threading.Thread(target=run, args=(app, without))]
+    for t in runners:
+        t.start()
+    try:
+        _wait_running(with_dir)
+        _wait_running(without)
+        time.sleep(0.5)  # some training to keep
+        assert stop(["--job", without, "--checkpoint"]) == 1  # refused: no --checkpoint-dir; it trains on
+        assert stop(["--job", with_dir, "--checkpoint"]) == 0
+        runners[0].join(60)
+        assert not runners[0].is_alive()
+        assert runners[1].is_alive()  # the refused stop stopped nothing
+        assert stop(["--job", without]) == 0
+        runners[1].join(60)
+    finally:
+        done_file.touch()
+        for t in runners:
+            t.join(60)
+    stopped, plain = out[with_dir], out[without]
+    assert isinstance(stopped, litz.JobStopped) and isinstance(plain, litz.JobStopped)
+    assert plain.checkpoint is None and "stopped on request" in str(plain)
+    _, path, manifest = storage.find_checkpoint(ckpt)
+    assert stopped.checkpoint == path and "stop" in manifest["reason"]  # the stop's own round
+    assert processes_mentioning(with_dir) == [] and processes_mentioning(without) == []
+    # resume from the stop's checkpoint: the job goes on and its tables match the driver's sums exactly
+    done_file.unlink()
+    app.config.update(stop_after=1.0)
+    res = litz.run(app, workers=1, servers=2, resume=ckpt).value
+    np.testing.assert_array_equal(res["final"], res["truth"])
+    assert sum(len(s) for s in res["done_seq"]) > 0
+    for seqs in res["done_seq"]:  # each executor's tasks counted on from where the checkpoint left them
+        assert sorted(seqs) == list(range(len(seqs)))
+
+
+def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path))
+    job = f"stop-launch-{time.time_ns()}"
+    proc = subprocess.Popen([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--job", job, "--epochs", "500",
+                             "--train-rows", "6000", "--quiet"], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            st = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job, "--json"], cwd=root,
+                                env=env, capture_output=True, text=True, timeout=30)
+            if st.returncode == 0 and '"phase": "running"' in st.stdout:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, st.stderr
+            time.sleep(0.3)
+        cmd = subprocess.run([sys.executable, "-m", "litz.cli", "stop", "--job", job], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert cmd.returncode == 0 and "stopped (no checkpoint taken)" in cmd.stdout, cmd.stderr
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75 and f"job {job} was stopped on request" in err
+    assert processes_mentioning(job) == []

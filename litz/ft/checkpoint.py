@@ -88,6 +88,7 @@ class CheckpointRound:
     errors: list[str] = field(default_factory=list)
     paused_for: float = 0.0  # seconds training was held (pause + snapshot)
     version: int = 0  # the master's version at the snapshot
+    commands: list[str] = field(default_factory=list)  # `litz checkpoint` / `litz stop` ids it answers
 
 
 class CheckpointCoordinator:

@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from litz.api import App, Driver, JobResult, ParameterServer, TaskFailure, TaskResult
-from litz.errors import LitzError, ProcessLost, TableError
+from litz.errors import JobStopped, LitzError, ProcessLost, TableError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, select_top
 from litz.ps.tables import Table, lookup, shard_of, table_index
@@ -308,6 +308,7 @@ class DriverPS(ParameterServer):
 
 
 CHECKPOINT_KEY = "commands/checkpoint"  # `litz checkpoint` writes {"id": ...} here
+STOP_KEY = "commands/stop"  # `litz stop` writes {"id": ..., "checkpoint": bool} here
 
 
 class _Rollback(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -386,7 +387,9 @@ class Master:
         self.checkpoints = CheckpointCoordinator(
             ckpt_dir, self.options.get("checkpoint_every"), self.options.get("checkpoint_policy", "full"),
             float(self.options.get("checkpoint_fraction", 1.0))) if ckpt_dir else None
-        self._ckpt_commands: list[str] = []  # `litz checkpoint` command ids waiting for a round
+        self._ckpt_commands: list[str] = []  # `litz checkpoint` / `litz stop` ids waiting for a full round
+        # `litz stop`: {"id", "checkpoint": wanted, "path": the checkpoint it waits for (once written)}
+        self._stop: dict[str, Any] | None = None
         self._written: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()  # driver files written
         # None: a lost process stops the job; "partial": SCAR; "full": everything rolls back
         self.recovery = self.options.get("recovery")
@@ -489,6 +492,8 @@ class Master:
                 self.elastic.on_join(ev.value)
             elif ev.kind == "put" and ev.key == CHECKPOINT_KEY and ev.value is not None:
                 self.on_checkpoint_command(ev.value)
+            elif ev.kind == "put" and ev.key == STOP_KEY and ev.value is not None:
+                self.on_stop_command(ev.value)
 
     def _wait(self, done: Callable[[], bool], what: str, timeout: float,
               handle: Callable[[Message], None]) -> None:
@@ -952,20 +957,47 @@ class Master:
         if self.checkpoints is None or self.state is None:
             return False
         iteration = self.driver.iteration if self.driver is not None else None
-        if self.checkpoints.begin(reason, iteration) is None:
+        r = self.checkpoints.begin(reason, iteration)
+        if r is None:
             return False
+        r.commands, self._ckpt_commands = self._ckpt_commands, []  # it answers the commands made so far
         self.state.paused = True
         return True
 
-    def on_checkpoint_command(self, cmd: dict[str, Any]) -> None:
+    def on_checkpoint_command(self, cmd: dict[str, Any], reason: str = "command") -> None:
         cid = str(cmd.get("id", ""))
         if self.checkpoints is None:
             self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
                                                      "reason": "this job has no --checkpoint-dir"})
             return
-        self._ckpt_commands.append(cid)
+        self._ckpt_commands.append(cid)  # answered by the next full round, not by one already running
         if self.checkpoints.round is None:
-            self.checkpoint(f"command {cid}")
+            self.checkpoint(f"{reason} {cid}")
+
+    def on_stop_command(self, cmd: dict[str, Any]) -> None:
+        """``litz stop``: end the job now, or after a consistent checkpoint taken for the purpose
+        (a round that began after the command, so it holds everything done until then). If that
+        checkpoint fails, the job is not stopped: the command's answer says why, and the job
+        trains on (the operator may stop it without a checkpoint)."""
+        cid = str(cmd.get("id", ""))
+        want = bool(cmd.get("checkpoint"))
+        if self._stop is not None:
+            self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
+                                                     "reason": f"already stopping (command {self._stop['id']})"})
+            return
+        if want and self.checkpoints is None:
+            self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
+                                                     "reason": "this job has no --checkpoint-dir: stop it without "
+                                                               "--checkpoint, or launch it with one"})
+            return
+        self._stop = {"id": cid, "checkpoint": want, "path": None}
+        log.warning("stop requested (command %s)%s", cid, ", after a checkpoint" if want else "")
+        if want:
+            self.on_checkpoint_command({"id": cid}, reason="stop")
+
+    def _stop_ready(self) -> bool:
+        """Whether a ``litz stop`` may end the job now (its checkpoint, if it wanted one, is written)."""
+        return self._stop is not None and (not self._stop["checkpoint"] or self._stop["path"] is not None)
 
     def _checkpoint_tick(self) -> None:
         """Start a checkpoint the policy asks for; take the snapshot once nothing runs or moves."""
@@ -977,7 +1009,7 @@ class Master:
             if ck.written(cid, "master", ["driver.pkl"], error):
                 self._finish_checkpoint()
         if ck.round is None and self._ckpt_commands:
-            self.checkpoint("command")
+            self.checkpoint("stop" if self._stop is not None and self._stop["id"] in self._ckpt_commands else "command")
         elif ck.round is None and ck.due(self.driver.iteration):
             if not ck.partial_next():
                 self.checkpoint("policy")
@@ -1071,11 +1103,20 @@ class Master:
             log.error("checkpoint %s failed, it has no manifest and will never be used: %s",
                       record["path"] or f"round {record['cid']}", "; ".join(record["errors"]))
             self.errors.extend(record["errors"])
-        for cid in self._ckpt_commands:
+        stop = self._stop
+        for cid in r.commands:
+            if stop is not None and cid == stop["id"]:
+                if record["ok"]:
+                    stop["path"] = record["path"]  # answered when the job has stopped
+                else:
+                    self._stop = None
+                    self.membership.put(f"{RESULTS}{cid}", {
+                        "ok": False, "time": time.time(),
+                        "reason": "the checkpoint failed, so the job was not stopped: " + "; ".join(record["errors"])})
+                continue
             self.membership.put(f"{RESULTS}{cid}", {"ok": record["ok"], "time": time.time(),
                                                      "reason": record["path"] if record["ok"]
                                                      else "; ".join(record["errors"])})
-        self._ckpt_commands.clear()
 
     def init_server(self, ident: str) -> None:
         """Send a server joining the running job the tables; it gets shards by migration."""
@@ -1201,6 +1242,7 @@ class Master:
             "pid": os.getpid(), "started": time.time(),
         })
         stats: dict[str, dict[str, Any]] = {}
+        stopped: dict[str, Any] | None = None  # a `litz stop` that ended the job
         try:
             self.publish_status("starting")
             workers, servers = self._wait_for_processes()
@@ -1218,7 +1260,7 @@ class Master:
                 raise ProcessLost(f"{rb.reason} (before the job started: nothing to roll back to)", rb.ident) from None
             self._send_outbox()
             assert self.state is not None
-            while not driver._finished:
+            while not driver._finished and not self._stop_ready():
                 if not self.state.inflight and not self._deferred:
                     raise LitzError("the driver has no task in flight and has not called finish(): "
                                     "the job cannot make progress")
@@ -1248,13 +1290,23 @@ class Master:
             stats.setdefault("master", {"role": "master"}).update({"recoveries": list(self.recoveries),
                                "checkpoints": list(self.checkpoints.completed) if self.checkpoints else [],
                                "scale_history": list(self.elastic.history)})
-            self.publish_status("finished")
+            if not driver._finished and self._stop is not None:
+                stopped = self._stop
+                self.publish_status("stopped")
+                self.membership.put(f"{RESULTS}{stopped['id']}", {
+                    "ok": True, "time": time.time(),
+                    "reason": f"stopped after checkpoint {stopped['path']}" if stopped["path"]
+                    else "stopped (no checkpoint taken)"})
+            else:
+                self.publish_status("finished")
         except BaseException:
             self.publish_status("failed")
             raise
         finally:
             self.shutdown(stats)
         assert self.state is not None
+        if stopped is not None:
+            raise JobStopped(self.job, stopped["path"])
         return JobResult(driver._result, time.monotonic() - started, stats, self.job, self.state.completed)
 
     def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
