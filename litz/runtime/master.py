@@ -1299,6 +1299,9 @@ class Master:
                     else "stopped (no checkpoint taken)"})
             else:
                 self.publish_status("finished")
+                if self._stop is not None:  # it finished before the stop's checkpoint was written
+                    self.membership.put(f"{RESULTS}{self._stop['id']}", {
+                        "ok": True, "time": time.time(), "reason": "finished on its own before it could stop"})
         except BaseException:
             self.publish_status("failed")
             raise
