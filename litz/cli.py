@@ -246,14 +246,17 @@ def describe_recovery(rec: dict[str, Any]) -> str:
 
 
 def status(argv: list[str]) -> int:
-    """``litz status --job NAME [--etcd URL] [--json]``."""
+    """``litz status [--job NAME] [--etcd URL] [--json]``: one job, or without ``--job`` the local ones."""
     import json
 
-    p = argparse.ArgumentParser(prog="litz status", description="Show a running job's processes and progress.")
-    p.add_argument("--job", required=True)
+    p = argparse.ArgumentParser(prog="litz status", description="Show a running job's processes and progress; "
+                                                                   "without --job, list the jobs launched here.")
+    p.add_argument("--job", default=None)
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     args = p.parse_args(argv)
+    if args.job is None:
+        return _list_jobs(args.json)
     try:
         st = job_status(args.job, args.etcd)
     except LitzError as exc:
@@ -281,6 +284,34 @@ def status(argv: list[str]) -> int:
         if proc.get("state") == "joining":
             extra += " joining"
         print(f"  {proc['role']:<7} {proc['id']:<16} host {proc['host']:<16} pid {proc['pid']:<8} {extra}")
+    return 0
+
+
+def _list_jobs(as_json: bool) -> int:
+    """The jobs launched on this host that still run, each with its phase and progress from etcd."""
+    import json
+
+    from litz.runtime import jobs
+    from litz.runtime.master import STATUS_KEY
+    from litz.runtime.membership import Membership
+
+    rows = []
+    for rec in jobs.local_jobs():
+        row = {"job": rec["job"], "etcd": rec["etcd"], "pid": rec["pid"], "phase": "unreachable", "progress": ""}
+        try:
+            with Membership(rec["etcd"], rec["job"]) as mem:
+                st = mem.get(STATUS_KEY) or {}
+            row.update(phase=st.get("phase", "starting"), progress=st.get("progress", ""))
+        except LitzError:
+            pass
+        rows.append(row)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    elif not rows:
+        print(f"no job launched here is running (records in {jobs.jobs_dir()})")
+    else:
+        for row in rows:
+            print(f"{row['job']:<32} {row['phase']:<11} pid {row['pid']:<8} etcd {row['etcd']}  {row['progress']}")
     return 0
 
 
@@ -450,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"litz: unknown command {argv[0]!r}", file=sys.stderr)
         print("usage: litz COMMAND ...\n\ncommands:\n"
               "  launch      run an application (litz launch --help)\n"
-              "  status      show a running job (litz status --help)\n"
+              "  status      show a running job, or list the local ones (litz status --help)\n"
               "  scale       resize a running job (litz scale --help)\n"
               "  checkpoint  take a checkpoint of a running job (litz checkpoint --help)\n"
               "  stop        stop a running job, optionally after a checkpoint (litz stop --help)\n"

@@ -50,6 +50,13 @@ def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
         text = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=30).stdout
         assert "executors 0-2 (3)" in text or "executors 0-1 (2)" in text
+        # without --job: the local jobs; a record whose launcher is gone (kill -9) is stale and pruned
+        (tmp_path / "ghost.json").write_text(json.dumps({"job": "ghost", "etcd": "http://127.0.0.1:9", "pid": 2**22 + 7}))
+        listing = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--json"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=30)
+        rows = json.loads(listing.stdout)
+        assert [(r["job"], r["phase"]) for r in rows] == [(job, "running")] and rows[0]["pid"] == os.getpid()
+        assert not (tmp_path / "ghost.json").exists()
     finally:
         runner.join(60)
     assert out["res"].value == "done"

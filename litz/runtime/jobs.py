@@ -1,5 +1,7 @@
 """Where a local job's etcd can be found from its name, so ``litz status --job NAME`` needs no URL.
 
+``litz status`` without ``--job`` lists these records (:func:`local_jobs`).
+
 The launcher writes ``<jobs dir>/<job>.json`` (etcd URL, launcher pid) when a job starts and
 removes it when the job ends. The folder is ``$LITZ_JOBS_DIR`` or ``~/.cache/litz/jobs``.
 """
@@ -38,6 +40,36 @@ def forget(job: str) -> None:
         _path(job).unlink()
     except FileNotFoundError:
         pass
+
+
+def local_jobs() -> list[dict[str, Any]]:
+    """The records of the jobs launched on this host whose launcher still runs, by name.
+
+    A launcher killed with ``kill -9`` cannot remove its record: a record whose pid is gone
+    is stale, and is removed here."""
+    out = []
+    for path in sorted(jobs_dir().glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(int(rec.get("pid", 0))):
+            out.append(rec)
+        else:
+            path.unlink(missing_ok=True)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
 
 
 def lookup(job: str) -> dict[str, Any]:
