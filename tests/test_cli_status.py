@@ -51,7 +51,8 @@ def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
                               capture_output=True, text=True, timeout=30).stdout
         assert "executors 0-2 (3)" in text or "executors 0-1 (2)" in text
         # without --job: the local jobs; a record whose launcher is gone (kill -9) is stale and pruned
-        (tmp_path / "ghost.json").write_text(json.dumps({"job": "ghost", "etcd": "http://127.0.0.1:9", "pid": 2**22 + 7}))
+        ghost = {"job": "ghost", "etcd": "http://127.0.0.1:9", "pid": 2**22 + 7}  # above any pid_max
+        (tmp_path / "ghost.json").write_text(json.dumps(ghost))
         listing = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--json"], cwd=ROOT, env=env,
                                  capture_output=True, text=True, timeout=30)
         rows = json.loads(listing.stdout)
