@@ -45,15 +45,15 @@ class ProcessLost(LitzError):
 
 
 class JobStopped(LitzError):
-    """The job was stopped on request (``litz stop``) before its driver finished.
+    """The job was stopped on request (``litz stop``, or SIGTERM to ``litz launch``) before its driver finished.
 
     ``checkpoint`` is the directory of the consistent checkpoint taken just before it stopped
     (``litz stop --checkpoint``), from which ``litz launch --resume`` or ``litz.run(resume=...)``
     goes on; None when it stopped without one.
     """
 
-    def __init__(self, job: str, checkpoint: str | None = None) -> None:
+    def __init__(self, job: str, checkpoint: str | None = None, how: str = "litz stop") -> None:
         self.job = job
         self.checkpoint = checkpoint
         where = f"; its last checkpoint is {checkpoint} (resume with --resume {checkpoint})" if checkpoint else ""
-        super().__init__(f"job {job} was stopped on request (litz stop){where}")
+        super().__init__(f"job {job} was stopped on request ({how}){where}")

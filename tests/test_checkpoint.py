@@ -386,3 +386,39 @@ def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 75 and f"job {job} was stopped on request" in err
     assert processes_mentioning(job) == []
+
+
+def test_sigterm_stops_litz_launch_after_a_checkpoint(tmp_path: Path) -> None:
+    """What a cluster scheduler does before it takes the machines: SIGTERM, then (later) SIGKILL."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
+    job = f"sigterm-{time.time_ns()}"
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--job", job, "--epochs", "500",
+                             "--train-rows", "6000", "--quiet", "--checkpoint-dir", str(ckpt)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            st = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job, "--json"], cwd=root,
+                                env=env, capture_output=True, text=True, timeout=30)
+            if st.returncode == 0 and '"phase": "running"' in st.stdout:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, st.stderr
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, path, manifest = storage.find_checkpoint(str(ckpt))
+    assert proc.returncode == 75, err
+    assert f"job {job} was stopped on request" in err and f"--resume {path}" in err
+    assert "stop" in manifest["reason"]
+    assert processes_mentioning(job) == []

@@ -11,14 +11,18 @@ master included, uses ZeroMQ CURVE (see ``litz.runtime.security``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,10 +260,27 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                 master = Master(app, job, membership, workers=workers, servers=servers, num_executors=n_exec,
                                 options=options, health_check=cluster.check, startup_timeout=startup_timeout,
                                 num_shards=num_shards, resume=resumed)
-                return master.run(driver)
+                with _stop_on_sigterm(master):
+                    return master.run(driver)
         finally:
             cluster._stopping = True
             membership.close()
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(master: Master) -> Iterator[None]:
+    """While the job runs, SIGTERM stops it the way ``litz stop`` does: after a checkpoint if it
+    has a checkpoint directory (a second SIGTERM does not wait for it), and ``litz.run`` raises
+    ``JobStopped``. That is what a cluster scheduler sends before it takes the machines back.
+    Signal handlers belong to the main thread: from another thread nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: master.request_stop())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str = "127.0.0.1",

@@ -390,6 +390,7 @@ class Master:
         self._ckpt_commands: list[str] = []  # `litz checkpoint` / `litz stop` ids waiting for a full round
         # `litz stop`: {"id", "checkpoint": wanted, "path": the checkpoint it waits for (once written)}
         self._stop: dict[str, Any] | None = None
+        self._stop_signals = self._stop_signals_seen = 0  # SIGTERMs received / acted on (request_stop)
         self._written: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()  # driver files written
         # None: a lost process stops the job; "partial": SCAR; "full": everything rolls back
         self.recovery = self.options.get("recovery")
@@ -422,6 +423,7 @@ class Master:
                     self._from_fenced(msg)
                 elif msg is not None:
                     out.append(msg)
+        self._signalled_stop()
         now = time.monotonic()
         if now - self._last_health > 0.2:
             self._last_health = now
@@ -995,6 +997,24 @@ class Master:
         if want:
             self.on_checkpoint_command({"id": cid}, reason="stop")
 
+    def request_stop(self) -> None:
+        """What SIGTERM does (``on_sigterm``): safe in a signal handler, since it only counts; the
+        loop acts on it. The first asks for a stop after a checkpoint when the job has a
+        checkpoint directory (else at once); a second one stops at once."""
+        self._stop_signals += 1
+
+    def _signalled_stop(self) -> None:
+        """Act on ``request_stop`` from the loop (see there)."""
+        if self._stop_signals == self._stop_signals_seen:
+            return
+        self._stop_signals_seen = self._stop_signals
+        if self._stop is None:
+            log.warning("SIGTERM: stopping the job%s", " after a checkpoint" if self.checkpoints else "")
+            self.on_stop_command({"id": "sigterm", "checkpoint": self.checkpoints is not None})
+        elif self._stop["checkpoint"] and self._stop["path"] is None:
+            log.warning("SIGTERM again: stopping now, without waiting for the checkpoint")
+            self._stop["checkpoint"] = False
+
     def _stop_ready(self) -> bool:
         """Whether a ``litz stop`` may end the job now (its checkpoint, if it wanted one, is written)."""
         return self._stop is not None and (not self._stop["checkpoint"] or self._stop["path"] is not None)
@@ -1309,7 +1329,7 @@ class Master:
             self.shutdown(stats)
         assert self.state is not None
         if stopped is not None:
-            raise JobStopped(self.job, stopped["path"])
+            raise JobStopped(self.job, stopped["path"], "SIGTERM" if stopped["id"] == "sigterm" else "litz stop")
         return JobResult(driver._result, time.monotonic() - started, stats, self.job, self.state.completed)
 
     def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
