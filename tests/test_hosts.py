@@ -1,4 +1,5 @@
-"""One job over three hosts (network namespaces with their own addresses): join mid-run, drain.
+"""One job over three hosts (network namespaces with their own addresses): join mid-run, drain (by
+command and by SIGTERM to a host's agent).
 
 Host A (the root namespace) runs etcd, the master, one worker and one server. Host B joins
 with two workers and a server, host C with one worker; then B is drained. All traffic goes
@@ -9,6 +10,7 @@ another secret is refused and the job goes on without it.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -119,6 +121,12 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
             assert scale(["--job", job, "--etcd", etcd.url, "--drain-host", "10.9.9.9"]) == 1
             assert scale(["--job", job, "--etcd", etcd.url, "--drain-host", a]) == 1
             assert d not in lay.get("worker", {})
+            # SIGTERM to host C's agent (a scheduler taking the machine back): C is drained, the job goes on
+            joiners[2].send_signal(signal.SIGTERM)
+            assert joiners[2].wait(60) == 0, (tmp_path / "c.log").read_text()
+            lay = _layout(job, etcd.url)
+            assert c not in lay.get("worker", {}) and lay["worker"] == {a: ["w0"]}
+            assert sorted(e for v in lay["executors"].values() for e in v) == list(range(8))
         finally:
             stop.touch()
             t.join(60)

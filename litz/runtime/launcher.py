@@ -31,7 +31,7 @@ from litz.errors import ConfigError, ProcessLost
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator
 from litz.runtime import jobs, security
-from litz.runtime.elastic import AGENTS
+from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import Master, Resume
 from litz.runtime.membership import Membership, lease_ttl
@@ -69,6 +69,7 @@ class LocalCluster:
         self.node = host_name(host)  # this agent's name, and its host's in the job
         self.join = join
         self.exit_requested = False  # the master drained this host (join mode: the agent leaves)
+        self.job_ended = False  # join mode: the master is gone, the job is over
         self.etcd_url = etcd
         self.log_level = log_level or os.environ.get("LITZ_LOG_LEVEL", "WARNING")
         self._etcd: LocalEtcd | None = None
@@ -290,6 +291,12 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
     Starts this host's node agent, offers the master ``workers`` and ``servers`` processes
     (key ``commands/join/<host>``), starts them when the master asks, and stays until the job
     ends or the master drains this host. Their executors and shards arrive by migration.
+
+    SIGTERM (a scheduler taking the machine back) asks the master to drain this host, as
+    ``litz scale --drain-host`` does: its executors and shards move to the other hosts, its
+    processes exit, and so does this agent (exit code 0); the job trains on. While the master
+    refuses (another scale under way, or this host holds the last server), the request is
+    made again every 2 s. A second SIGTERM stops this host's processes at once (exit code 1).
     """
     if secret_file is None:
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None
@@ -307,22 +314,94 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                                                      "servers": servers, "time": time.time()})
         deadline = time.monotonic() + timeout
         accepted = False
-        while True:
-            for ev in agent.poll_events():
-                if ev.key == f"commands/result/{cid}" and ev.kind == "put" and ev.value:
-                    if not ev.value.get("ok"):
-                        raise ConfigError(f"the job refused this host: {ev.value.get('reason')}")
+        drain = _HostDrain(agent, cluster.node)
+        with _count_sigterms() as sigterms:
+            while True:
+                if sigterms[0] >= 2:
+                    log.error("SIGTERM again: stopping this host's processes without waiting for the drain")
+                    return 1
+                if sigterms[0] and accepted:
+                    drain.ask()
+                if _join_step(cluster, agent, cid, job, drain):
                     accepted = True
-                    log.warning("joined job %s: %s", job, ev.value.get("reason"))
-                elif ev.key == proc_key("master", "master") and ev.kind == "delete":
-                    return 0  # the job ended; our processes leave on their own
-                elif ev.key.endswith("/spawn") and ev.kind == "put" and ev.value:
-                    cluster.handle_spawn(ev.value)
-                elif ev.key.endswith("/exit") and ev.kind == "put":
-                    cluster.exit_requested = True
-            if not accepted and time.monotonic() > deadline:
-                raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")
-            cluster.check_children()
-            if cluster.exit_requested and all(p.poll() is not None for p in cluster.children.values()):
-                return 0
-            time.sleep(0.1)
+                if cluster.exit_requested and all(p.poll() is not None for p in cluster.children.values()):
+                    return 0
+                if cluster.job_ended:
+                    return 0
+                if not accepted and time.monotonic() > deadline:
+                    raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")
+                cluster.check_children()
+                time.sleep(0.1)
+
+
+def _join_step(cluster: LocalCluster, agent: Membership, cid: str, job: str, drain: _HostDrain) -> bool:
+    """Handle the agent's etcd events once; True when the master accepted this host's offer."""
+    accepted = False
+    for ev in agent.poll_events():
+        if drain.answered(ev):
+            continue
+        if ev.key == f"commands/result/{cid}" and ev.kind == "put" and ev.value:
+            if not ev.value.get("ok"):
+                raise ConfigError(f"the job refused this host: {ev.value.get('reason')}")
+            accepted = True
+            log.warning("joined job %s: %s", job, ev.value.get("reason"))
+        elif ev.key == proc_key("master", "master") and ev.kind == "delete":
+            cluster.job_ended = True  # our processes leave on their own
+        elif ev.key.endswith("/spawn") and ev.kind == "put" and ev.value:
+            cluster.handle_spawn(ev.value)
+        elif ev.key.endswith("/exit") and ev.kind == "put":
+            cluster.exit_requested = True
+    return accepted
+
+
+class _HostDrain:
+    """A node agent's request that the master drain its host (what SIGTERM asks), made again
+    every ``retry`` seconds while the master refuses it."""
+
+    def __init__(self, agent: Membership, host: str, retry: float = 2.0) -> None:
+        self.agent, self.host, self.retry = agent, host, retry
+        self.cid: str | None = None
+        self.accepted = False
+        self._asked_at = -float("inf")
+        self._refusal: str | None = None
+
+    def ask(self) -> None:
+        if self.accepted or time.monotonic() - self._asked_at < self.retry:
+            return
+        if self.cid is None:
+            log.warning("SIGTERM: asking the master to drain this host (%s)", self.host)
+        self.cid = f"drain-{self.host}-{secrets.token_hex(3)}"
+        self.agent.watch_prefix(f"{RESULTS}{self.cid}")
+        self.agent.put(SCALE_KEY, {"id": self.cid, "drain_host": self.host, "time": time.time()})
+        self._asked_at = time.monotonic()
+
+    def answered(self, ev: Any) -> bool:
+        """Take the master's answer to the latest request; True if ``ev`` was it."""
+        if self.cid is None or ev.key != f"{RESULTS}{self.cid}" or ev.kind != "put" or not ev.value:
+            return False
+        if ev.value.get("ok"):
+            self.accepted = True
+            log.warning("the master drains this host: %s", ev.value.get("reason"))
+        elif ev.value.get("reason") != self._refusal:
+            self._refusal = ev.value.get("reason")
+            log.error("the master refused to drain this host (asking again every %.0f s; a second SIGTERM "
+                      "stops its processes now): %s", self.retry, self._refusal)
+        return True
+
+
+@contextlib.contextmanager
+def _count_sigterms() -> Iterator[list[int]]:
+    """``[n]``: the SIGTERMs received while inside (main thread only; elsewhere none are caught)."""
+    count = [0]
+    if threading.current_thread() is not threading.main_thread():
+        yield count
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        count[0] += 1
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield count
+    finally:
+        signal.signal(signal.SIGTERM, previous)
