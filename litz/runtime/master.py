@@ -434,7 +434,7 @@ class Master:
                 raise
         if now - self._last_status > STATUS_PERIOD:
             self._last_status = now
-            self.publish_status("running" if self.driver is not None else "starting")
+            self.publish_status("starting" if self.driver is None else "stopping" if self._stop else "running")
         return out
 
     def _from_fenced(self, msg: Message) -> None:
