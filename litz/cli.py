@@ -380,14 +380,37 @@ def scale(argv: list[str]) -> int:
     return 0
 
 
-def checkpoint(argv: list[str]) -> int:
-    """``litz checkpoint --job NAME [--etcd URL] [--timeout S]``: take a checkpoint now and wait for it."""
+def _ask_master(job: str, etcd: str | None, key: str, fields: dict[str, Any],
+                timeout: float) -> tuple[str, dict[str, Any] | None]:
+    """Send the job's master a command (``key``: which) and wait for its answer: ``(command id,
+    answer or None if none came within timeout)``. Raises LitzError if the job cannot be found."""
     import secrets as _secrets
     import time
 
     from litz.runtime import jobs
-    from litz.runtime.master import CHECKPOINT_KEY
     from litz.runtime.membership import Membership
+
+    cid = _secrets.token_hex(4)
+    url = etcd or jobs.lookup(job)["etcd"]
+    with Membership(url, job) as mem:
+        return cid, _command(mem, key, {"id": cid, **fields}, time.monotonic() + timeout)
+
+
+def _answered(result: dict[str, Any] | None, *, late: str, refused: str, done: str) -> int:
+    """Print the master's answer to a command (``done`` formatted with its ``reason``); the exit code."""
+    if result is None:
+        print(f"litz: {late}", file=sys.stderr)
+        return 1
+    if not result["ok"]:
+        print(f"litz: {refused}: {result['reason']}", file=sys.stderr)
+        return 1
+    print(done.format(reason=result["reason"]))
+    return 0
+
+
+def checkpoint(argv: list[str]) -> int:
+    """``litz checkpoint --job NAME [--etcd URL] [--timeout S]``: take a checkpoint now and wait for it."""
+    from litz.runtime.master import CHECKPOINT_KEY
 
     p = argparse.ArgumentParser(prog="litz checkpoint",
                                 description="Take a consistent checkpoint of a running job (launched with "
@@ -397,20 +420,12 @@ def checkpoint(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
     try:
-        url = args.etcd or jobs.lookup(args.job)["etcd"]
-        with Membership(url, args.job) as mem:
-            result = _command(mem, CHECKPOINT_KEY, {"id": _secrets.token_hex(4)}, time.monotonic() + args.timeout)
+        _, result = _ask_master(args.job, args.etcd, CHECKPOINT_KEY, {}, args.timeout)
     except LitzError as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return 1
-    if result is None:
-        print(f"litz: no checkpoint within {args.timeout:.0f} s", file=sys.stderr)
-        return 1
-    if not result["ok"]:
-        print(f"litz: checkpoint failed: {result['reason']}", file=sys.stderr)
-        return 1
-    print(f"checkpoint written: {result['reason']}")
-    return 0
+    return _answered(result, late=f"no checkpoint within {args.timeout:.0f} s", refused="checkpoint failed",
+                     done="checkpoint written: {reason}")
 
 
 def stop(argv: list[str]) -> int:
@@ -421,12 +436,7 @@ def stop(argv: list[str]) -> int:
     scheduler does before it takes the machines back. The job's ``litz launch`` exits with
     status 75 (``EX_TEMPFAIL``: stopped, may be resumed) and names the checkpoint.
     """
-    import secrets as _secrets
-    import time
-
-    from litz.runtime import jobs
     from litz.runtime.master import STOP_KEY
-    from litz.runtime.membership import Membership
 
     p = argparse.ArgumentParser(prog="litz stop", description="Stop a running job, optionally after a checkpoint.")
     p.add_argument("--job", required=True)
@@ -435,23 +445,13 @@ def stop(argv: list[str]) -> int:
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
-    cid = _secrets.token_hex(4)
     try:
-        url = args.etcd or jobs.lookup(args.job)["etcd"]
-        with Membership(url, args.job) as mem:
-            result = _command(mem, STOP_KEY, {"id": cid, "checkpoint": args.checkpoint},
-                              time.monotonic() + args.timeout)
+        cid, result = _ask_master(args.job, args.etcd, STOP_KEY, {"checkpoint": args.checkpoint}, args.timeout)
     except LitzError as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return 1
-    if result is None:
-        print(f"litz: the job did not stop within {args.timeout:.0f} s (command {cid})", file=sys.stderr)
-        return 1
-    if not result["ok"]:
-        print(f"litz: stop refused: {result['reason']}", file=sys.stderr)
-        return 1
-    print(f"job {args.job} {result['reason']}")
-    return 0
+    return _answered(result, late=f"the job did not stop within {args.timeout:.0f} s (command {cid})",
+                     refused="stop refused", done=f"job {args.job} {{reason}}")
 
 
 def secret(argv: list[str]) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -120,7 +124,6 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
 
 def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -> None:
     import threading
-    import time
 
     from litz.cli import checkpoint, job_status
 
@@ -285,7 +288,6 @@ def test_a_failing_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: 
 
 
 def _wait_running(job: str, timeout: float = 30.0) -> None:
-    import time
 
     from litz.cli import job_status
 
@@ -302,7 +304,6 @@ def _wait_running(job: str, timeout: float = 30.0) -> None:
 
 def test_litz_stop_after_a_checkpoint_then_resume_goes_on_exactly(tmp_path: Path, monkeypatch) -> None:
     import threading
-    import time
 
     from litz.cli import stop
 
@@ -356,28 +357,33 @@ def test_litz_stop_after_a_checkpoint_then_resume_goes_on_exactly(tmp_path: Path
         assert sorted(seqs) == list(range(len(seqs)))
 
 
-def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import sys
-    import time
+ROOT = Path(__file__).resolve().parent.parent
 
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path))
-    job = f"stop-launch-{time.time_ns()}"
+
+def _launch_running_mlr(tmp_path: Path, job: str, *extra: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """``litz launch apps/mlr.py`` (a long run on a small slice) as a subprocess, once it is running."""
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
     proc = subprocess.Popen([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--job", job, "--epochs", "500",
-                             "--train-rows", "6000", "--quiet"], cwd=root, env=env, stdout=subprocess.PIPE,
+                             "--train-rows", "6000", "--quiet", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        st = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job, "--json"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=30)
+        if st.returncode == 0 and '"phase": "running"' in st.stdout:
+            return proc, env
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"litz launch never reached the running phase: {st.stderr}")
+        time.sleep(0.3)
+
+
+def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
+
+    job = f"stop-launch-{time.time_ns()}"
+    proc, env = _launch_running_mlr(tmp_path, job)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            st = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job, "--json"], cwd=root,
-                                env=env, capture_output=True, text=True, timeout=30)
-            if st.returncode == 0 and '"phase": "running"' in st.stdout:
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, st.stderr
-            time.sleep(0.3)
-        cmd = subprocess.run([sys.executable, "-m", "litz.cli", "stop", "--job", job], cwd=root, env=env,
+        cmd = subprocess.run([sys.executable, "-m", "litz.cli", "stop", "--job", job], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
         assert cmd.returncode == 0 and "stopped (no checkpoint taken)" in cmd.stdout, cmd.stderr
         _, err = proc.communicate(timeout=60)
@@ -390,28 +396,12 @@ def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
 
 def test_sigterm_stops_litz_launch_after_a_checkpoint(tmp_path: Path) -> None:
     """What a cluster scheduler does before it takes the machines: SIGTERM, then (later) SIGKILL."""
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
 
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
     job = f"sigterm-{time.time_ns()}"
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--job", job, "--epochs", "500",
-                             "--train-rows", "6000", "--quiet", "--checkpoint-dir", str(ckpt)], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, _ = _launch_running_mlr(tmp_path, job, "--checkpoint-dir", str(ckpt))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            st = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job, "--json"], cwd=root,
-                                env=env, capture_output=True, text=True, timeout=30)
-            if st.returncode == 0 and '"phase": "running"' in st.stdout:
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, st.stderr
-            time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
