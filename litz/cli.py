@@ -105,7 +105,9 @@ def _launch_parser() -> argparse.ArgumentParser:
                         "from the running checkpoint onto the survivors; full rolls the whole job back to "
                         "its last full checkpoint")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="start from the newest complete checkpoint in DIR (or the checkpoint DIR itself)")
+                   help="start from the newest complete checkpoint in DIR (or the checkpoint DIR itself); "
+                        "'auto': from the newest in --checkpoint-dir if there is one, else from scratch (one "
+                        "command line for the first start and every restart)")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address the job's processes listen on (default 127.0.0.1); "
                         "an address beyond loopback requires --secret-file")

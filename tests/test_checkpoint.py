@@ -412,3 +412,20 @@ def test_sigterm_stops_litz_launch_after_a_checkpoint(tmp_path: Path) -> None:
     assert f"job {job} was stopped on request" in err and f"--resume {path}" in err
     assert "stop" in manifest["reason"]
     assert processes_mentioning(job) == []
+
+
+def test_resume_auto_starts_afresh_then_resumes_from_the_newest(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    app = testapps.migrating_app(tasks=800, executors=4, move_prob=0.0)
+    app.driver = testapps.CheckpointingDriver
+    app.config.update(checkpoint_at=200, stop_at=500)
+    with pytest.raises(ConfigError, match="--checkpoint-dir"):
+        litz.run(app, workers=1, servers=1, resume="auto")
+    first = litz.run(app, workers=1, servers=1, checkpoint_dir=ckpt, resume="auto")  # nothing there yet
+    assert first.value == {"stopped_early": True} and storage.has_complete_checkpoint(ckpt)
+    app.config.update(checkpoint_at=None, stop_at=None)
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=ckpt, resume="auto").value  # the same call again
+    assert 200 <= res["resumed_at"] < 500
+    np.testing.assert_array_equal(res["final"], res["truth"])
+    assert sum(len(s) for s in res["done_seq"]) == 800
+    assert not storage.has_complete_checkpoint(str(tmp_path / "nowhere"))

@@ -171,19 +171,32 @@ def running_checkpoint(location: str) -> tuple[str, dict[str, Any], list[tuple[s
     return base, manifests[base], partials
 
 
+def has_complete_checkpoint(location: str) -> bool:
+    """Whether ``location`` holds a checkpoint to resume from (a missing directory holds none)."""
+    fs, path = filesystem(location)
+    try:
+        return _newest_complete(fs, path) is not None
+    except FileNotFoundError:
+        return False
+
+
+def _newest_complete(fs: pafs.FileSystem, path: str) -> str | None:
+    """``path`` itself if it holds a manifest, else its newest complete full ``ckpt-*``, else None."""
+    if has_manifest(fs, path):
+        return path
+    complete = [p for _, p in checkpoint_dirs(fs, path)
+                if has_manifest(fs, p) and not read_manifest(fs, p).get("partial_of")]
+    return complete[-1] if complete else None
+
+
 def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]]:
     """The checkpoint to resume from: ``location`` itself if it holds a manifest, else the newest
     complete full ``ckpt-*`` under it. Directories without a manifest are skipped, never used."""
     fs, path = filesystem(location)
-    if has_manifest(fs, path):
-        chosen = path
-    else:
-        complete = [p for _, p in checkpoint_dirs(fs, path)
-                    if has_manifest(fs, p) and not read_manifest(fs, p).get("partial_of")]
-        if not complete:
-            raise CheckpointError(f"no complete checkpoint in {location} (a checkpoint is complete once its "
-                                  f"{MANIFEST} is written)")
-        chosen = complete[-1]
+    chosen = _newest_complete(fs, path)
+    if chosen is None:
+        raise CheckpointError(f"no complete checkpoint in {location} (a checkpoint is complete once its "
+                              f"{MANIFEST} is written)")
     manifest = json.loads(read_bytes(fs, f"{chosen}/{MANIFEST}"))
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{chosen}: unsupported checkpoint format {manifest.get('format')!r}")

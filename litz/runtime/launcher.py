@@ -223,11 +223,19 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     ``recovery="partial"`` (SCAR) survives the loss of a worker or server: only what it held is
     restored, from the running checkpoint, onto the survivors; nothing else rolls back.
     ``recovery="full"`` survives it by rolling the whole job back to its last full checkpoint
-    (from the beginning if there is none yet).
+    (from the beginning if there is none yet). ``resume="auto"`` resumes from the newest
+    complete checkpoint in ``checkpoint_dir`` if there is one, else starts afresh: one command
+    line for the first start and every restart after ``litz stop`` or SIGTERM.
     """
     job = job or new_job_name()
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
+    if resume == "auto":  # the same command line starts a job and restarts it after a stop
+        if not checkpoint_dir:
+            raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
+        resume = checkpoint_dir if storage.has_complete_checkpoint(checkpoint_dir) else None
+        if resume is None:
+            log.warning("no complete checkpoint in %s yet: starting from scratch", checkpoint_dir)
     resumed = Resume.find(resume, app, num_executors, num_shards) if resume else None
     if resumed is not None:
         num_executors = resumed.manifest["num_executors"]
