@@ -360,12 +360,17 @@ def test_litz_stop_after_a_checkpoint_then_resume_goes_on_exactly(tmp_path: Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _mlr_command(job: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--job", job, "--train-rows", "6000", "--quiet",
+            *extra]
+
+
 def _launch_running_mlr(tmp_path: Path, job: str, *extra: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
-    """``litz launch apps/mlr.py`` (a long run on a small slice) as a subprocess, once it is running."""
+    """``litz launch apps/mlr.py`` on a small slice as a subprocess (in a process group of its own,
+    as a batch job is), once it is running."""
     env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
-    proc = subprocess.Popen([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--job", job, "--epochs", "500",
-                             "--train-rows", "6000", "--quiet", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_mlr_command(job, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         st = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job, "--json"], cwd=ROOT,
@@ -381,7 +386,7 @@ def _launch_running_mlr(tmp_path: Path, job: str, *extra: str) -> tuple[subproce
 def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
 
     job = f"stop-launch-{time.time_ns()}"
-    proc, env = _launch_running_mlr(tmp_path, job)
+    proc, env = _launch_running_mlr(tmp_path, job, "--epochs", "500")
     try:
         cmd = subprocess.run([sys.executable, "-m", "litz.cli", "stop", "--job", job], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
@@ -394,23 +399,30 @@ def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
     assert processes_mentioning(job) == []
 
 
-def test_sigterm_stops_litz_launch_after_a_checkpoint(tmp_path: Path) -> None:
-    """What a cluster scheduler does before it takes the machines: SIGTERM, then (later) SIGKILL."""
+def test_sigterm_stops_litz_launch_after_a_checkpoint_and_the_same_command_resumes(tmp_path: Path) -> None:
+    """What a batch scheduler does when it preempts a job: SIGTERM to the job's whole process
+    group (as ``timeout`` or ``scancel`` do), and later the same command line again."""
     import signal
 
     job = f"sigterm-{time.time_ns()}"
-    ckpt = tmp_path / "ckpt"
-    proc, _ = _launch_running_mlr(tmp_path, job, "--checkpoint-dir", str(ckpt))
+    args = ("--epochs", "60", "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume", "auto")
+    proc, env = _launch_running_mlr(tmp_path, job, *args)
     try:
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher and, were they in its group, its children
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    _, path, manifest = storage.find_checkpoint(str(ckpt))
+    _, path, manifest = storage.find_checkpoint(str(tmp_path / "ckpt"))
     assert proc.returncode == 75, err
-    assert f"job {job} was stopped on request" in err and f"--resume {path}" in err
+    assert f"job {job} was stopped on request (SIGTERM)" in err and f"--resume {path}" in err
     assert "stop" in manifest["reason"]
+    assert processes_mentioning(job) == []
+    loud = [a for a in _mlr_command(job, *args) if a != "--quiet"]  # the same job, now with its progress lines
+    again = subprocess.run(loud, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed job {job} from {path}" in again.stderr
+    assert float(again.stdout.strip().splitlines()[-1].split()[-1]) > 0.78  # test accuracy after 60 epochs
     assert processes_mentioning(job) == []
 
 

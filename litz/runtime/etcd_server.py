@@ -308,6 +308,7 @@ class LocalEtcd:
             stderr=subprocess.STDOUT,
             env=env,
             close_fds=True,
+            start_new_session=True,  # group signals (Ctrl-C, a scheduler's SIGTERM) are for the launcher
         )
         self._proc_box[0] = proc
         deadline = time.monotonic() + timeout

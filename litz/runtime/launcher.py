@@ -121,8 +121,12 @@ class LocalCluster:
                "--host", self.host, "--log-level", self.log_level]
         if self.secret_file is not None:
             cmd += ["--secret-file", self.secret_file]
-        # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
-        self.children[ident] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=errlog)
+        # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child.
+        # A session of its own: a signal to the launcher's process group (Ctrl-C, `timeout`, a batch
+        # scheduler's SIGTERM to the job) reaches only the launcher, which stops the job in order;
+        # the child still dies with it (PR_SET_PDEATHSIG, litz.runtime.node).
+        self.children[ident] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=errlog,
+                                                start_new_session=True)
         errlog.close()
 
     def log_tail(self, ident: str, lines: int = 15) -> str:
