@@ -124,9 +124,11 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
             # SIGTERM to host C's agent (a scheduler taking the machine back): C is drained, the job goes on
             joiners[2].send_signal(signal.SIGTERM)
             assert joiners[2].wait(60) == 0, (tmp_path / "c.log").read_text()
-            lay = _layout(job, etcd.url)
-            assert c not in lay.get("worker", {}) and lay["worker"] == {a: ["w0"]}
-            assert sorted(e for v in lay["executors"].values() for e in v) == list(range(8))
+            # the master publishes its status every few hundred ms: wait for the one after the drain
+            lay = _until(lambda: (lay := _layout(job, etcd.url)) and lay["worker"] == {a: ["w0"]}
+                         and sorted(e for v in lay["executors"].values() for e in v) == list(range(8)) and lay,
+                         "host C's executors on w0")
+            assert c not in lay.get("worker", {})
         finally:
             stop.touch()
             t.join(60)
