@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +273,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                 master = Master(app, job, membership, workers=workers, servers=servers, num_executors=n_exec,
                                 options=options, health_check=cluster.check, startup_timeout=startup_timeout,
                                 num_shards=num_shards, resume=resumed)
-                with _stop_on_sigterm(master):
+                # SIGTERM (what a cluster scheduler sends before it takes the machines back) stops
+                # the job as `litz stop` does: after a checkpoint if it has a checkpoint directory
+                with _on_sigterm(master.request_stop):
                     return master.run(driver)
         finally:
             cluster._stopping = True
@@ -281,15 +283,14 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
 
 
 @contextlib.contextmanager
-def _stop_on_sigterm(master: Master) -> Iterator[None]:
-    """While the job runs, SIGTERM stops it the way ``litz stop`` does: after a checkpoint if it
-    has a checkpoint directory (a second SIGTERM does not wait for it), and ``litz.run`` raises
-    ``JobStopped``. That is what a cluster scheduler sends before it takes the machines back.
-    Signal handlers belong to the main thread: from another thread nothing is installed."""
+def _on_sigterm(callback: Callable[[], None]) -> Iterator[None]:
+    """Call ``callback`` at each SIGTERM while inside; it runs in a signal handler, so it must only
+    count or set a flag for a loop to act on. Signal handlers belong to the main thread: from
+    another thread (a test running ``litz.run`` in a thread) nothing is installed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: master.request_stop())
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: callback())
     try:
         yield
     finally:
@@ -327,12 +328,13 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
         deadline = time.monotonic() + timeout
         accepted = False
         drain = _HostDrain(agent, cluster.node)
-        with _count_sigterms() as sigterms:
+        sigterms: list[int] = []
+        with _on_sigterm(lambda: sigterms.append(1)):
             while True:
-                if sigterms[0] >= 2:
+                if len(sigterms) >= 2:
                     log.error("SIGTERM again: stopping this host's processes without waiting for the drain")
                     return 1
-                if sigterms[0] and accepted:
+                if sigterms and accepted:
                     drain.ask()
                 if _join_step(cluster, agent, cid, job, drain):
                     accepted = True
@@ -370,15 +372,18 @@ class _HostDrain:
     """A node agent's request that the master drain its host (what SIGTERM asks), made again
     every ``retry`` seconds while the master refuses it."""
 
-    def __init__(self, agent: Membership, host: str, retry: float = 2.0) -> None:
-        self.agent, self.host, self.retry = agent, host, retry
+    def __init__(self, agent: Membership, host: str, retry: float = 2.0, patience: float = 30.0) -> None:
+        self.agent, self.host, self.retry, self.patience = agent, host, retry, patience
         self.cid: str | None = None
         self.accepted = False
+        self.waiting = False  # asked, no answer yet (a request is answered within ``patience``)
         self._asked_at = -float("inf")
         self._refusal: str | None = None
 
     def ask(self) -> None:
-        if self.accepted or time.monotonic() - self._asked_at < self.retry:
+        """Ask (again): not while a request waits for its answer, and ``retry`` s after a refusal."""
+        since = time.monotonic() - self._asked_at
+        if self.accepted or since < self.retry or (self.waiting and since < self.patience):
             return
         if self.cid is None:
             log.warning("SIGTERM: asking the master to drain this host (%s)", self.host)
@@ -386,11 +391,13 @@ class _HostDrain:
         self.agent.watch_prefix(f"{RESULTS}{self.cid}")
         self.agent.put(SCALE_KEY, {"id": self.cid, "drain_host": self.host, "time": time.time()})
         self._asked_at = time.monotonic()
+        self.waiting = True
 
     def answered(self, ev: Any) -> bool:
         """Take the master's answer to the latest request; True if ``ev`` was it."""
         if self.cid is None or ev.key != f"{RESULTS}{self.cid}" or ev.kind != "put" or not ev.value:
             return False
+        self.waiting = False
         if ev.value.get("ok"):
             self.accepted = True
             log.warning("the master drains this host: %s", ev.value.get("reason"))
@@ -401,19 +408,3 @@ class _HostDrain:
         return True
 
 
-@contextlib.contextmanager
-def _count_sigterms() -> Iterator[list[int]]:
-    """``[n]``: the SIGTERMs received while inside (main thread only; elsewhere none are caught)."""
-    count = [0]
-    if threading.current_thread() is not threading.main_thread():
-        yield count
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        count[0] += 1
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield count
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -998,7 +998,7 @@ class Master:
             self.on_checkpoint_command({"id": cid}, reason="stop")
 
     def request_stop(self) -> None:
-        """What SIGTERM does (``launcher._stop_on_sigterm``): safe in a signal handler, since it only
+        """What SIGTERM does (``launcher._on_sigterm``): safe in a signal handler, since it only
         counts; the loop acts on it. The first asks for a stop after a checkpoint when the job has a
         checkpoint directory (else at once); a second one stops at once."""
         self._stop_signals += 1
