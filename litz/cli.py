@@ -399,14 +399,14 @@ def _ask_master(job: str, etcd: str | None, key: str, fields: dict[str, Any],
 
 
 def _answered(result: dict[str, Any] | None, *, late: str, refused: str, done: str) -> int:
-    """Print the master's answer to a command (``done`` formatted with its ``reason``); the exit code."""
+    """Print the master's answer to a command (``{reason}`` in ``done`` replaced by its reason); the exit code."""
     if result is None:
         print(f"litz: {late}", file=sys.stderr)
         return 1
     if not result["ok"]:
         print(f"litz: {refused}: {result['reason']}", file=sys.stderr)
         return 1
-    print(done.format(reason=result["reason"]))
+    print(done.replace("{reason}", str(result["reason"])))  # not format(): a job name may hold braces
     return 0
 
 
@@ -453,7 +453,7 @@ def stop(argv: list[str]) -> int:
         print(f"litz: {exc}", file=sys.stderr)
         return 1
     return _answered(result, late=f"the job did not stop within {args.timeout:.0f} s (command {cid})",
-                     refused="stop refused", done=f"job {args.job} {{reason}}")
+                     refused="stop refused", done=f"job {args.job} " + "{reason}")
 
 
 def secret(argv: list[str]) -> int:
