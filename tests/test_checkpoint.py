@@ -441,3 +441,46 @@ def test_resume_auto_starts_afresh_then_resumes_from_the_newest(tmp_path: Path) 
     np.testing.assert_array_equal(res["final"], res["truth"])
     assert sum(len(s) for s in res["done_seq"]) == 800
     assert not storage.has_complete_checkpoint(str(tmp_path / "nowhere"))
+
+
+class _Puts:
+    """The part of Membership that the master's command handlers use: answers go to ``put``."""
+
+    def __init__(self) -> None:
+        self.puts: dict[str, dict] = {}
+
+    def put(self, key: str, value: dict) -> None:
+        self.puts[key] = value
+
+
+def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> None:
+    from litz.runtime.elastic import RESULTS
+    from litz.runtime.master import Master
+
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    with_dir = Master(app, "j1", _Puts(), workers=1, servers=1, num_executors=2,  # type: ignore[arg-type]
+                      options={"checkpoint_dir": str(tmp_path)})
+    without = Master(app, "j2", _Puts(), workers=1, servers=1, num_executors=2)  # type: ignore[arg-type]
+    try:
+        # SIGTERM with a checkpoint directory: stop after a checkpoint of its own, which no round has yet
+        with_dir.request_stop()
+        with_dir._signalled_stop()
+        assert with_dir._stop == {"id": "sigterm", "checkpoint": True, "path": None}
+        assert with_dir._ckpt_commands == ["sigterm"] and not with_dir._stop_ready()
+        with_dir._signalled_stop()  # nothing new: nothing changes
+        assert not with_dir._stop_ready()
+        with_dir.on_stop_command({"id": "again"})  # a second stop is refused, the first stands
+        assert with_dir.membership.puts[f"{RESULTS}again"]["ok"] is False
+        with_dir.request_stop()  # a second SIGTERM: stop without waiting for the checkpoint
+        with_dir._signalled_stop()
+        assert with_dir._stop_ready() and with_dir._stop["path"] is None
+        # without one: `litz stop --checkpoint` is refused and changes nothing; a plain stop is ready
+        without.on_stop_command({"id": "ck", "checkpoint": True})
+        assert "no --checkpoint-dir" in without.membership.puts[f"{RESULTS}ck"]["reason"]
+        assert without._stop is None and not without._stop_ready()
+        without.request_stop()
+        without._signalled_stop()
+        assert without._stop == {"id": "sigterm", "checkpoint": False, "path": None} and without._stop_ready()
+    finally:
+        with_dir.endpoint.close()
+        without.endpoint.close()
