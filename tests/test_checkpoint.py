@@ -125,7 +125,7 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
 def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -> None:
     import threading
 
-    from litz.cli import checkpoint, job_status
+    from litz.cli import checkpoint
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     stop = tmp_path / "stop"
@@ -142,15 +142,7 @@ def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -
         out[f"{name}-thread"] = t
     try:
         for job in jobs.values():
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if job_status(job)["master"].get("phase") == "running":
-                        break
-                except litz.LitzError:
-                    pass
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            _wait_running(job)
         assert checkpoint(["--job", jobs["with"]]) == 0
         assert checkpoint(["--job", jobs["with"]]) == 0
         assert checkpoint(["--job", jobs["without"]]) == 1  # refused: no --checkpoint-dir

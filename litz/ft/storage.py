@@ -174,10 +174,7 @@ def running_checkpoint(location: str) -> tuple[str, dict[str, Any], list[tuple[s
 def has_complete_checkpoint(location: str) -> bool:
     """Whether ``location`` holds a checkpoint to resume from (a missing directory holds none)."""
     fs, path = filesystem(location)
-    try:
-        return _newest_complete(fs, path) is not None
-    except FileNotFoundError:
-        return False
+    return _newest_complete(fs, path) is not None
 
 
 def _newest_complete(fs: pafs.FileSystem, path: str) -> str | None:

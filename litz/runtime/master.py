@@ -966,7 +966,14 @@ class Master:
         self.state.paused = True
         return True
 
-    def on_checkpoint_command(self, cmd: dict[str, Any], reason: str = "command") -> None:
+    def _commands_reason(self) -> str:
+        """The reason a round begun for the waiting commands records: the stop's, if it is one of them."""
+        stop = self._stop
+        if stop is not None and stop["id"] in self._ckpt_commands:
+            return f"stop {stop['id']}"
+        return "command " + " ".join(self._ckpt_commands)
+
+    def on_checkpoint_command(self, cmd: dict[str, Any]) -> None:
         cid = str(cmd.get("id", ""))
         if self.checkpoints is None:
             self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
@@ -974,7 +981,7 @@ class Master:
             return
         self._ckpt_commands.append(cid)  # answered by the next full round, not by one already running
         if self.checkpoints.round is None:
-            self.checkpoint(f"{reason} {cid}")
+            self.checkpoint(self._commands_reason())
 
     def on_stop_command(self, cmd: dict[str, Any]) -> None:
         """``litz stop``: end the job now, or after a consistent checkpoint taken for the purpose
@@ -995,7 +1002,7 @@ class Master:
         self._stop = {"id": cid, "checkpoint": want, "path": None}
         log.warning("stop requested (command %s)%s", cid, ", after a checkpoint" if want else "")
         if want:
-            self.on_checkpoint_command({"id": cid}, reason="stop")
+            self.on_checkpoint_command({"id": cid})
 
     def request_stop(self) -> None:
         """What SIGTERM does (``launcher._on_sigterm``): safe in a signal handler, since it only
@@ -1029,7 +1036,7 @@ class Master:
             if ck.written(cid, "master", ["driver.pkl"], error):
                 self._finish_checkpoint()
         if ck.round is None and self._ckpt_commands:
-            self.checkpoint("stop" if self._stop is not None and self._stop["id"] in self._ckpt_commands else "command")
+            self.checkpoint(self._commands_reason())
         elif ck.round is None and ck.due(self.driver.iteration):
             if not ck.partial_next():
                 self.checkpoint("policy")
