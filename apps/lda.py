@@ -228,28 +228,41 @@ class LDAExecutor(litz.Executor):
         op = args["op"]
         if op == "sample":
             return self._sample(args)
-        if op == "init":
-            return self._push_initial_counts()
+        if op in ("init", "recount"):
+            return self._push_counts(replace=bool(args.get("replace")))
         if op == "dump":
             return {"docs": self.input["docs"], "tok_doc": self.input["tok_doc"], "words": self.input["words"],
                     "z": self.state["z"]}
         raise ValueError(f"unknown task {op!r}")
 
-    def _push_initial_counts(self) -> dict[str, Any]:
-        """Add this executor's initial (random) assignment to the tables: before any sampling, so
-        executors may add concurrently (integer adds commute)."""
+    def _push_counts(self, replace: bool = False) -> dict[str, Any]:
+        """Add this executor's counts (its assignments' word-topic histogram and topic totals) to the
+        tables. At the start (``init``) the tables are empty and executors may add concurrently:
+        integer adds commute. After a partial recovery the driver recounts (``recount``): one task
+        with ``replace`` first takes the tables' current contents out, while no other task runs,
+        then every other executor adds its counts, so the tables are again exactly the executors'."""
         cfg = self.config
         K = cfg["topics"]
         layout = _layout(cfg)
         z = self.state["z"]
         C, cw = layout.num_chunks, layout.chunk_words
-        counts = np.zeros((C * cw, K), cfg["count_dtype"])
+        counts = np.zeros((C * cw, K), np.int64)
         np.add.at(counts, (layout.position(self.input["words"]), z), 1)
         counts = counts.reshape(C, cw, K)
-        keys = np.flatnonzero(counts.reshape(C, -1).any(axis=1))
-        self.ps.update_many("word_topic", keys, counts[keys])
         totals = np.bincount(z, minlength=K).astype(np.int64)
-        self.ps.update("topic_totals", 0, totals)
+        dtotals = totals
+        if replace:
+            counts = counts - self.ps.get_many("word_topic", range(C))
+            dtotals = totals - self.ps.get("topic_totals", 0)
+        keys = np.flatnonzero(counts.reshape(C, -1).any(axis=1))
+        info = np.iinfo(cfg["count_dtype"])
+        # a change within the dtype's range in one update, or in two halves (a table gone wrong may
+        # hold a negative count, and the count minus it can exceed int16 by a little)
+        parts = [counts] if counts.min(initial=0) >= info.min and counts.max(initial=0) <= info.max else \
+            [counts // 2, counts - counts // 2]
+        for part in parts:
+            self.ps.update_many("word_topic", keys, part[keys].astype(cfg["count_dtype"]))
+        self.ps.update("topic_totals", 0, dtotals)
         return {"tokens": len(z), "totals": totals}
 
     def prefetch(self, args: dict[str, Any]) -> list[tuple[str, range]]:
@@ -340,16 +353,89 @@ class LDADriver(litz.Driver):
         self.history: list[dict[str, float]] = []
         self._reports: dict[int, dict[str, Any]] = {}
         self._changed: dict[int, int] = {}  # cycle -> tokens that changed topic, until reported
-        self._in_flight = 0
+        self._in_flight = 0  # sampling tasks
+        self._running = 0  # tasks of any kind
         self._phase = "init"
         self._left = E
         self._dumps: list[dict[str, Any]] = []
+        self._dump_gen = 0  # dumps of an earlier generation came before a recovery: ignored
+        # after a partial recovery the tables are recounted (see ``recovered``): None, "wanted"
+        # (once no task runs), "replacing" or "adding"; rounds due meanwhile wait in _held
+        self._repair: str | None = None
+        self._repair_again = False
+        self._held: list[tuple[int, int, int]] = []
+        self._recount_totals = np.zeros(cfg["topics"], np.int64)
+        self._recount_left = 0
         self._start = time.perf_counter()
         self._t0 = self._last = self._start
         self.loglik = float("nan")
         self.totals = np.zeros(cfg["topics"], np.int64)  # n_k: the sum of every completed task's change
         for e in range(E):
-            self.dispatch_task(e, {"op": "init"})
+            self._send(e, {"op": "init"})
+
+    def _send(self, executor: int, args: dict[str, Any]) -> None:
+        self.dispatch_task(executor, args)
+        self._running += 1
+
+    @property
+    def iteration(self) -> int | None:
+        """Iterations that every executor has completed (for checkpoints every C iterations)."""
+        if getattr(self, "_phase", "init") == "init":
+            return 0
+        return min((min(self._completed_round) + 1) // self.B * self.S, self.iterations)
+
+    # -- partial recovery ----------------------------------------------------------------------------
+    def recovered(self, recovery: litz.Recovery) -> None:
+        """A lost process's part came back from the checkpoint while the rest went on, so the tables
+        no longer count the executors' assignments: a restored executor's tokens are back at their
+        checkpointed topics (or a restored shard's counts are), and the counts of the lost timeline
+        are still in the tables (or missing from them). The assignments are the model; the tables
+        are their histogram. So once no task runs, one task takes the tables' contents out and every
+        executor adds its counts back (``_push_counts``); rounds wait meanwhile, and the driver's
+        running ``n_k`` becomes the recount's. Exact whatever was lost, and costs one pass over the
+        tokens; only the restored executors' sampling since the checkpoint is redone."""
+        what = (f"{len(recovery.executors)} executors" if recovery.role == "worker"
+                else f"{len(recovery.shards)} shards")
+        if not self.config["quiet"]:
+            print(f"recovered from the loss of {', '.join(recovery.lost)} ({what} from "
+                  f"{recovery.checkpoint or 'scratch'}): recounting the word-topic table", flush=True)
+        if self._repair is None:
+            self._repair = "wanted"
+        else:  # during a recount: start it over once it ends
+            self._repair_again = True
+        if self._phase == "dump":  # a restored executor's assignment is not what it dumped
+            self._dump_gen += 1
+            self._dumps = []
+        self._maybe_repair()
+
+    def _maybe_repair(self) -> None:
+        if self._repair != "wanted" or self._running:
+            return
+        self._repair, self._repair_again = "replacing", False
+        self._recount_totals = np.zeros(self.config["topics"], np.int64)
+        self._send(0, {"op": "recount", "replace": True})
+
+    def _recounted(self, totals: np.ndarray) -> None:
+        self._recount_totals += totals
+        if self._repair == "replacing":
+            self._repair, self._recount_left = "adding", self.num_executors - 1
+            for e in range(1, self.num_executors):
+                self._send(e, {"op": "recount"})
+        else:
+            self._recount_left -= 1
+        if self._repair != "adding" or self._recount_left:
+            return
+        if self._repair_again:
+            self._repair = "wanted"
+            return
+        self._repair = None
+        self.totals = self._recount_totals.copy()
+        held, self._held = self._held, []
+        self._dispatch(held)
+        if self._phase == "sample" and self.rotation.finished() and self._in_flight == 0:
+            self._end_sampling()
+        elif self._phase == "dump" and not self._dumps:
+            self._dispatch_dumps()
 
     # -- rotation ------------------------------------------------------------------------------------
     def _iterations_after(self, cycle: int) -> int:
@@ -362,12 +448,15 @@ class LDADriver(litz.Driver):
         return all(self.rotation.user(block, r) is None for r in range(rnd + 1, end))
 
     def _dispatch(self, assignments: list[tuple[int, int, int]]) -> None:
+        if self._repair is not None:  # after the recount, with the recounted n_k
+            self._held.extend(assignments)
+            return
         every = self.config["ll_every"]
         for e, rnd, block in assignments:
             cycle = rnd // self.B
             after = self._iterations_after(cycle)
             report = after // every > (cycle * self.S) // every or cycle == self.cycles - 1
-            self.dispatch_task(e, {"op": "sample", "round": rnd, "block": block, "cycle": cycle,
+            self._send(e, {"op": "sample", "round": rnd, "block": block, "cycle": cycle,
                                    "sweeps": after - cycle * self.S, "totals": self.totals.copy(),
                                    "totals_has": self._completed_round[e],
                                    "report_docs": report and rnd % self.B == self.B - 1,
@@ -375,8 +464,15 @@ class LDADriver(litz.Driver):
             self._in_flight += 1
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self._running -= 1
+        self._completed(result)
+        self._maybe_repair()
+
+    def _completed(self, result: litz.TaskResult) -> None:
         op = result.args["op"]
-        if op == "init":
+        if op == "recount":
+            self._recounted(result.value["totals"])
+        elif op == "init":
             self.totals += result.value["totals"]
             self._left -= 1
             if self._left == 0:
@@ -392,11 +488,11 @@ class LDADriver(litz.Driver):
                                    np.asarray(result.value["totals_seen"]), np.asarray(result.value["totals"])))
             self._record(result.args, result.value)
             self._dispatch(self.rotation.complete(result.executor_id, result.args["round"]))
-            if self.rotation.finished() and self._in_flight == 0:
+            if self.rotation.finished() and self._in_flight == 0 and self._repair is None:
                 self._end_sampling()
-        else:
+        elif result.args["gen"] == self._dump_gen:
             self._dumps.append(result.value)
-            if len(self._dumps) == self.num_executors:
+            if len(self._dumps) == self.num_executors and self._repair is None:
                 self._finish()
 
     def _record(self, args: dict[str, Any], value: dict[str, Any]) -> None:
@@ -440,10 +536,13 @@ class LDADriver(litz.Driver):
         self.sampling_seconds = time.perf_counter() - self._t0
         if self.config["collect"]:
             self._phase = "dump"
-            for e in range(self.num_executors):
-                self.dispatch_task(e, {"op": "dump"})
+            self._dispatch_dumps()
         else:
             self._finish()
+
+    def _dispatch_dumps(self) -> None:
+        for e in range(self.num_executors):
+            self._send(e, {"op": "dump", "gen": self._dump_gen})
 
     def _finish(self) -> None:
         cfg = self.config

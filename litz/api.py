@@ -95,6 +95,22 @@ class TaskFailure:
     worker: str
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """A partial (SCAR) recovery that has just completed, as ``Driver.recovered`` receives it.
+
+    The lost processes' executors (a worker's) or shards (a server's) were restored on the
+    survivors from ``checkpoint`` (None: there was none yet, they started afresh), while
+    everything else went on where it was.
+    """
+
+    role: str  # "worker" or "server": what was lost
+    lost: tuple[str, ...]  # the lost processes' ids
+    executors: tuple[int, ...]  # executors restored from the checkpoint (a worker's loss)
+    shards: tuple[int, ...]  # shards restored from the checkpoint (a server's loss)
+    checkpoint: str | None
+
+
 class Executor:
     """A logical executor: owns an input partition (reloadable) and mutable state (serializable).
 
@@ -221,6 +237,18 @@ class Driver:
         """Called instead of ``dispatch_initial_tasks`` when the job resumes from a checkpoint:
         the driver's attributes are back (``config`` is the new launch's) and the tasks it had
         dispatched are dispatched again. Override to report or adjust (default: nothing)."""
+
+    def recovered(self, recovery: Recovery) -> None:
+        """Called once a partial recovery (``--recovery partial``) has completed.
+
+        Only what the lost processes held went back to the checkpoint; the driver, the other
+        executors and the other shards did not. That is right for parameters that SGD simply
+        keeps improving (MLR: default, nothing to do). An application whose tables must agree
+        exactly with its executors' states (counts of assignments, as in LDA) reconciles them
+        here: the restored executors' tasks that were in flight are already dispatched again,
+        and the driver may hold its next tasks until it has recounted. (Full recovery rolls
+        the driver back too and calls ``resumed`` instead.)
+        """
 
     def handle_task_failure(self, failure: TaskFailure) -> None:
         """Called when ``run_task`` raised; the default stops the job with a TaskError."""

@@ -8,9 +8,10 @@ counts of the executors' final assignments, so the test compares them exactly.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from apps import lda
 from apps import lda_kernels as lk
 from apps.datasets import build_corpus, load_text_corpus, read_fortunes, read_wordnet_glosses, tokenize
 from litz.cli import job_status, scale
-from tests.conftest import processes_mentioning
+from tests.conftest import processes_mentioning, run_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -225,16 +226,7 @@ def test_executors_migrate_with_their_assignments_and_counts_stay_exact(tmp_path
     job = f"lda-scale-{time.time_ns()}"
     app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--iterations", "400", "--collect", "--quiet",
                         "--ll-every", "1", "--synthetic-docs", "100", "--synthetic-doc-len", "20"])
-    out: dict = {}
-
-    def body() -> None:
-        try:
-            out["res"] = litz.run(app, workers=2, servers=1, num_executors=4, job=job)
-        except BaseException as exc:  # reported below
-            out["error"] = exc
-
-    thread = threading.Thread(target=body)
-    thread.start()
+    thread, out = run_in_thread(app, workers=2, servers=1, num_executors=4, job=job)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -251,10 +243,7 @@ def test_executors_migrate_with_their_assignments_and_counts_stay_exact(tmp_path
     res = out["res"]
     assert res.total("migrations_in", "worker") == 2  # the leaving worker's two executors
     value = res.value
-    recount = np.zeros_like(value["word_topic"])
-    for part in value["assignments"]:
-        np.add.at(recount, (part["words"], part["z"]), 1)
-    assert (value["word_topic"] == recount).all() and (value["totals"] == recount.sum(0)).all()
+    _assert_counts_exact(value)
     assert value["history"][0]["iteration"] == 1 and len(value["history"]) == 400
     assert value["history"][-1]["loglik"] > value["history"][0]["loglik"] + 0.2  # the first report is near random
 
@@ -262,6 +251,55 @@ def test_executors_migrate_with_their_assignments_and_counts_stay_exact(tmp_path
 def _litz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "litz.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _assert_counts_exact(value: dict) -> None:
+    """The word-topic table and the topic totals are exactly the histogram of the executors' final
+    assignments (``--collect``)."""
+    recount = np.zeros_like(value["word_topic"])
+    for part in value["assignments"]:
+        np.add.at(recount, (part["words"], part["z"]), 1)
+    assert (value["word_topic"] == recount).all() and (value["totals"] == recount.sum(0)).all()
+
+
+def _iteration(st: dict) -> int:
+    progress = st["master"].get("progress", "")
+    return int(progress.split()[1].split("/")[0]) if progress.startswith("iteration ") else -1
+
+
+@pytest.mark.parametrize(("victim", "recovery"), [("w1", "partial"), ("s1", "partial"), ("w1", "full")])
+def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path, monkeypatch, victim: str,
+                                                                 recovery: str) -> None:
+    """A worker or a server killed while the job samples. Partial recovery restores only the lost
+    executors' assignments (or the lost shards' counts) from the checkpoint, so the tables no longer
+    count the assignments until the driver recounts them (``LDADriver.recovered``); without the
+    recount the job ends with its totals check failing, or with counts that are off. Full recovery
+    rolls everything back together. Either way the tables must end exactly equal to the histogram of
+    the final assignments, every iteration reported once, and the chain still converging."""
+    from tests.test_recovery import _status_when
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"lda-{victim}-{recovery}-{time.time_ns()}"
+    iterations = 300
+    app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--iterations", str(iterations), "--collect",
+                        "--quiet", "--ll-every", "1", "--synthetic-docs", "200", "--synthetic-doc-len", "20"])
+    t, out = run_in_thread(app, workers=2, servers=2, num_executors=4, job=job, checkpoint_dir=str(tmp_path / "c"),
+                           checkpoint_every="10", recovery=recovery)
+    try:
+        st = _status_when(job, lambda s: _iteration(s) >= 20 and any(c.get("ok") for c in
+                                                                     s["master"].get("checkpoints", [])))
+        assert _iteration(st) < iterations - 50, "the job must still be sampling when the process dies"
+        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == victim), signal.SIGKILL)
+    finally:
+        t.join(120)
+    assert "error" not in out, out.get("error")
+    [rec] = out["res"].stats["master"]["recoveries"]
+    assert rec["lost"] == victim and rec["strategy"] == recovery and rec["restored_from"]
+    value = out["res"].value
+    _assert_counts_exact(value)
+    assert [h["iteration"] for h in value["history"]] == list(range(1, iterations + 1))
+    assert value["history"][-1]["loglik"] > value["history"][0]["loglik"] + 0.2
+    assert processes_mentioning(job) == []
 
 
 def test_litz_launch_lda_prints_progress_topics_and_loglik() -> None:

@@ -26,7 +26,7 @@ import cloudpickle
 import numpy as np
 import zmq
 
-from litz.api import App, Driver, JobResult, ParameterServer, TaskFailure, TaskResult
+from litz.api import App, Driver, JobResult, ParameterServer, Recovery, TaskFailure, TaskResult
 from litz.errors import JobStopped, LitzError, ProcessLost, TableError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, select_top
@@ -399,6 +399,9 @@ class Master:
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
         self._restoring: dict[str, Any] | None = None  # the server recovery in progress
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
+        # completed partial recoveries the driver has not been told of yet (``Driver.recovered``):
+        # told from the main loop, never from inside a driver's own read that pumps messages
+        self._recovered: list[Recovery] = []
         self._initial_driver: bytes | None = None  # the driver before its first task: full recovery
                                                    # without any checkpoint starts from it
         self.retiring: set[str] = set()  # processes told to leave that have not said goodbye yet
@@ -797,6 +800,10 @@ class Master:
                     st.outbox.setdefault(task.worker, []).append(
                         [task.task_id, task.executor_id, task.version, task.args])
         self._restoring = None
+        restored = tuple(sorted(i for part in rec["assign"].values() for i in part))
+        self._recovered.append(Recovery(rec["role"], tuple(rec["losts"]),
+                                        restored if rec["role"] == "worker" else (),
+                                        restored if rec["role"] == "server" else (), rec["from"]))
         lost = ", ".join(rec["losts"])
         self.recoveries.append({"lost": lost, "role": rec["role"], "strategy": "partial",
                                 "restored": sum(len(v) for v in rec["assign"].values()),
@@ -1259,6 +1266,11 @@ class Master:
             rec = self.state.complete(task_id)
             driver.handle_task_completion(TaskResult(rec.executor_id, rec.args, value, task_id, rec.version))
 
+    def _tell_recovered(self, driver: Driver) -> None:
+        """Hand the driver the partial recoveries completed since it was last told, in order."""
+        while self._recovered and not driver._finished:
+            driver.recovered(self._recovered.pop(0))
+
     def run(self, driver: Driver) -> JobResult:
         """Run the job to the driver's ``finish``; always shuts the processes down."""
         started = time.monotonic()
@@ -1301,6 +1313,8 @@ class Master:
                             self._on_done(driver, msg)
                         else:
                             self._handle_aside(msg)
+                        self._tell_recovered(driver)
+                    self._tell_recovered(driver)
                     if not driver._finished:
                         self._checkpoint_tick()
                 except _Rollback as rb:
