@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -277,13 +278,67 @@ def main() -> None:
         results["priority_1_8_cut"] = cut
         print(f"partial recovery + priority 1/8 checkpoints vs full recovery + full checkpoints, 1/2 lost: "
               f"{100 * cut:.0f}% less rework (target >= 80%)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    plot(results, out.with_suffix(".png"),
-         f"SCAR on Litz: MLR, 4 servers, full checkpoint every {results['every']} clocks\n"
-         f"(apps/mlr.py {' '.join(MLR_ARGS)})")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    save(results, args.out, f"SCAR on Litz: MLR, 4 servers, full checkpoint every {results['every']} clocks\n"
+                            f"(apps/mlr.py {' '.join(MLR_ARGS)})")
+
+
+def loss_experiment(run_once: Callable[..., dict[str, Any]], iterations: int, every: int, reps: int, seed: int,
+                    prefix: str, what: str, window: int = 1) -> dict[str, Any]:
+    """Experiment A for an application whose failure-free run is deterministic (MF, LDA): one
+    failure-free run of ``iterations`` sets the target, its objective (averaged over ``window``
+    iterations) at 75% of the training; then, for 1, 2 and 3 lost processes of 4 (``prefix`` 1..k:
+    "w" for workers, "s" for servers), full and partial recovery from full checkpoints every
+    ``every`` iterations, each at the same ``reps`` failure iterations (paired, as in MLR's
+    experiment), drawn between 1.25 C and 55% of the training.
+
+    ``run_once(iterations, every, fail_at=None, victims=(), recovery="partial", target=None)`` runs
+    one job and returns its driver's value with ``trace`` (see ScarClock) and ``recoveries``.
+    Prints one line per configuration; returns the results (``configs``: rework per run, its mean
+    and 95% half-interval, recovery seconds; ``partial_cut_half_lost``)."""
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    baseline = run_once(iterations, every)
+    at = round(0.75 * iterations)
+    target = dict(smoothed(baseline["trace"], window))[at]
+    base = first_reaching(baseline["trace"], target, window)
+    assert base is not None
+    print(f"target objective {target:.5f} (the failure-free run's at iteration {at} of {iterations}"
+          f"{f', averaged over {window}' if window > 1 else ''}); {time.monotonic() - t0:.0f} s", flush=True)
+    span = (round(1.25 * every), round(0.55 * iterations))
+    fail_at = [rng.randint(*span) for _ in range(reps)]
+    results: dict[str, Any] = {"target": target, "baseline_iterations": base, "every": every,
+                               "iterations": iterations, "failure_window": span, "fail_at": fail_at,
+                               "window": window, "configs": {}}
+    for k in (1, 2, 3):
+        for recovery in ("full", "partial"):
+            name = f"{recovery} recovery, {k}/4 {what} lost"
+            reworks, seconds = [], []
+            for at_ in fail_at:
+                out = run_once(3 * iterations, every, fail_at=at_, target=target,
+                               victims=tuple(f"{prefix}{i}" for i in range(1, k + 1)), recovery=recovery)
+                got = first_reaching(out["trace"], target, window)
+                if got is None:
+                    raise SystemExit(f"{name}: the run never reached the target")
+                reworks.append(got - base)
+                seconds.append(sum(r["seconds"] for r in out["recoveries"]))
+            mean, half = interval(reworks)
+            results["configs"][name] = {"rework": reworks, "recovery_seconds": seconds, "mean": mean, "ci95": half}
+            print(f"{name:<36} rework {mean:6.2f} ± {half:5.2f} iterations   recovery "
+                  f"{statistics.fmean(seconds):.2f} s  ({time.monotonic() - t0:.0f} s)", flush=True)
+    cf = results["configs"]
+    cut = 1 - cf[f"partial recovery, 2/4 {what} lost"]["mean"] / cf[f"full recovery, 2/4 {what} lost"]["mean"]
+    results["partial_cut_half_lost"] = cut
+    print(f"partial vs full recovery, 2 of 4 {what} lost: {100 * cut:.0f}% less rework")
+    return results
+
+
+def save(results: dict[str, Any], out: str, title: str, unit: str = "clocks") -> None:
+    """Write the results as JSON and their plot as PNG next to it (``out`` without suffix)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    plot(results, path.with_suffix(".png"), title, unit)
+    print(f"wrote {path.with_suffix('.json')} and {path.with_suffix('.png')}")
 
 
 def plot(results: dict[str, Any], path: Path, title: str, unit: str = "clocks") -> None:

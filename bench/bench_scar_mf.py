@@ -6,7 +6,8 @@ only the users' normal-equation sums of the current iteration (see apps/mf.py). 
 persistent parameters, the item factors, live in executor state, and losing a *worker* loses them:
 killing 1, 2 or 3 of the 4 workers loses 1/4, 1/2 or 3/4 of the item factors. A full checkpoint
 is taken every C iterations; at a failure iteration drawn at random between 1.25 C and 55% of the
-training the driver sends SIGKILL to the victims, and the master recovers by itself:
+training (the same iterations for every configuration) the driver sends SIGKILL to the victims,
+and the master recovers by itself:
 
 * **full** recovery (Litz) rolls the whole job back to the last checkpoint;
 * **partial** recovery (SCAR) restores only the lost executors from the checkpoint, on the
@@ -30,16 +31,12 @@ and ``.png``.
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from bench_scar import ScarClock, first_reaching, interval, plot
+from bench_scar import ScarClock, loss_experiment, save
 
 import litz
 from apps import mf
@@ -90,50 +87,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scar_mf"))
     args = p.parse_args()
-    rng = random.Random(args.seed)
-    t0 = time.monotonic()
-
     run_once(3, args.every)  # loads and caches MovieLens, compiles the kernels: not part of any result
-    baseline = run_once(args.iterations, args.every)
-    at = round(0.75 * args.iterations)
-    target = dict((it, o) for _, it, o in baseline["trace"])[at]
-    base = first_reaching(baseline["trace"], target, 1)
-    assert base is not None
-    print(f"target training RMSE {target:.5f} (the failure-free run's at iteration {at} of {args.iterations}); "
-          f"{time.monotonic() - t0:.0f} s", flush=True)
-
-    window = (round(1.25 * args.every), round(0.55 * args.iterations))
-    results: dict[str, Any] = {"target": target, "baseline_iterations": base, "every": args.every,
-                               "iterations": args.iterations, "failure_window": window, "configs": {}}
-    for k in (1, 2, 3):
-        for recovery in ("full", "partial"):
-            name = f"{recovery} recovery, {k}/4 lost"
-            reworks, fails, seconds = [], [], []
-            for _ in range(args.reps):
-                fail_at = rng.randint(*window)
-                out = run_once(3 * args.iterations, args.every, fail_at=fail_at, target=target,
-                               victims=tuple(f"w{i}" for i in range(1, k + 1)), recovery=recovery)
-                got = first_reaching(out["trace"], target, 1)
-                if got is None:
-                    raise SystemExit(f"{name}: the run never reached the target")
-                reworks.append(got - base)
-                fails.append(fail_at)
-                seconds.append(sum(r["seconds"] for r in out["recoveries"]))
-            mean, half = interval(reworks)
-            results["configs"][name] = {"rework": reworks, "fail_at": fails, "recovery_seconds": seconds,
-                                        "mean": mean, "ci95": half}
-            print(f"{name:<28} rework {mean:6.2f} ± {half:5.2f} iterations   recovery "
-                  f"{statistics.fmean(seconds):.2f} s  ({time.monotonic() - t0:.0f} s)", flush=True)
-    cf = results["configs"]
-    cut = 1 - cf["partial recovery, 2/4 lost"]["mean"] / cf["full recovery, 2/4 lost"]["mean"]
-    results["partial_cut_half_lost"] = cut
-    print(f"partial vs full recovery, 1/2 of the item factors lost: {100 * cut:.0f}% less rework")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    plot(results, out.with_suffix(".png"),
+    results = loss_experiment(run_once, args.iterations, args.every, args.reps, args.seed, "w", "workers")
+    save(results, args.out,
          f"SCAR on Litz: MF (ALS), {WORKERS} workers, full checkpoint every {args.every} iterations", "iterations")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
