@@ -203,6 +203,70 @@ def test_multiprocess_run_keeps_counts_exact_and_recovers_topics(etcd, pipeline:
     assert _topic_similarity(out["word_topic"], phi, 0.01).min() > 0.85
 
 
+class _Dispatches:
+    """A stand-in for the master under a driver: it records what the driver dispatches."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, dict]] = []
+        self.state = type("State", (), {"version": 0})()
+
+    def dispatch(self, executor: int, args: dict) -> int:
+        self.sent.append((executor, args))
+        return len(self.sent)
+
+    def take(self) -> list[tuple[int, dict]]:
+        out, self.sent = self.sent, []
+        return out
+
+
+def test_after_a_partial_recovery_the_driver_recounts_once_nothing_runs_and_holds_its_rounds() -> None:
+    """The recount as a state machine, without processes: rounds due during a recovery wait; the recount
+    starts only when no task runs (one task replaces the tables' contents, then the others add); a
+    second loss during the recount starts it over; the held rounds then go out with the recounted n_k."""
+    K = 3
+    app = lda.make_app(["--corpus", "synthetic", "--topics", str(K), "--iterations", "4", "--quiet",
+                        "--synthetic-docs", "20", "--synthetic-doc-len", "5"])
+    master, driver = _Dispatches(), lda.LDADriver()
+    driver._bind(master, 2, app.config)  # type: ignore[arg-type]
+    tid = iter(range(1000))
+
+    def complete(e: int, args: dict, **value: object) -> None:
+        driver.handle_task_completion(litz.TaskResult(e, args, value, next(tid), 0))
+
+    def sampled(e: int, args: dict) -> None:
+        complete(e, args, tokens=1, changed=0, totals=np.ones(K, np.int64), doc_ll=0.0, word_ll=0.0,
+                 colsum=np.zeros(K, np.int64))
+
+    driver.dispatch_initial_tasks()
+    for e, args in master.take():
+        complete(e, args, tokens=1, totals=np.full(K, 5, np.int64))
+    first = dict(master.take())  # round 0 of both executors
+    assert sorted(first) == [0, 1] and all(a["op"] == "sample" and a["round"] == 0 for a in first.values())
+    sampled(0, first[0])
+    assert master.take() == []  # executor 0's next block is executor 1's until it completes
+    recovery = litz.Recovery("worker", ("w1",), (1,), (), "/ckpt/ckpt-000001")
+    driver.recovered(recovery)
+    assert master.take() == []  # executor 1 still samples: no recount yet
+    sampled(1, first[1])  # round 1 is now due for both executors, but held
+    [(e, replace)] = master.take()
+    assert (e, replace) == (0, {"op": "recount", "replace": True})
+    driver.recovered(recovery)  # a second loss during the recount
+    complete(0, replace, totals=np.array([1, 2, 3], np.int64))
+    [(e, add)] = master.take()
+    assert (e, add) == (1, {"op": "recount"})
+    complete(1, add, totals=np.array([4, 5, 6], np.int64))
+    [(e, again)] = master.take()  # the recount starts over
+    assert (e, again) == (0, {"op": "recount", "replace": True})
+    complete(0, again, totals=np.array([2, 2, 2], np.int64))
+    [(e, add)] = master.take()
+    complete(1, add, totals=np.array([3, 3, 3], np.int64))
+    resumed = dict(master.take())
+    assert sorted(resumed) == [0, 1] and all(a["op"] == "sample" and a["round"] == 1 for a in resumed.values())
+    for args in resumed.values():  # n_k is the last recount's, not the running sum of before
+        np.testing.assert_array_equal(args["totals"], [5, 5, 5])
+    np.testing.assert_array_equal(driver.totals, [5, 5, 5])
+
+
 def test_pipelined_tasks_sample_with_their_own_executors_latest_totals(etcd) -> None:
     # One executor, two blocks, two tasks in flight: its next round is dispatched before the driver
     # sees the current one complete, so the driver's n_k lacks that round. Every change of n_k is
