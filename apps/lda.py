@@ -577,9 +577,11 @@ class LDADriver(litz.Driver):
 
     def progress(self) -> str:
         if not getattr(self, "history", None):
-            return f"{getattr(self, '_phase', 'init')}: iteration 0/{self.config['iterations']}"
-        h = self.history[-1]
-        return f"iteration {h['iteration']}/{self.iterations}, log-likelihood per token {h['loglik']:.4f}"
+            line = f"{getattr(self, '_phase', 'init')}: iteration 0/{self.config['iterations']}"
+        else:
+            h = self.history[-1]
+            line = f"iteration {h['iteration']}/{self.iterations}, log-likelihood per token {h['loglik']:.4f}"
+        return line + (", recounting the tables after a recovery" if getattr(self, "_repair", None) else "")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -247,6 +247,7 @@ def test_after_a_partial_recovery_the_driver_recounts_once_nothing_runs_and_hold
     recovery = litz.Recovery("worker", ("w1",), (1,), (), "/ckpt/ckpt-000001")
     driver.recovered(recovery)
     assert master.take() == []  # executor 1 still samples: no recount yet
+    assert driver.progress().endswith("recounting the tables after a recovery")  # litz status says so
     sampled(1, first[1])  # round 1 is now due for both executors, but held
     [(e, replace)] = master.take()
     assert (e, replace) == (0, {"op": "recount", "replace": True})
@@ -265,6 +266,7 @@ def test_after_a_partial_recovery_the_driver_recounts_once_nothing_runs_and_hold
     for args in resumed.values():  # n_k is the last recount's, not the running sum of before
         np.testing.assert_array_equal(args["totals"], [5, 5, 5])
     np.testing.assert_array_equal(driver.totals, [5, 5, 5])
+    assert "recounting" not in driver.progress()
 
 
 def test_pipelined_tasks_sample_with_their_own_executors_latest_totals(etcd) -> None:
