@@ -283,15 +283,16 @@ def main() -> None:
 
 
 def loss_experiment(run_once: Callable[..., dict[str, Any]], iterations: int, every: int, reps: int, seed: int,
-                    prefix: str, what: str, window: int = 1, baselines: int = 1) -> dict[str, Any]:
+                    prefix: str, what: str, window: int = 1, baselines: int = 1,
+                    target_at: float = 0.75, fail_by: float = 0.55) -> dict[str, Any]:
     """Experiment A for MF or LDA: ``baselines`` failure-free runs of ``iterations`` set the target,
-    their mean objective (averaged over ``window`` iterations) at 75% of the training, and the
+    their mean objective (averaged over ``window`` iterations) at ``target_at`` of the training, and the
     failure-free count, the mean of the iterations they took to reach it (one is enough for a
     deterministic app, MF; LDA's chain is not: n_k as of a dispatch depends on which other tasks
     completed first); then, for 1, 2 and 3 lost processes of 4 (``prefix`` 1..k:
     "w" for workers, "s" for servers), full and partial recovery from full checkpoints every
     ``every`` iterations, each at the same ``reps`` failure iterations (paired, as in MLR's
-    experiment), drawn between 1.25 C and 55% of the training.
+    experiment), drawn between 1.25 C and ``fail_by`` of the training.
 
     ``run_once(iterations, every, fail_at=None, victims=(), recovery="partial", target=None)`` runs
     one job and returns its driver's value with ``trace`` (see ScarClock) and ``recoveries``.
@@ -300,7 +301,7 @@ def loss_experiment(run_once: Callable[..., dict[str, Any]], iterations: int, ev
     rng = random.Random(seed)
     t0 = time.monotonic()
     runs = [run_once(iterations, every) for _ in range(baselines)]
-    at = round(0.75 * iterations)
+    at = round(target_at * iterations)
     target = statistics.fmean(dict(smoothed(b["trace"], window))[at] for b in runs)
     reach = [first_reaching(b["trace"], target, window) for b in runs]
     if None in reach:
@@ -310,7 +311,7 @@ def loss_experiment(run_once: Callable[..., dict[str, Any]], iterations: int, ev
     print(f"target objective {target:.5f} (the failure-free mean at iteration {at} of {iterations}"
           f"{f', averaged over {window}' if window > 1 else ''}); failure-free runs reach it after "
           f"{[round(r, 1) for r in reach]} iterations (±{noise:.2f}); {time.monotonic() - t0:.0f} s", flush=True)
-    span = (round(1.25 * every), round(0.55 * iterations))
+    span = (round(1.25 * every), round(fail_by * iterations))
     fail_at = [rng.randint(*span) for _ in range(reps)]
     results: dict[str, Any] = {"target": target, "baseline_iterations": reach, "every": every,
                                "iterations": iterations, "failure_window": span, "fail_at": fail_at,
