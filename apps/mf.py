@@ -49,6 +49,17 @@ job if it is not the expected iteration. With any number of executors, workers a
 the factors equal those of the single-process NumPy ALS (``NumpyALS``) up to float64 rounding
 in the order of the additions; tests/test_mf_app.py checks this.
 
+**Losing a server** (``--recovery partial``). Its shards come back from the checkpoint, with the
+sums of an older iteration, and this iteration's contributions to them are gone; the tags show it
+(a reader of such a row fails instead of training on it). So the driver repairs, once told
+(``MFDriver.recovered``): it holds the next round, waits until no task runs, has every executor
+push again its contributions to the round ``R`` still to complete, from its factor rows before that
+round (executors keep them: ``prev``), and then runs round ``R`` again everywhere. Both pushes carry
+tags higher than any in the tables (the driver adds 2 to a tag base), so the first of them replaces
+whatever a row held and the others add to it: the sums are exact again, and the factors equal those
+of a run without the failure (tests/test_mf_app.py checks every iteration's RMSE). A lost worker
+needs nothing of this: its executors resume from the checkpoint and the round goes on.
+
 Run it:  ``litz launch apps/mf.py [--rank 10] [--iterations 15] [--l2 0.15]``
 Last line printed: ``test RMSE 0.8xxx``.
 """
@@ -232,6 +243,10 @@ class MFDriver(litz.SSPDriver):
         self.test_rmse = self.train_rmse = float("nan")
         self.final_results: list[litz.TaskResult] = []
         self._start = self._round_start = time.perf_counter()
+        self._tag_base = 0  # round t reads sums tagged t + base and writes t + 1 + base
+        self._repair: str | None = None  # after a server's loss: None, "wanted" or "reseeding"
+        self._held: set[int] = set()  # rounds due while a repair waits
+        self._reseeding = 0
         super().dispatch_initial_tasks()
 
     def resumed(self) -> None:
@@ -244,7 +259,65 @@ class MFDriver(litz.SSPDriver):
 
     def task_args(self, executor_id: int, iteration: int) -> Any:
         last = iteration == self.N
-        return {"iteration": iteration, "solve": not last, "factors": last and bool(self.config["return_factors"])}
+        return {"iteration": iteration, "tag": iteration + self._tag_base, "solve": not last,
+                "factors": last and bool(self.config["return_factors"])}
+
+    # -- repair after a server's loss (see the module docstring) -------------------------------------
+    def recovered(self, recovery: litz.Recovery) -> None:
+        if recovery.role != "server":
+            return  # restored executors resume from their checkpointed rows; the round goes on
+        if not self.config.get("quiet"):
+            print(f"recovered from the loss of {', '.join(recovery.lost)}: pushing the sums of iteration "
+                  f"{self.iteration} again", flush=True)
+        self._repair = "wanted"  # also during a repair: its pushes may have gone to the lost server
+        self._maybe_repair()
+
+    def _running(self) -> int:
+        return len(self._iteration_of) + self._reseeding
+
+    def _dispatch_iteration(self, iteration: int) -> None:
+        if self._repair is not None:
+            self._held.add(iteration)
+        else:
+            super()._dispatch_iteration(iteration)
+
+    def _maybe_repair(self) -> None:
+        if self._repair != "wanted" or self._running():
+            return
+        self._repair = "reseeding"
+        self._tag_base += 2  # above every tag in the tables
+        R = self.iteration  # the round every executor must (again) complete
+        self._results.pop(R, None)  # its completions so far: it runs again
+        if R == 0:  # round 0 reads no sums
+            self._reseeded()
+            return
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {"reseed": R, "tag": R + self._tag_base})
+        self._reseeding = self.num_executors
+
+    def _reseeded(self) -> None:
+        R = self.iteration
+        self._repair = None
+        self._held = set()
+        self._dispatch_iteration(R)
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        if "reseed" in result.args:
+            self._reseeding -= 1
+            if self._reseeding == 0 and self._repair == "reseeding":
+                self._reseeded()
+        else:
+            super().handle_task_completion(result)
+        self._maybe_repair()
+
+    def handle_task_failure(self, failure: litz.TaskFailure) -> None:
+        """A task that read a lost shard's restored sums fails on their tag; after a server's loss the
+        repair runs its round again. Any other failure stops the job."""
+        if self._repair is not None and "reseed" not in failure.args and "StaleSums" in failure.traceback:
+            self._iteration_of.pop(failure.task_id, None)
+            self._maybe_repair()
+            return
+        super().handle_task_failure(failure)
 
     def on_iteration_end(self, iteration: int, results: list[litz.TaskResult]) -> None:
         now = time.perf_counter()
@@ -336,8 +409,11 @@ class MFExecutor(litz.Executor):
         init[valid] = initial_rows(n_ps, int(cfg["rank"]), int(cfg["seed"]))[ids[valid]]
         return {"mine": mine, "train": csr["train"], "test": csr["test"], "blocks": blocks, "init": init}
 
-    def init_state(self) -> np.ndarray:
-        return np.zeros((len(self.input["mine"]), int(self.config["rank"]) + 1))
+    def init_state(self) -> dict[str, Any]:
+        """Our factor rows after round ``done``, and ``prev``, those before it (a repair after a server's
+        loss may run that round again)."""
+        rows = np.zeros((len(self.input["mine"]), int(self.config["rank"]) + 1))
+        return {"rows": rows, "prev": rows, "done": -1}
 
     def setup(self) -> None:
         warmup()  # compile or load the Numba kernels before the first task, here or after a move
@@ -348,34 +424,51 @@ class MFExecutor(litz.Executor):
         Returns the squared errors and counts ``[train_sse, n_train, test_sse, n_test]`` of the
         model of iteration ``t - 1``, and with ``factors`` also the rows of both sides this executor knows.
         """
+        if "reseed" in args:
+            return self._reseed(int(args["reseed"]), float(args["tag"]))
         cfg = self.config
         t = int(args["iteration"])
+        tag = float(args.get("tag", t))
         d = int(cfg["rank"]) + 1
         l2 = float(cfg["l2"])
-        bs = int(cfg["block_size"])
         inp = self.input
         blocks = inp["blocks"]
         train, test = inp["train"], inp["test"]
+        st = self.state
+        if st["done"] >= t:  # round t again, after a server's loss: from our rows before it
+            st["rows"], st["done"] = st["prev"], t - 1
         if t == 0:
             ps_rows = inp["init"]
         elif len(blocks):
             sums = self.ps.get_many(f"NE{t % 2}", blocks)
-            ps_rows = solve_normal_equations(sums.reshape(-1, sums.shape[-1]), d, tag=t, l2=l2)
+            ps_rows = solve_normal_equations(sums.reshape(-1, sums.shape[-1]), d, tag=tag, l2=l2)
         else:
             ps_rows = np.zeros((0, d))
         out: dict[str, Any] = {"sse": [0.0, 0.0, 0.0, 0.0]}
         if t > 0:  # the model of iteration t - 1: our rows (state) and the PS side just solved
-            out["sse"] = [squared_error(*train, self.state, ps_rows), float(len(train[1])),
-                          squared_error(*test, self.state, ps_rows), float(len(test[1]))]
+            out["sse"] = [squared_error(*train, st["rows"], ps_rows), float(len(train[1])),
+                          squared_error(*test, st["rows"], ps_rows), float(len(test[1]))]
         if args["solve"]:
             rows = solve_rows(*train, ps_rows, l2)
-            if len(blocks):
-                contrib = normal_equations(*train, rows, len(blocks) * bs, tag=t + 1)
-                self.ps.update_many(f"NE{(t + 1) % 2}", blocks, contrib.reshape(len(blocks), bs, -1))
-            self.state = rows
+            self._push(t + 1, tag + 1, rows)
+            st["prev"], st["rows"], st["done"] = st["rows"], rows, t
         if args.get("factors"):
-            out.update(mine=inp["mine"], rows=self.state, blocks=blocks, ps_rows=ps_rows)
+            out.update(mine=inp["mine"], rows=st["rows"], blocks=blocks, ps_rows=ps_rows)
         return out
+
+    def _push(self, t: int, tag: float, rows: np.ndarray) -> None:
+        """Add our rows' contributions to the sums that round ``t`` reads (table ``NE{t % 2}``)."""
+        blocks, bs = self.input["blocks"], int(self.config["block_size"])
+        if len(blocks):
+            contrib = normal_equations(*self.input["train"], rows, len(blocks) * bs, tag=tag)
+            self.ps.update_many(f"NE{t % 2}", blocks, contrib.reshape(len(blocks), bs, -1))
+
+    def _reseed(self, t: int, tag: float) -> dict[str, Any]:
+        """Push again, with a new tag, our contributions to the sums round ``t`` reads: from our rows
+        before round ``t`` (``prev`` if we completed it already)."""
+        st = self.state
+        self._push(t, tag, st["prev"] if st["done"] >= t else st["rows"])
+        return {}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -260,6 +260,11 @@ def normal_equations(indptr: np.ndarray, cols: np.ndarray, vals: np.ndarray, X: 
     return out
 
 
+class StaleSums(RuntimeError):
+    """Normal-equation rows that are not those of the expected iteration (after a server's loss,
+    its shards' rows come back from a checkpoint: apps/mf.py repairs them)."""
+
+
 def solve_normal_equations(ne: np.ndarray, d: int, tag: float, l2: float) -> np.ndarray:
     """Solve packed normal equations ``(m, packed_width(d))``: the rows ``(m, d)`` of their entities.
 
@@ -272,7 +277,7 @@ def solve_normal_equations(ne: np.ndarray, d: int, tag: float, l2: float) -> np.
     wrong = _solve_normal_equations(ne, float(tag), float(l2), out)
     if wrong:
         tags = np.unique(ne[:, 0])
-        raise RuntimeError(f"{wrong} of {ne.shape[0]} normal-equation rows are not those of iteration tag "
+        raise StaleSums(f"{wrong} of {ne.shape[0]} normal-equation rows are not those of iteration tag "
                            f"{tag} (tags seen: {tags[:8].tolist()}) or not positive definite")
     return out
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -97,6 +99,58 @@ def test_distributed_als_equals_single_process_numpy(etcd, executors_own: str) -
     np.testing.assert_allclose(got["items"], V, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose([h["test_rmse"] for h in got["history"]], history, rtol=1e-9)
     assert history[-1] < 0.6 < history[0]  # it learns the low-rank signal: the comparison is not trivial
+
+
+def _reference(users: int, items: int, n: int, rank: int, iterations: int) -> tuple[mf.NumpyALS, list[float]]:
+    ref = mf.NumpyALS(synthetic_ratings(users, items, n), rank, mf.DEFAULTS["l2"])
+    history = []
+    for _ in range(iterations):
+        ref.iterate()
+        history.append(ref.rmse())
+    return ref, history
+
+
+@pytest.mark.parametrize("victims", ["s1", "s1 s2"])
+def test_after_losing_servers_als_repairs_its_sums_and_equals_the_reference(tmp_path: Path, monkeypatch,
+                                                                             victims: str) -> None:
+    """Servers killed mid-job with partial recovery: their shards come back from the checkpoint with an
+    older iteration's sums, and this iteration's contributions to them are lost. The driver repairs
+    (pushes again with higher tags, reruns the round), so every iteration's test RMSE and the final
+    factors must equal the single-process reference's. Without the repair the job stops on the tags."""
+    from tests.conftest import run_in_thread
+    from tests.test_recovery import _status_when
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    killed = victims.split()
+    users, items, n, rank, iterations = 120, 90, 2500, 4, 400
+    app = mf.make_app(["--synthetic", f"{users},{items},{n}", "--rank", str(rank), "--iterations", str(iterations),
+                       "--block-size", "8", "--return-factors", "--quiet"])
+    job = f"mf-lose-{'-'.join(killed)}-{time.time_ns()}"
+    t, out = run_in_thread(app, workers=2, servers=4, num_executors=4, job=job, checkpoint_dir=str(tmp_path / "c"),
+                           checkpoint_every="40", recovery="partial")
+
+    def done(st: dict) -> int:
+        return int(st["master"].get("progress", "iteration 0/").split()[1].split("/")[0])
+
+    try:
+        st = _status_when(job, lambda s: done(s) >= 60 and any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        assert done(st) < iterations - 100, "the job must still be running when the servers die"
+        for p in st["processes"]:
+            if p["id"] in killed:
+                os.kill(p["pid"], signal.SIGKILL)
+    finally:
+        t.join(120)
+    assert "error" not in out, out.get("error")
+    recoveries = out["res"].stats["master"]["recoveries"]
+    assert ", ".join(r["lost"] for r in recoveries) == ", ".join(killed) and all(r["restored_from"] for r in recoveries)
+    ref, history = _reference(users, items, n, rank, iterations)
+    got = out["res"].value
+    assert [h["iteration"] for h in got["history"]] == list(range(1, iterations + 1))
+    np.testing.assert_allclose([h["test_rmse"] for h in got["history"]], history, rtol=1e-9)
+    U, V = ref.factors()
+    np.testing.assert_allclose(got["users"], U, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(got["items"], V, rtol=1e-6, atol=1e-8)
+    assert processes_mentioning(job) == []
 
 
 def _litz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
