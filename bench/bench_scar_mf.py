@@ -1,31 +1,35 @@
 """The SCAR experiment A on matrix factorization (issue 4), with real killed processes.
 
-MF by ALS (apps/mf.py, MovieLens 100k, rank 10): 4 workers, 1 server, 8 executors. Executors own
+MF by ALS (apps/mf.py, MovieLens 100k, rank 10): 4 workers, 4 servers, 8 executors. Executors own
 the items, with their ratings and their factor rows (executor state); the parameter server holds
-only the users' normal-equation sums of the current iteration (see apps/mf.py). So the model's
-persistent parameters, the item factors, live in executor state, and losing a *worker* loses them:
-killing 1, 2 or 3 of the 4 workers loses 1/4, 1/2 or 3/4 of the item factors. A full checkpoint
-is taken every C iterations; at a failure iteration drawn at random between 1.25 C and 55% of the
-training (the same iterations for every configuration) the driver sends SIGKILL to the victims,
-and the master recovers by itself:
+only the users' normal-equation sums of the current iteration (see apps/mf.py). A full checkpoint is
+taken every C iterations; at a failure iteration drawn at random between 1.25 C and 55% of the
+training (the same iterations for every configuration) the driver sends SIGKILL to the victims, and
+the master recovers by itself:
 
 * **full** recovery (Litz) rolls the whole job back to the last checkpoint;
-* **partial** recovery (SCAR) restores only the lost executors from the checkpoint, on the
-  surviving workers, and dispatches their tasks again; nothing else rolls back.
+* **partial** recovery (SCAR) restores only what the lost processes held from the checkpoint, on the
+  survivors; nothing else rolls back.
+
+Two experiments. Killing 1, 2 or 3 of the 4 **workers** loses 1/4, 1/2 or 3/4 of the item factors,
+the model's persistent parameters. Killing 1, 2 or 3 of the 4 **servers** loses that share of the
+current iteration's user sums; the driver then has every executor push its sums again and reruns the
+round (``MFDriver.recovered``).
 
 **Rework**: iterations executed (redone ones included) until the training RMSE reaches the
-failure-free run's value at 75% of the training, minus the failure-free count. ALS is
-deterministic here (up to the order of float additions), so one failure-free run sets the target.
+failure-free run's value at 75% of the training, minus the failure-free count. ALS is deterministic
+here (up to the order of float additions), so one failure-free run sets the target.
 
 Why partial recovery costs next to nothing on ALS: an item's factors are recomputed in every
 iteration from the users' sums and the item's ratings alone, so the stale rows a restored executor
 brings back are read once, to evaluate the previous model (that iteration's reported RMSE is off),
-and then overwritten. The priority/round-robin/random experiment (B) does not apply to this app:
-its parameter-server tables hold no persistent parameters to select from.
+and then overwritten; and a server's sums are rebuilt from the executors' rows. The
+priority/round-robin/random experiment (B) does not apply to this app: its parameter-server tables
+hold no persistent parameters to select from.
 
-Run: ``python bench/bench_scar_mf.py [--reps 10] [--iterations 40] [--every 10]``
-(about 10 s per run on 2 cores; the default makes 62 runs). Results: ``bench/results/scar_mf.json``
-and ``.png``.
+Run: ``python bench/bench_scar_mf.py [--reps 10] [--iterations 40] [--every 10] [--only workers|servers]``
+(about 10 s per run on 2 cores; the default makes 2 × 61 runs). Results:
+``bench/results/scar_mf_{workers,servers}.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import litz
 from apps import mf
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS = 4
+PROCESSES = 4  # workers and servers
 
 
 class ScarMFDriver(ScarClock, mf.MFDriver):
@@ -72,7 +76,7 @@ def run_once(iterations: int, every: int, *, fail_at: int | None = None, victims
     app.driver = ScarMFDriver
     app.config.update(fail_at=fail_at, victims=list(victims), target=target)
     with tempfile.TemporaryDirectory(prefix="litz-scar-mf-") as ckpt:
-        res = litz.run(app, workers=WORKERS, servers=1, num_executors=8, checkpoint_dir=ckpt,
+        res = litz.run(app, workers=PROCESSES, servers=PROCESSES, num_executors=8, checkpoint_dir=ckpt,
                        checkpoint_every=str(every), recovery=recovery)
     value = res.value
     value["recoveries"] = res.stats["master"]["recoveries"]
@@ -84,13 +88,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10, help="repetitions per configuration")
     p.add_argument("--iterations", type=int, default=40, help="ALS iterations of the failure-free run")
     p.add_argument("--every", type=int, default=10, help="C: iterations between full checkpoints")
+    p.add_argument("--only", choices=["workers", "servers"], default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scar_mf"))
     args = p.parse_args()
     run_once(3, args.every)  # loads and caches MovieLens, compiles the kernels: not part of any result
-    results = loss_experiment(run_once, args.iterations, args.every, args.reps, args.seed, "w", "workers")
-    save(results, args.out,
-         f"SCAR on Litz: MF (ALS), {WORKERS} workers, full checkpoint every {args.every} iterations", "iterations")
+    for what in ("workers", "servers"):
+        if args.only in (None, what):
+            results = loss_experiment(run_once, args.iterations, args.every, args.reps, args.seed, what[0], what)
+            save(results, f"{args.out}_{what}", f"SCAR on Litz: MF (ALS), {PROCESSES} {what} of which some are "
+                 f"lost,\nfull checkpoint every {args.every} iterations", "iterations")
 
 
 if __name__ == "__main__":
