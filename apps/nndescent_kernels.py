@@ -262,7 +262,10 @@ def _offer_one(G: np.ndarray, dmax: np.ndarray, box: np.ndarray, k: int, pos: np
     ``dmax`` mirrors column ``2k - 1`` of ``G`` (d_max): most offers fail this test, and a dense
     ``n``-vector stays in cache where the ``3k``-float rows of ``G`` do not.
     """
-    if d < dmax[a]:  # d_max(a): the k-th distance as read at the round's start, then tighter
+    # d_max(a): the k-th distance as read at the round's start, then tighter. Not strict: an offer at
+    # exactly d_max with a smaller id than the k-th enters the list (ties go by id, see _push); a
+    # strict test dropped it, so filtered and unfiltered runs differed in such rare ties
+    if d <= dmax[a]:
         if _push(G[a], k, b, d, FLAG_PROPOSED):
             counts[3] += 1
             touched[a] = 1
@@ -329,12 +332,12 @@ def _join_filtered(data: np.ndarray, G: np.ndarray, k: int, owned: np.ndarray, n
                     continue
                 d = _sqdist(data, p, q)
                 n_dist += 1
-                if d < dmax[p]:
+                if d <= dmax[p]:
                     if _push(G[p], k, q, d, FLAG_PROPOSED):
                         n_upd += 1
                         touched[p] = 1
                     dmax[p] = G[p, 2 * k - 1]
-                if d < dmax[q]:
+                if d <= dmax[q]:
                     if _push(G[q], k, p, d, FLAG_PROPOSED):
                         n_upd += 1
                         touched[q] = 1

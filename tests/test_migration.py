@@ -10,7 +10,8 @@ from tests import testapps
 
 
 def test_hundreds_of_random_executor_migrations_keep_sums_and_state_exact(etcd) -> None:
-    app = testapps.migrating_app(tasks=1500, executors=12, move_prob=0.25)
+    # a move is refused while its executor still moves: on a loaded machine about half of them
+    app = testapps.migrating_app(tasks=1500, executors=12, move_prob=0.3)
     res = litz.run(app, workers=3, servers=2, etcd=etcd.url)
     out = res.value
     assert out["moves"] >= 200, out["moves"]
