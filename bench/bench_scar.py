@@ -138,16 +138,49 @@ def run_once(epochs: int, every: int, *, fail_at: int | None = None, victims: tu
              target: float | None = None) -> dict[str, Any]:
     app = mlr.make_app(["--epochs", str(epochs), "--quiet", *MLR_ARGS])
     app.driver = ScarDriver
-    app.config.update(fail_at=fail_at, victims=list(victims), target=target,
-                      snapshot_every=every if fail_at is None else 0)
-    with tempfile.TemporaryDirectory(prefix="litz-scar-") as ckpt:
-        res = litz.run(app, workers=2, servers=SERVERS, num_executors=8, checkpoint_dir=ckpt,
-                       checkpoint_every=str(every), recovery=recovery, checkpoint_policy=policy,
-                       checkpoint_fraction=fraction)
+    app.config.update(snapshot_every=every if fail_at is None else 0)
+    return run_with_failures(app, every, fail_at=fail_at, victims=victims, recovery=recovery, target=target,
+                             workers=2, servers=SERVERS, executors=8, checkpoint_policy=policy,
+                             checkpoint_fraction=fraction)
+
+
+def run_with_failures(app: litz.App, every: int, *, fail_at: int | None, victims: tuple[str, ...], recovery: str,
+                      target: float | None, workers: int, servers: int, executors: int,
+                      **options: Any) -> dict[str, Any]:
+    """Run ``app``, whose driver is a ScarClock, with checkpoints every ``every`` iterations in a
+    temporary directory: its driver's value, with ``recoveries`` and ``wall`` (seconds)."""
+    app.config.update(fail_at=fail_at, victims=list(victims), target=target)
+    with tempfile.TemporaryDirectory(prefix=f"litz-scar-{app.name}-") as ckpt:
+        res = litz.run(app, workers=workers, servers=servers, num_executors=executors, checkpoint_dir=ckpt,
+                       checkpoint_every=str(every), recovery=recovery, **options)
     value = res.value
     value["recoveries"] = res.stats["master"]["recoveries"]
     value["wall"] = res.elapsed
     return value
+
+
+def loss_main(doc: str, run_once: Callable[..., dict[str, Any]], name: str, iterations: int, every: int,
+              title: str, **experiment: Any) -> None:
+    """The command line of an app's loss experiments (``loss_experiment``, workers then servers):
+    ``--reps --iterations --every --only --seed --out``; results in ``bench/results/scar_NAME_*``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=10, help="repetitions per configuration")
+    p.add_argument("--iterations", type=int, default=iterations, help="iterations of a failure-free run")
+    p.add_argument("--every", type=int, default=every, help="C: iterations between full checkpoints")
+    p.add_argument("--only", choices=["workers", "servers"], default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / f"scar_{name}"))
+    if "baselines" in experiment:
+        p.add_argument("--baselines", type=int, default=experiment.pop("baselines"),
+                       help="failure-free runs that set the target")
+    args = p.parse_args()
+    run_once(3, args.every)  # loads and caches the data, compiles the kernels: not part of any result
+    for what in ("workers", "servers"):
+        if args.only in (None, what):
+            results = loss_experiment(run_once, args.iterations, args.every, args.reps, args.seed, what[0], what,
+                                      baselines=getattr(args, "baselines", 1), **experiment)
+            save(results, f"{args.out}_{what}", f"{title}, 4 {what} of which some are lost,\n"
+                 f"full checkpoint every {args.every} iterations", "iterations")
 
 
 def smoothed(trace: list[tuple[int, int, float]], window: int = SMOOTHING) -> list[tuple[int, float]]:

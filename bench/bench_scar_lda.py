@@ -35,18 +35,13 @@ Run: ``python bench/bench_scar_lda.py [--reps 10] [--baselines 5] [--iterations 
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from bench_scar import ScarClock, loss_experiment, save
+from bench_scar import ScarClock, loss_main, run_with_failures
 
-import litz
 from apps import lda
 
-ROOT = Path(__file__).resolve().parents[1]
 PROCESSES = 4  # workers and servers
 WINDOW = 5  # iterations the log-likelihood is averaged over
 
@@ -77,34 +72,10 @@ def run_once(iterations: int, every: int, *, fail_at: int | None = None, victims
              recovery: str = "partial", target: float | None = None) -> dict[str, Any]:
     app = lda.make_app(["--corpus", "fortunes", "--topics", "20", "--iterations", str(iterations), "--quiet"])
     app.driver = ScarLDADriver
-    app.config.update(fail_at=fail_at, victims=list(victims), target=target)
-    with tempfile.TemporaryDirectory(prefix="litz-scar-lda-") as ckpt:
-        res = litz.run(app, workers=PROCESSES, servers=PROCESSES, num_executors=PROCESSES, checkpoint_dir=ckpt,
-                       checkpoint_every=str(every), recovery=recovery)
-    value = res.value
-    value["recoveries"] = res.stats["master"]["recoveries"]
-    return value
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=10, help="repetitions per configuration")
-    p.add_argument("--iterations", type=int, default=100, help="iterations of the failure-free run")
-    p.add_argument("--every", type=int, default=16, help="C: iterations between full checkpoints")
-    p.add_argument("--baselines", type=int, default=5, help="failure-free runs that set the target")
-    p.add_argument("--only", choices=["workers", "servers"], default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scar_lda"))
-    args = p.parse_args()
-    run_once(3, args.every)  # tokenizes and caches the corpus, compiles the kernels: not part of any result
-    for what in ("workers", "servers"):
-        if args.only in (None, what):
-            results = loss_experiment(run_once, args.iterations, args.every, args.reps, args.seed, what[0], what,
-                                      WINDOW, args.baselines, target_at=0.6, fail_by=0.45)
-            save(results, f"{args.out}_{what}",
-                 f"SCAR on Litz: LDA (fortunes, K = 20), {PROCESSES} {what} of which some are lost,\n"
-                 f"full checkpoint every {args.every} iterations", "iterations")
+    return run_with_failures(app, every, fail_at=fail_at, victims=victims, recovery=recovery, target=target,
+                             workers=PROCESSES, servers=PROCESSES, executors=PROCESSES)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(loss_main(__doc__, run_once, "lda", 100, 16, "SCAR on Litz: LDA (fortunes, K = 20)", window=WINDOW,
+                       baselines=5, target_at=0.6, fail_by=0.45))

@@ -34,18 +34,14 @@ Run: ``python bench/bench_scar_mf.py [--reps 10] [--iterations 40] [--every 10] 
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from bench_scar import ScarClock, loss_experiment, save
+from bench_scar import ScarClock, loss_main, run_with_failures
 
 import litz
 from apps import mf
 
-ROOT = Path(__file__).resolve().parents[1]
 PROCESSES = 4  # workers and servers
 
 
@@ -74,31 +70,9 @@ def run_once(iterations: int, every: int, *, fail_at: int | None = None, victims
              recovery: str = "partial", target: float | None = None) -> dict[str, Any]:
     app = mf.make_app(["--iterations", str(iterations), "--quiet"])
     app.driver = ScarMFDriver
-    app.config.update(fail_at=fail_at, victims=list(victims), target=target)
-    with tempfile.TemporaryDirectory(prefix="litz-scar-mf-") as ckpt:
-        res = litz.run(app, workers=PROCESSES, servers=PROCESSES, num_executors=8, checkpoint_dir=ckpt,
-                       checkpoint_every=str(every), recovery=recovery)
-    value = res.value
-    value["recoveries"] = res.stats["master"]["recoveries"]
-    return value
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=10, help="repetitions per configuration")
-    p.add_argument("--iterations", type=int, default=40, help="ALS iterations of the failure-free run")
-    p.add_argument("--every", type=int, default=10, help="C: iterations between full checkpoints")
-    p.add_argument("--only", choices=["workers", "servers"], default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scar_mf"))
-    args = p.parse_args()
-    run_once(3, args.every)  # loads and caches MovieLens, compiles the kernels: not part of any result
-    for what in ("workers", "servers"):
-        if args.only in (None, what):
-            results = loss_experiment(run_once, args.iterations, args.every, args.reps, args.seed, what[0], what)
-            save(results, f"{args.out}_{what}", f"SCAR on Litz: MF (ALS), {PROCESSES} {what} of which some are "
-                 f"lost,\nfull checkpoint every {args.every} iterations", "iterations")
+    return run_with_failures(app, every, fail_at=fail_at, victims=victims, recovery=recovery, target=target,
+                             workers=PROCESSES, servers=PROCESSES, executors=8)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(loss_main(__doc__, run_once, "mf", 40, 10, "SCAR on Litz: MF (ALS)"))
