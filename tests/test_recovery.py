@@ -189,6 +189,8 @@ def test_lost_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path:
         assert rec["lost"] == "w1" and rec["role"] == "worker" and rec["restored"] == len(victim["executors"])
         workers = {p["id"]: p["executors"] for p in st["processes"] if p["role"] == "worker" and p["id"] != "w1"}
         assert sorted(e for v in workers.values() for e in v) == list(range(6))
+        # until its lease ends its registration stays: litz status says it is lost, not joining
+        assert all(p["state"] == "lost" for p in st["processes"] if p["id"] == "w1")
         deadline = time.monotonic() + 10
         while Path(f"/proc/{victim['pid']}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # killed (by us or, when stalled, by the master), then reaped

@@ -466,6 +466,8 @@ class Master:
         status["scale_history"] = self.elastic.history[-5:]
         if self.recoveries:
             status["recoveries"] = self.recoveries[-5:]
+        if self.lost:
+            status["lost"] = sorted(self.lost)
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = self.checkpoints.completed[-5:]
