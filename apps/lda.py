@@ -457,10 +457,10 @@ class LDADriver(litz.Driver):
             after = self._iterations_after(cycle)
             report = after // every > (cycle * self.S) // every or cycle == self.cycles - 1
             self._send(e, {"op": "sample", "round": rnd, "block": block, "cycle": cycle,
-                                   "sweeps": after - cycle * self.S, "totals": self.totals.copy(),
-                                   "totals_has": self._completed_round[e],
-                                   "report_docs": report and rnd % self.B == self.B - 1,
-                                   "report_words": report and self._last_use_in_cycle(block, rnd)})
+                           "sweeps": after - cycle * self.S, "totals": self.totals.copy(),
+                           "totals_has": self._completed_round[e],
+                           "report_docs": report and rnd % self.B == self.B - 1,
+                           "report_words": report and self._last_use_in_cycle(block, rnd)})
             self._in_flight += 1
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
