@@ -333,9 +333,11 @@ def _iteration(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("iteration ") else -1
 
 
-@pytest.mark.parametrize(("victim", "recovery"), [("w1", "partial"), ("s1", "partial"), ("w1", "full")])
+@pytest.mark.parametrize(("victim", "recovery", "every"),
+                         [("w1", "partial", "10"), ("s1", "partial", "10"), ("w1", "full", "10"),
+                          ("w1", "partial", "100000")])  # the last: no checkpoint yet, fresh executors
 def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path, monkeypatch, victim: str,
-                                                                 recovery: str) -> None:
+                                                                 recovery: str, every: str) -> None:
     """A worker or a server killed while the job samples. Partial recovery restores only the lost
     executors' assignments (or the lost shards' counts) from the checkpoint, so the tables no longer
     count the assignments until the driver recounts them (``LDADriver.recovered``); without the
@@ -350,17 +352,18 @@ def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path,
     app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--iterations", str(iterations), "--collect",
                         "--quiet", "--ll-every", "1", "--synthetic-docs", "200", "--synthetic-doc-len", "20"])
     t, out = run_in_thread(app, workers=2, servers=2, num_executors=4, job=job, checkpoint_dir=str(tmp_path / "c"),
-                           checkpoint_every="10", recovery=recovery)
+                           checkpoint_every=every, recovery=recovery)
     try:
-        st = _status_when(job, lambda s: _iteration(s) >= 20 and any(c.get("ok") for c in
-                                                                     s["master"].get("checkpoints", [])))
+        st = _status_when(job, lambda s: _iteration(s) >= 20 and (every == "100000" or any(
+            c.get("ok") for c in s["master"].get("checkpoints", []))))
         assert _iteration(st) < iterations - 50, "the job must still be sampling when the process dies"
         os.kill(next(p["pid"] for p in st["processes"] if p["id"] == victim), signal.SIGKILL)
     finally:
         t.join(120)
     assert "error" not in out, out.get("error")
     [rec] = out["res"].stats["master"]["recoveries"]
-    assert rec["lost"] == victim and rec["strategy"] == recovery and rec["restored_from"]
+    assert rec["lost"] == victim and rec["strategy"] == recovery
+    assert bool(rec["restored_from"]) == (every != "100000")
     value = out["res"].value
     _assert_counts_exact(value)
     assert [h["iteration"] for h in value["history"]] == list(range(1, iterations + 1))
