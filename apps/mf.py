@@ -245,7 +245,6 @@ class MFDriver(litz.SSPDriver):
         self._start = self._round_start = time.perf_counter()
         self._tag_base = 0  # round t reads sums tagged t + base and writes t + 1 + base
         self._repair: str | None = None  # after a server's loss: None, "wanted" or "reseeding"
-        self._held: set[int] = set()  # rounds due while a repair waits
         self._reseeding = 0
         super().dispatch_initial_tasks()
 
@@ -276,9 +275,7 @@ class MFDriver(litz.SSPDriver):
         return len(self._iteration_of) + self._reseeding
 
     def _dispatch_iteration(self, iteration: int) -> None:
-        if self._repair is not None:
-            self._held.add(iteration)
-        else:
+        if self._repair is None:  # else it is round R, which the repair dispatches once done
             super()._dispatch_iteration(iteration)
 
     def _maybe_repair(self) -> None:
@@ -296,10 +293,8 @@ class MFDriver(litz.SSPDriver):
         self._reseeding = self.num_executors
 
     def _reseeded(self) -> None:
-        R = self.iteration
         self._repair = None
-        self._held = set()
-        self._dispatch_iteration(R)
+        self._dispatch_iteration(self.iteration)
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
         if "reseed" in result.args:

@@ -223,6 +223,14 @@ def change_concentration(runs: list[list[np.ndarray]], fractions: tuple[float, .
     return {k: statistics.fmean(v) for k, v in shares.items() if v}
 
 
+def failure_free_target(runs: list[dict[str, Any]], at: int, window: int = SMOOTHING
+                        ) -> tuple[float, list[float | None]]:
+    """The target objective, the failure-free runs' mean at clock ``at`` (averaged over ``window``),
+    and the clocks each run took to reach it (None: never)."""
+    target = statistics.fmean(dict(smoothed(r["trace"], window))[at] for r in runs)
+    return target, [first_reaching(r["trace"], target, window) for r in runs]
+
+
 def interval(xs: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95% interval (Student t)."""
     from scipy.stats import t
@@ -254,8 +262,7 @@ def main() -> None:
     t0 = time.monotonic()
     baselines = [run_once(args.epochs, args.every) for _ in range(args.baselines)]
     at = round(0.75 * total)
-    target = statistics.fmean(dict(smoothed(b["trace"]))[at] for b in baselines)
-    reach = [first_reaching(b["trace"], target) for b in baselines]
+    target, reach = failure_free_target(baselines, at)
     base = statistics.fmean(r for r in reach if r is not None)
     concentration = change_concentration([b["snapshots"] for b in baselines])
     print("share of the squared change over C clocks in the rows that changed most: "
@@ -335,8 +342,7 @@ def loss_experiment(run_once: Callable[..., dict[str, Any]], iterations: int, ev
     t0 = time.monotonic()
     runs = [run_once(iterations, every) for _ in range(baselines)]
     at = round(target_at * iterations)
-    target = statistics.fmean(dict(smoothed(b["trace"], window))[at] for b in runs)
-    reach = [first_reaching(b["trace"], target, window) for b in runs]
+    target, reach = failure_free_target(runs, at, window)
     if None in reach:
         raise SystemExit("a failure-free run never reached the mean target: run them for longer")
     base = statistics.fmean(reach)

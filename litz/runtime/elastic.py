@@ -66,7 +66,7 @@ class Elasticity:
 
     # -- commands ----------------------------------------------------------------------------------
     def reply(self, cid: str, ok: bool, reason: str = "") -> None:
-        self.m.membership.put(f"{RESULTS}{cid}", {"ok": ok, "reason": reason, "time": time.time()})
+        self.m.reply_command(cid, ok, reason)
 
     def on_command(self, cmd: dict[str, Any]) -> None:
         """A ``litz scale`` command: accepted (and started) or refused with a reason, at once."""

@@ -975,6 +975,11 @@ class Master:
         self.state.paused = True
         return True
 
+    def reply_command(self, cid: str, ok: bool, reason: str = "") -> None:
+        """Answer a command of the ``litz`` CLI (``litz checkpoint``, ``stop``, ``scale``), which
+        waits for ``commands/result/<id>``."""
+        self.membership.put(f"{RESULTS}{cid}", {"ok": ok, "reason": reason, "time": time.time()})
+
     def _commands_reason(self) -> str:
         """The reason a round begun for the waiting commands records: the stop's, if it is one of them."""
         stop = self._stop
@@ -985,8 +990,7 @@ class Master:
     def on_checkpoint_command(self, cmd: dict[str, Any]) -> None:
         cid = str(cmd.get("id", ""))
         if self.checkpoints is None:
-            self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
-                                                     "reason": "this job has no --checkpoint-dir"})
+            self.reply_command(cid, False, "this job has no --checkpoint-dir")
             return
         self._ckpt_commands.append(cid)  # answered by the next full round, not by one already running
         if self.checkpoints.round is None:
@@ -1000,13 +1004,11 @@ class Master:
         cid = str(cmd.get("id", ""))
         want = bool(cmd.get("checkpoint"))
         if self._stop is not None:
-            self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
-                                                     "reason": f"already stopping (command {self._stop['id']})"})
+            self.reply_command(cid, False, f"already stopping (command {self._stop['id']})")
             return
         if want and self.checkpoints is None:
-            self.membership.put(f"{RESULTS}{cid}", {"ok": False, "time": time.time(),
-                                                     "reason": "this job has no --checkpoint-dir: stop it without "
-                                                               "--checkpoint, or launch it with one"})
+            self.reply_command(cid, False, "this job has no --checkpoint-dir: stop it without --checkpoint, "
+                                           "or launch it with one")
             return
         self._stop = {"id": cid, "checkpoint": want, "path": None}
         log.warning("stop requested (command %s)%s", cid, ", after a checkpoint" if want else "")
@@ -1146,13 +1148,10 @@ class Master:
                     stop["path"] = record["path"]  # answered when the job has stopped
                 else:
                     self._stop = None
-                    self.membership.put(f"{RESULTS}{cid}", {
-                        "ok": False, "time": time.time(),
-                        "reason": "the checkpoint failed, so the job was not stopped: " + "; ".join(record["errors"])})
+                    self.reply_command(cid, False, "the checkpoint failed, so the job was not stopped: "
+                                       + "; ".join(record["errors"]))
                 continue
-            self.membership.put(f"{RESULTS}{cid}", {"ok": record["ok"], "time": time.time(),
-                                                     "reason": record["path"] if record["ok"]
-                                                     else "; ".join(record["errors"])})
+            self.reply_command(cid, record["ok"], record["path"] if record["ok"] else "; ".join(record["errors"]))
 
     def init_server(self, ident: str) -> None:
         """Send a server joining the running job the tables; it gets shards by migration."""
@@ -1336,15 +1335,12 @@ class Master:
             if not driver._finished and self._stop is not None:
                 stopped = self._stop
                 self.publish_status("stopped")
-                self.membership.put(f"{RESULTS}{stopped['id']}", {
-                    "ok": True, "time": time.time(),
-                    "reason": f"stopped after checkpoint {stopped['path']}" if stopped["path"]
-                    else "stopped (no checkpoint taken)"})
+                self.reply_command(stopped["id"], True, f"stopped after checkpoint {stopped['path']}"
+                                   if stopped["path"] else "stopped (no checkpoint taken)")
             else:
                 self.publish_status("finished")
                 if self._stop is not None:  # it finished before the stop's checkpoint was written
-                    self.membership.put(f"{RESULTS}{self._stop['id']}", {
-                        "ok": True, "time": time.time(), "reason": "finished on its own before it could stop"})
+                    self.reply_command(self._stop["id"], True, "finished on its own before it could stop")
         except BaseException:
             self.publish_status("failed")
             raise
