@@ -65,6 +65,14 @@ On a 2-core machine it was not faster (README): the messages' CPU comes out of t
 a task's second sweep sees the rest of each document (its tokens in other blocks) as the first did,
 which costs some mixing per iteration.
 
+**Checkpoints.** The model lives in the executors' assignments, so SCAR's priority checkpoints
+(``--checkpoint priority``) save them by documents: an executor's state rows (``state_rows``) are its
+documents' token topics, scored by the length-scaled total variation of each document's topic
+counts since they were saved (SCAR's distance for LDA: half the L1 distance of the counts). A worker
+lost under ``--recovery partial`` gets its documents back from the last full checkpoint with the
+newer copies of the partial ones (``restore_rows``), and the driver then recounts the tables
+(``LDADriver.recovered``).
+
 Run it:  ``litz launch apps/lda.py [--corpus fortunes|wordnet] [--topics 20] [--iterations 200]``
 (corpora from the Debian packages ``fortunes`` and ``wordnet-base``). Last line printed:
 ``log-likelihood per token -X.XXX``.
@@ -223,6 +231,36 @@ class LDAExecutor(litz.Executor):
         cfg = self.config
         self._doc_table = lk.lgamma_table(cfg["alpha"], int(np.max(self.input["doc_len"], initial=0)))
         self._word_table = lk.lgamma_table(cfg["beta"], int(cfg["max_word_count"]))
+        # state rows (documents) for priority checkpoints: the tokens of document d are
+        # z[by_doc[ptr[d]:ptr[d + 1]]]
+        tok_doc = self.input["tok_doc"]
+        self._by_doc = np.argsort(tok_doc, kind="stable")
+        self._doc_ptr = np.concatenate([[0], np.cumsum(self.input["doc_len"])]).astype(np.int64)
+        self._row_doc = tok_doc[self._by_doc].astype(np.int64)  # the document of each state-row value
+
+    def state_rows(self) -> litz.StateRows:
+        """The documents' token topics, a document per row (SCAR's unit for LDA)."""
+        return litz.StateRows(self.state["z"][self._by_doc], self._doc_ptr)
+
+    def row_distances(self, now: litz.StateRows, saved: litz.StateRows) -> np.ndarray:
+        """Length-scaled total variation between each document's topic counts now and as saved:
+        its length times the TV of the two topic distributions, which (same length) is half the
+        L1 distance of the counts. A long document that changed its mix outranks a short one."""
+        K, D = self.config["topics"], now.num_rows
+        key = self._row_doc * K
+        diff = (np.bincount(key + now.values, minlength=D * K)
+                - np.bincount(key + saved.values, minlength=D * K)).reshape(D, K)
+        return 0.5 * np.abs(diff).sum(axis=1)
+
+    def restore_rows(self, rows: dict[int, np.ndarray]) -> None:
+        """Documents saved by partial checkpoints after the full one the state came from: their
+        tokens' topics, then every document's topic counts rebuilt from the assignments."""
+        z = self.state["z"]
+        for d, topics in rows.items():
+            z[self._by_doc[self._doc_ptr[d]:self._doc_ptr[d + 1]]] = topics
+        inp = self.input
+        self.state["doc_list"] = lk.build_doc_lists(inp["tok_off"], z, int(inp["doc_off"][-1]),
+                                                    self.config["topics"])
 
     def run_task(self, args: dict[str, Any]) -> dict[str, Any]:
         op = args["op"]
@@ -230,9 +268,17 @@ class LDAExecutor(litz.Executor):
             return self._sample(args)
         if op in ("init", "recount"):
             return self._push_counts(replace=bool(args.get("replace")))
-        if op == "dump":
-            return {"docs": self.input["docs"], "tok_doc": self.input["tok_doc"], "words": self.input["words"],
-                    "z": self.state["z"]}
+        if op == "dump":  # --collect, for tests: the assignments, and whether the document counts agree
+            inp, z = self.input, self.state["z"]
+            K, D = self.config["topics"], len(inp["docs"])
+            dense = np.zeros((D, K), np.int64)
+            for d in range(D):  # the lists' (topic, count) pairs, in whatever order the sampler left them
+                topics, counts = lk.doc_pairs(self.state["doc_list"], int(inp["doc_off"][d]), K)
+                dense[d, topics] = counts
+            truth = np.zeros((D, K), np.int64)
+            np.add.at(truth, (inp["tok_doc"], z), 1)
+            return {"docs": inp["docs"], "tok_doc": inp["tok_doc"], "words": inp["words"], "z": z,
+                    "doc_counts_agree": bool(np.array_equal(dense, truth))}
         raise ValueError(f"unknown task {op!r}")
 
     def _push_counts(self, replace: bool = False) -> dict[str, Any]:

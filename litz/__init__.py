@@ -4,7 +4,7 @@ The public API: an application defines a ``Driver`` and an ``Executor``, declare
 parameter ``Table``s, and runs with ``litz.run(App(...))`` or ``litz launch app.py``.
 """
 
-from litz.api import App, Driver, Executor, JobResult, ParameterServer, Recovery, TaskFailure, TaskResult
+from litz.api import App, Driver, Executor, JobResult, ParameterServer, Recovery, StateRows, TaskFailure, TaskResult
 from litz.errors import (
     ConfigError,
     EtcdUnreachable,
@@ -24,6 +24,6 @@ __version__ = "0.1.0"
 __all__ = [
     "App", "BlockRotation", "BlockRotationDriver", "Combiner", "ConfigError", "Driver", "EtcdUnreachable",
     "Executor", "JobResult", "JobStopped", "LitzError", "ParameterServer", "ProcessLost", "ProtocolError", "Recovery",
-    "SSPDriver",
+    "SSPDriver", "StateRows",
     "Table", "TableError", "TaskError", "TaskFailure", "TaskResult", "run",
 ]

@@ -111,6 +111,26 @@ class Recovery:
     checkpoint: str | None
 
 
+@dataclass(frozen=True)
+class StateRows:
+    """An executor's state seen as rows, for SCAR priority checkpoints of executor state.
+
+    Row ``i`` is ``values[ptr[i]:ptr[i + 1]]``: rows may differ in length (an LDA document's
+    token topics), but an executor keeps the same rows for its whole life, so that a row saved
+    long ago can still be compared with its value now and restored in place.
+    """
+
+    values: np.ndarray  # 1-D, a copy the executor will not change afterwards
+    ptr: np.ndarray  # int64, one more than the rows: ptr[0] == 0, ptr[-1] == len(values)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ptr) - 1
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.ptr[i]:self.ptr[i + 1]]
+
+
 class Executor:
     """A logical executor: owns an input partition (reloadable) and mutable state (serializable).
 
@@ -164,6 +184,35 @@ class Executor:
 
     def set_state(self, state: Any) -> None:
         self.state = state
+
+    # -- SCAR priority checkpoints of executor state (optional, DESIGN.md §5) --------------------
+    # An executor whose model lives in its own state (LDA's token topics) may let partial
+    # checkpoints save that state a few rows at a time, the rows that moved most first, as
+    # servers do with table rows. Override all three; the default keeps the state whole, saved
+    # by full checkpoints only.
+
+    def state_rows(self) -> StateRows | None:
+        """This executor's state as rows (a copy), or None: partial checkpoints leave it alone.
+
+        Called between tasks (never while one of this executor's tasks runs), at each partial
+        checkpoint and each full one. The rows must be the same in number and length for the
+        executor's whole life."""
+        return None
+
+    def row_distances(self, now: StateRows, saved: StateRows) -> np.ndarray:
+        """How far each row moved from its saved copy: the ``priority`` policy saves the rows
+        with the largest distances first. Default: the L2 norm of the difference."""
+        diff = (now.values.astype(np.float64) - saved.values) ** 2
+        sums = np.add.reduceat(np.append(diff, 0.0), now.ptr[:-1]) if now.num_rows else np.zeros(0)
+        sums[np.diff(now.ptr) == 0] = 0.0  # reduceat gives an empty row the next element
+        return np.sqrt(sums)
+
+    def restore_rows(self, rows: dict[int, np.ndarray]) -> None:
+        """Overwrite rows of the state (just set by ``set_state`` from the last full checkpoint,
+        after ``setup``) with their copies from the partial checkpoints taken since, and make
+        whatever is derived from them agree (LDA rebuilds its document-topic counts). Called
+        when the executor is restored after its worker died under ``--recovery partial``."""
+        raise NotImplementedError(f"{type(self).__name__} defines state_rows but not restore_rows")
 
 
 class Driver:

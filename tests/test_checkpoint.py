@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, parse_every
 from tests import testapps
-from tests.conftest import processes_mentioning
+from tests.conftest import processes_mentioning, run_in_thread
 
 
 def test_shard_rows_round_trip_exactly_with_int_and_string_keys(tmp_path: Path) -> None:
@@ -476,3 +477,116 @@ def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> Non
     finally:
         with_dir.endpoint.close()
         without.endpoint.close()
+
+
+def test_row_saves_score_each_policy_and_remember_what_was_saved() -> None:
+    """The worker's bookkeeping of an executor's state rows (no sockets): priority scores by the
+    executor's distance from the saved copy, round-robin by rounds since saved, never-saved rows
+    first; remember() copies exactly the chosen rows."""
+    from litz.ft.checkpoint import RowSaves
+
+    ptr = np.array([0, 2, 2, 5, 6])  # rows of 2, 0, 3 and 1 values
+    saves = RowSaves(litz.StateRows(np.array([1.0, 1, 2, 2, 2, 3]), ptr))
+    now = litz.StateRows(np.array([1.0, 4, 2, 2, 2, 0]), ptr)  # row 0 moved by 3, row 3 by 3 too
+    ex = litz.Executor()
+    np.testing.assert_array_equal(saves.scores(now, "priority", 0, ex.row_distances), [3, 0, 0, 3])
+    np.testing.assert_array_equal(saves.scores(now, "round-robin", 0, ex.row_distances), [1, 1, 1, 1])
+    saves.remember(now, np.array([3]))
+    np.testing.assert_array_equal(saves.saved.values, [1, 1, 2, 2, 2, 0])  # row 3 only
+    np.testing.assert_array_equal(saves.scores(now, "priority", 0, ex.row_distances), [3, 0, 0, 0])
+    np.testing.assert_array_equal(saves.scores(now, "round-robin", 0, ex.row_distances), [2, 2, 2, 1])
+    a, b = (saves.scores(now, "random", s, ex.row_distances) for s in ([1, 0], [1, 1]))
+    assert a.shape == (4,) and not np.array_equal(a, b)
+    fresh = RowSaves(now, saved=False)
+    assert np.isinf(fresh.scores(now, "priority", 0, ex.row_distances)).all()
+    fresh.remember(now, np.array([0, 2]))
+    np.testing.assert_array_equal(fresh.scores(now, "round-robin", 0, ex.row_distances), [1, np.inf, 1, np.inf])
+    with pytest.raises(ValueError, match="expected 4 numbers >= 0"):
+        saves.scores(now, "priority", 0, lambda n, s: np.array([1.0, -1.0, 0.0, 0.0]))
+    assert saves.matches(now) and not saves.matches(litz.StateRows(np.zeros(6), np.array([0, 3, 6])))
+
+
+def test_executor_rows_round_trip_exactly(tmp_path: Path) -> None:
+    fs, root = storage.filesystem(str(tmp_path))
+    rows = [(0, 3, np.array([1.5, np.nan])), (2, 0, np.array([], np.int32)), (2, 7, np.array([7, -1], np.int16))]
+    assert storage.write_executor_rows(fs, f"{root}/r.arrow", rows) == 3
+    back = storage.read_executor_rows(fs, f"{root}/r.arrow", {2})
+    assert list(back) == [2] and sorted(back[2]) == [0, 7]
+    assert back[2][7].dtype == np.int16 and back[2][7].tolist() == [7, -1] and back[2][0].dtype == np.int32
+    assert storage.read_executor_rows(fs, f"{root}/r.arrow", {0})[0][3].tobytes() == rows[0][2].tobytes()
+
+
+@pytest.mark.parametrize("move_prob", [0.0, 0.05])
+def test_priority_checkpoints_save_executor_rows_and_a_lost_worker_gets_them_back(
+        tmp_path: Path, monkeypatch, move_prob: float) -> None:
+    """SCAR priority checkpoints of executor state (``Executor.state_rows``), then ``kill -9`` of a
+    worker under partial recovery. Every partial checkpoint saves exactly the top quarter of the
+    executors' rows (of those scored: one in transit is not), never a row that did not move (empty
+    rows never move: their saved copies travel with migrating executors, or they would count as
+    never saved and come first), each a value the row really had. The lost executors come back as
+    the last full checkpoint with every row replaced by its newest partial copy, exactly."""
+    import math
+
+    import cloudpickle
+
+    from tests.test_recovery import _status_when
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"rows-{time.time_ns()}"
+    tasks, n_rows, executors = 150, 40, 4
+    # a worker lost while one of its executors moves stops the job (README): the moves end first
+    app = testapps.rows_app(tasks=tasks, rows=n_rows, executors=executors, move_prob=move_prob, move_until=10)
+    t, out = run_in_thread(app, workers=2, servers=1, num_executors=executors, job=job,
+                           checkpoint_dir=str(tmp_path / "c"), checkpoint_every="4", checkpoint_policy="priority",
+                           checkpoint_fraction=0.25, recovery="partial")
+    try:
+        st = _status_when(job, lambda s: _iteration(s) >= 12 and sum(
+            c["ok"] and c["kind"] == "partial" for c in s["master"].get("checkpoints", [])) >= 3)
+        assert _iteration(st) < tasks // 3 - 10, "the job must still run when the worker dies"
+        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "w1"), signal.SIGKILL)
+    finally:
+        t.join(120)
+    assert "error" not in out, out.get("error")
+    res = out["res"]
+    assert res.value["done"] == [tasks] * executors
+    assert res.value["moves"] > 0 if move_prob else res.value["moves"] == 0
+    [rec] = res.stats["master"]["recoveries"]
+    assert rec["role"] == "worker" and rec["strategy"] == "partial" and rec["restored_from"] and rec["partials"]
+
+    fs, _ = storage.filesystem(str(tmp_path / "c"))
+    truth = [testapps.rows_value(k, n_rows) for k in range(tasks + 1)]
+    ptr = np.concatenate([[0], np.cumsum(np.arange(n_rows) % 4)])
+    base = storage.read_manifest(fs, rec["restored_from"])
+    states = {e: cloudpickle.loads(blob) for name in base["executors_files"]
+              for e, blob in storage.read_executors(fs, f"{rec['restored_from']}/{name}").items()}
+    expected = {e: states[e]["values"].copy() for e in res.value["after"]}
+    restored_rows, counts = 0, []
+    for path in rec["partials"]:
+        manifest = storage.read_manifest(fs, path)
+        assert manifest["partial_of"] == rec["restored_from"]
+        saved = {}
+        for name in manifest["executor_rows_files"]:
+            saved.update(storage.read_executor_rows(fs, f"{path}/{name}", set(range(executors))))
+        counts.append(sum(len(r) for r in saved.values()))
+        for e, rows in saved.items():
+            for i, values in rows.items():
+                assert len(values) == ptr[i + 1] - ptr[i] > 0  # an empty row never moves
+                assert any((values == tr[i]).all() for tr in truth)  # a value the row really had
+                if e in expected:
+                    expected[e][ptr[i]:ptr[i + 1]] = values
+        restored_rows += sum(len(saved.get(e, {})) for e in expected)
+    # the top quarter of the rows scored: all of them, but for an executor in transit while scored
+    top = math.ceil(0.25 * executors * n_rows)
+    assert max(counts) == top and (min(counts) == top or move_prob)
+    assert expected and (len(expected) == executors // 2 or move_prob)  # w1's executors
+    for e, values in expected.items():
+        np.testing.assert_array_equal(res.value["after"][e], values)
+    # the rows replaced per restored executor: those saved by any of the partials, counted once
+    distinct = {(e, i) for path in rec["partials"] for name in storage.read_manifest(fs, path)["executor_rows_files"]
+                for e, rows in storage.read_executor_rows(fs, f"{path}/{name}", set(expected)).items() for i in rows}
+    assert res.total("rows_restored", "worker") == len(distinct) > 0 and restored_rows >= len(distinct)
+
+
+def _iteration(st: dict) -> int:
+    progress = st["master"].get("progress", "")
+    return int(progress.split()[1]) if progress.startswith("iteration ") else -1

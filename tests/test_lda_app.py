@@ -321,7 +321,8 @@ def _litz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def _assert_counts_exact(value: dict) -> None:
     """The word-topic table and the topic totals are exactly the histogram of the executors' final
-    assignments (``--collect``)."""
+    assignments (``--collect``), and so is each executor's document-topic counts."""
+    assert all(part["doc_counts_agree"] for part in value["assignments"])
     recount = np.zeros_like(value["word_topic"])
     for part in value["assignments"]:
         np.add.at(recount, (part["words"], part["z"]), 1)
@@ -333,17 +334,21 @@ def _iteration(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("iteration ") else -1
 
 
-@pytest.mark.parametrize(("victim", "recovery", "every"),
-                         [("w1", "partial", "10"), ("s1", "partial", "10"), ("w1", "full", "10"),
-                          ("w1", "partial", "100000")])  # the last: no checkpoint yet, fresh executors
+@pytest.mark.parametrize(("victim", "recovery", "every", "policy"),
+                         [("w1", "partial", "10", "full"), ("s1", "partial", "10", "full"),
+                          ("w1", "full", "10", "full"),
+                          ("w1", "partial", "100000", "full"),  # no checkpoint yet: fresh executors
+                          ("w1", "partial", "8", "priority")])  # documents from the partial checkpoints too
 def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path, monkeypatch, victim: str,
-                                                                 recovery: str, every: str) -> None:
+                                                                 recovery: str, every: str, policy: str) -> None:
     """A worker or a server killed while the job samples. Partial recovery restores only the lost
     executors' assignments (or the lost shards' counts) from the checkpoint, so the tables no longer
     count the assignments until the driver recounts them (``LDADriver.recovered``); without the
     recount the job ends with its totals check failing, or with counts that are off. Full recovery
     rolls everything back together. Either way the tables must end exactly equal to the histogram of
-    the final assignments, every iteration reported once, and the chain still converging."""
+    the final assignments, every iteration reported once, and the chain still converging. With
+    priority checkpoints (a quarter of the documents every 2 iterations), the lost executors also get
+    the documents saved since the full checkpoint (``restore_rows``, which rebuilds their topic counts)."""
     from tests.test_recovery import _status_when
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
@@ -352,10 +357,11 @@ def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path,
     app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--iterations", str(iterations), "--collect",
                         "--quiet", "--ll-every", "1", "--synthetic-docs", "200", "--synthetic-doc-len", "20"])
     t, out = run_in_thread(app, workers=2, servers=2, num_executors=4, job=job, checkpoint_dir=str(tmp_path / "c"),
-                           checkpoint_every=every, recovery=recovery)
+                           checkpoint_every=every, recovery=recovery, checkpoint_policy=policy,
+                           checkpoint_fraction=0.25 if policy != "full" else 1.0)
     try:
-        st = _status_when(job, lambda s: _iteration(s) >= 20 and (every == "100000" or any(
-            c.get("ok") for c in s["master"].get("checkpoints", []))))
+        st = _status_when(job, lambda s: _iteration(s) >= 20 and (every == "100000" or sum(
+            c.get("ok") for c in s["master"].get("checkpoints", [])) >= (3 if policy != "full" else 1)))
         assert _iteration(st) < iterations - 50, "the job must still be sampling when the process dies"
         os.kill(next(p["pid"] for p in st["processes"] if p["id"] == victim), signal.SIGKILL)
     finally:
@@ -364,6 +370,8 @@ def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path,
     [rec] = out["res"].stats["master"]["recoveries"]
     assert rec["lost"] == victim and rec["strategy"] == recovery
     assert bool(rec["restored_from"]) == (every != "100000")
+    if policy != "full":
+        assert rec["partials"] and out["res"].total("rows_restored", "worker") > 0
     value = out["res"].value
     _assert_counts_exact(value)
     assert [h["iteration"] for h in value["history"]] == list(range(1, iterations + 1))

@@ -455,3 +455,93 @@ class CheckpointingDriver(MigratingDriver):
         if isinstance(result, dict) and hasattr(self, "at_resume"):
             result = {**result, "at_resume": self.at_resume, "resumed_at": self.resumed_at}
         super().finish(result)
+
+
+# -- SCAR priority checkpoints of executor state (Executor.state_rows) ---------------------------
+
+def rows_value(k: int, rows: int) -> np.ndarray:
+    """Each state row's value after an executor's first ``k`` tasks: task t adds t + 1 to the
+    rows i with (i + t) % 3 == 0 (every element of a row holds that value)."""
+    out = np.zeros(rows, np.int64)
+    for t in range(k):
+        out[(np.arange(rows) + t) % 3 == 0] += t + 1
+    return out
+
+
+class RowsExecutor(litz.Executor):
+    """State: ``rows`` rows of lengths 0, 1, 2, 3, 0, ... (``values`` and ``ptr``) and ``done``,
+    the tasks run. Each task first reports its state as it found it; after its first k tasks an
+    executor's row i holds ``rows_value(k)[i]`` until a restore mixes rows of different ages."""
+
+    def init_state(self) -> dict:
+        n = self.config["rows"]
+        ptr = np.concatenate([[0], np.cumsum(np.arange(n) % 4)]).astype(np.int64)
+        return {"values": np.zeros(ptr[-1], np.int64), "ptr": ptr, "done": 0}
+
+    def run_task(self, args: dict) -> dict:
+        st = self.state
+        start = st["values"].copy()
+        k = st["done"]
+        lengths = np.diff(st["ptr"])
+        st["values"] += np.repeat(np.where((np.arange(len(lengths)) + k) % 3 == 0, k + 1, 0), lengths)
+        st["done"] = k + 1
+        time.sleep(self.config["sleep"])
+        return {"start": start, "k": k}
+
+    def state_rows(self) -> litz.StateRows:
+        return litz.StateRows(self.state["values"].copy(), self.state["ptr"])
+
+    def restore_rows(self, rows: dict[int, np.ndarray]) -> None:
+        ptr = self.state["ptr"]
+        for i, values in rows.items():
+            self.state["values"][ptr[i]:ptr[i + 1]] = values
+
+
+class RowsDriver(litz.Driver):
+    """Runs ``tasks`` tasks on every executor, one at a time each; an iteration is 3 tasks of every
+    executor (then every non-empty row has changed). Keeps the state the first task after a partial
+    recovery found on each restored executor (``after``); until iteration ``move_until``, moves an
+    executor with probability ``move_prob`` per completion."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.done = [0] * self.num_executors
+        self.after: dict[int, np.ndarray] = {}
+        self.waiting_after: set[int] = set()
+        self.rng = random.Random(0)
+        self.moves = 0
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {})
+
+    @property
+    def iteration(self) -> int:
+        return min(self.done) // 3
+
+    def recovered(self, recovery: litz.Recovery) -> None:
+        self.waiting_after |= set(recovery.executors)
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        e = result.executor_id
+        if e in self.waiting_after:
+            self.waiting_after.discard(e)
+            self.after[e] = result.value["start"]
+        self.done[e] += 1
+        if self.done[e] < self.config["tasks"]:
+            self.dispatch_task(e, {})
+        elif min(self.done) >= self.config["tasks"]:
+            self.finish({"after": self.after, "done": self.done, "moves": self.moves})
+            return
+        if self.iteration < self.config["move_until"] and self.rng.random() < self.config["move_prob"]:
+            master = self._master  # test-only: elasticity is driven by the framework, not by apps
+            if master.move_executors([self.rng.randrange(self.num_executors)], self.rng.choice(master.state.workers)):
+                self.moves += 1
+
+    def progress(self) -> str:
+        return f"iteration {self.iteration}"
+
+
+def rows_app(tasks: int = 150, rows: int = 40, executors: int = 4, sleep: float = 0.01,
+             move_prob: float = 0.0, move_until: int = 0) -> litz.App:
+    return litz.App(RowsDriver, RowsExecutor, tables=[litz.Table("t", (1,), "float64", num_rows=1)],
+                    num_executors=executors,
+                    config={"tasks": tasks, "rows": rows, "sleep": sleep, "move_prob": move_prob,
+                            "move_until": move_until})

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from litz.api import StateRows
 from litz.errors import ConfigError
 
 POLICIES = ("full", "priority", "round-robin", "random")
@@ -50,6 +52,52 @@ def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list
     for s in servers:
         out[s].sort()
     return out
+
+
+class RowSaves:
+    """What the running checkpoint holds of one executor's state rows (``Executor.state_rows``):
+    the copy of each row as last saved and the partial round it was saved in, so that the next
+    partial round can score the rows (DESIGN.md §5), as servers do for table rows. It travels
+    with the executor when it migrates; no sockets here.
+    """
+
+    def __init__(self, rows: StateRows, saved: bool = True) -> None:
+        """Everything is as saved (a full checkpoint or a restore just happened), or, with
+        ``saved`` False, nothing is (a row never saved comes first)."""
+        self.saved = StateRows(rows.values.copy(), rows.ptr.copy())
+        self.saved_round = np.full(rows.num_rows, 0 if saved else -1, np.int64)
+        self.rounds = 1
+
+    def matches(self, rows: StateRows) -> bool:
+        return np.array_equal(rows.ptr, self.saved.ptr)
+
+    def scores(self, rows: StateRows, policy: str, seed: Any,
+               distances: Callable[[StateRows, StateRows], np.ndarray]) -> np.ndarray:
+        """Each row's claim to be saved next: ``priority``, ``distances(rows, saved)``;
+        ``round-robin``, the rounds since it was saved; ``random``, a draw. A row never saved
+        comes first under the first two."""
+        n = rows.num_rows
+        if policy == "random":
+            return np.random.default_rng(seed).random(n)
+        if policy == "priority":
+            out = np.asarray(distances(rows, self.saved), dtype=np.float64)
+            if out.shape != (n,) or not np.all(out >= 0):  # NaN fails too
+                raise ValueError(f"row_distances returned {out.shape} values (some negative or NaN?), "
+                                 f"expected {n} numbers >= 0")
+            out = out.copy()
+        else:
+            out = (self.rounds - self.saved_round).astype(np.float64)
+        out[self.saved_round < 0] = np.inf
+        return out
+
+    def remember(self, rows: StateRows, chosen: np.ndarray) -> None:
+        """The rows ``chosen`` (positions) were saved as they are in ``rows``."""
+        chosen = np.asarray(chosen, dtype=np.int64)
+        lengths = np.diff(rows.ptr)
+        mask = np.repeat(np.isin(np.arange(rows.num_rows), chosen), lengths)
+        self.saved.values[mask] = rows.values[mask]
+        self.saved_round[chosen] = self.rounds
+        self.rounds += 1
 
 
 def parse_every(text: str | float | int | None) -> tuple[float | None, int | None]:
@@ -80,7 +128,8 @@ class CheckpointRound:
     started: float
     kind: str = "full"  # full (consistent) or partial (SCAR: the top fraction of rows)
     phase: str = "pausing"  # full: pausing -> snapshot -> writing; partial: scoring -> snapshot -> writing
-    scores: dict[str, Any] = field(default_factory=dict)  # partial: server -> scores of its rows
+    asked: set[str] = field(default_factory=set)  # partial: the servers and workers asked for scores
+    scores: dict[str, Any] = field(default_factory=dict)  # partial: process -> scores of its rows
     path: str | None = None
     waiting_snapshot: set[str] = field(default_factory=set)
     waiting_written: set[str] = field(default_factory=set)

@@ -31,6 +31,9 @@ _CKPT = re.compile(r"^ckpt-(\d{6,})$")
 SHARD_SCHEMA = pa.schema([("table", pa.string()), ("shard", pa.int32()), ("ikey", pa.int64()),
                           ("skey", pa.string()), ("row", pa.binary())])
 EXECUTOR_SCHEMA = pa.schema([("executor", pa.int32()), ("state", pa.binary())])
+# rows of executor state saved by a partial checkpoint (``Executor.state_rows``)
+EXECUTOR_ROWS_SCHEMA = pa.schema([("executor", pa.int32()), ("row", pa.int64()), ("dtype", pa.string()),
+                                  ("values", pa.binary())])
 
 
 class CheckpointError(LitzError):
@@ -103,6 +106,28 @@ def read_executors(fs: pafs.FileSystem, path: str) -> dict[int, bytes]:
     return dict(zip(t["executor"], t["state"], strict=True))
 
 
+def write_executor_rows(fs: pafs.FileSystem, path: str, rows: Iterable[tuple[int, int, np.ndarray]]) -> int:
+    """Write ``(executor, row, values)`` tuples (1-D values, exact bytes). Returns the row count."""
+    cols: dict[str, list[Any]] = {name: [] for name in EXECUTOR_ROWS_SCHEMA.names}
+    for eid, row, values in rows:
+        cols["executor"].append(eid)
+        cols["row"].append(row)
+        cols["dtype"].append(np.dtype(values.dtype).str)
+        cols["values"].append(np.ascontiguousarray(values).tobytes())
+    _write_table(fs, path, pa.table(cols, schema=EXECUTOR_ROWS_SCHEMA))
+    return len(cols["row"])
+
+
+def read_executor_rows(fs: pafs.FileSystem, path: str, executors: set[int]) -> dict[int, dict[int, np.ndarray]]:
+    """The rows of ``executors`` in a file written by ``write_executor_rows``: executor -> row -> values."""
+    t = _read_table(fs, path).to_pydict()
+    out: dict[int, dict[int, np.ndarray]] = {}
+    for eid, row, dtype, raw in zip(t["executor"], t["row"], t["dtype"], t["values"], strict=True):
+        if eid in executors:
+            out.setdefault(eid, {})[row] = np.frombuffer(raw, dtype=np.dtype(dtype)).copy()
+    return out
+
+
 def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     with fs.open_output_stream(path) as out:
         out.write(data)
@@ -153,12 +178,15 @@ def read_manifest(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
     return json.loads(read_bytes(fs, f"{path}/{MANIFEST}"))
 
 
-def running_checkpoint(location: str) -> tuple[str, dict[str, Any], list[tuple[str, list[str]]]] | None:
+def running_checkpoint(location: str, kind: str = "shards"
+                       ) -> tuple[str, dict[str, Any], list[tuple[str, list[str]]]] | None:
     """The newest complete full checkpoint and the complete partial ones taken after it, oldest
-    first, as ``(base path, base manifest, [(partial path, its shard files)])``; None if none.
+    first, as ``(base path, base manifest, [(partial path, its files)])``; None if none. The
+    files are those of ``kind``: ``shards`` (table rows) or ``executors`` (rows of executor state).
 
     Restoring a row means: its value in the base, overwritten by each partial that saved it.
     """
+    key = "shards_files" if kind == "shards" else "executor_rows_files"
     fs, root = filesystem(location)
     dirs = [p for _, p in checkpoint_dirs(fs, root) if has_manifest(fs, p)]
     manifests = {p: read_manifest(fs, p) for p in dirs}
@@ -166,7 +194,7 @@ def running_checkpoint(location: str) -> tuple[str, dict[str, Any], list[tuple[s
     if not full:
         return None
     base = full[-1]
-    partials = [(p, manifests[p]["shards_files"]) for p in dirs[dirs.index(base) + 1:]
+    partials = [(p, manifests[p].get(key, [])) for p in dirs[dirs.index(base) + 1:]
                 if manifests[p].get("partial_of") == base]
     return base, manifests[base], partials
 

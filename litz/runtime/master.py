@@ -747,11 +747,10 @@ class Master:
         where = None
         kind = "shards" if role == "server" else "executors"
         if self.checkpoints is not None:
-            running = storage.running_checkpoint(self.checkpoints.location)
+            running = storage.running_checkpoint(self.checkpoints.location, kind)
             if running is not None:
                 path, manifest, partials = running
-                where = {**self._where(self.checkpoints.location, path, manifest, kind),
-                         **({"partials": partials} if role == "server" else {})}
+                where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
             else:
                 log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(losts))
         self._restore_round += 1
@@ -760,10 +759,11 @@ class Master:
                                **({"restore": where} if where else {}))
         self._restoring = {"losts": losts, "role": role, "assign": assign, "waiting": set(assign),
                            "round": self._restore_round, "started": prev["started"] if prev else time.monotonic(),
-                           "from": where["path"] if where else None}
+                           "from": where["path"] if where else None,
+                           "partials": [path for path, _ in where["partials"]] if where else []}
         ck = self.checkpoints
         r = ck.round if ck is not None else None
-        if r is not None and r.phase == "scoring" and role == "server":
+        if r is not None and r.phase == "scoring":
             self._scores_in(r.cid, lost, np.empty(0))  # a partial round goes on without it
         if r is not None and lost in r.waiting_written:  # a round it was part of can no longer be complete
             assert ck is not None
@@ -809,7 +809,8 @@ class Master:
         lost = ", ".join(rec["losts"])
         self.recoveries.append({"lost": lost, "role": rec["role"], "strategy": "partial",
                                 "restored": sum(len(v) for v in rec["assign"].values()),
-                                "restored_from": rec["from"], "onto": sorted(rec["assign"]),
+                                "restored_from": rec["from"], "partials": rec["partials"],
+                                "onto": sorted(rec["assign"]),
                                 "seconds": time.monotonic() - rec["started"], "time": time.time()})
         log.warning("recovered from the loss of %s: %d %s restored from %s", lost,
                     self.recoveries[-1]["restored"], "shards" if rec["role"] == "server" else "executors",
@@ -1051,10 +1052,11 @@ class Master:
         elif ck.round is None and ck.due(self.driver.iteration):
             if not ck.partial_next():
                 self.checkpoint("policy")
-            elif st.servers and ck.begin("policy", self.driver.iteration, kind="partial") is not None:
+            elif ck.begin("policy", self.driver.iteration, kind="partial") is not None:
                 assert ck.round is not None
-                for srv in st.servers:  # SCAR: no pause; servers score their rows
-                    self.endpoint.send(srv, "ckpt_scores", cid=ck.round.cid, policy=ck.policy)
+                ck.round.asked = set(st.servers + st.workers)
+                for ident in sorted(ck.round.asked):  # SCAR: no pause; servers and workers score their rows
+                    self.endpoint.send(ident, "ckpt_scores", cid=ck.round.cid, policy=ck.policy)
         r = ck.round
         if r is None or r.phase != "pausing" or not st.quiescent() or self.elastic.op is not None:
             return
@@ -1080,10 +1082,12 @@ class Master:
         threading.Thread(target=write_driver, daemon=True, name="checkpoint-driver").start()
 
     def _scores_in(self, cid: int, sender: str, scores: np.ndarray, error: str | None = None) -> None:
-        """A server scored its rows for a partial checkpoint; with all scores in, pick the global
-        top fraction and have each server save its chosen rows. A server that could not score
-        (say, the application's distance function raised) fails the round: nothing is saved,
-        the previous checkpoints stay the running one, training goes on."""
+        """A server scored its rows, or a worker its executors' state rows, for a partial
+        checkpoint; with all scores in, pick the top fraction of the servers' rows and, apart,
+        of the workers' rows (the same share of each, so the bytes written per iteration match a
+        full checkpoint's), and have each process save its chosen rows. A process that could
+        not score (say, the application's distance function raised) fails the round: nothing is
+        saved, the previous checkpoints stay the running one, training goes on."""
         ck, st = self.checkpoints, self.state
         r = ck.round if ck is not None else None
         if r is None or st is None or r.cid != cid or r.phase != "scoring":
@@ -1094,14 +1098,19 @@ class Master:
             self._finish_checkpoint()
             return
         r.scores[sender] = scores
-        if any(srv not in r.scores for srv in st.servers):
+        if not r.asked <= set(r.scores):
             return
-        chosen = select_top({srv: r.scores[srv] for srv in st.servers}, ck.fraction)
+        chosen: dict[str, list[int]] = {}
+        for pool in (st.servers, st.workers):  # a process lost meanwhile scored nothing and is gone
+            chosen.update(select_top({p: r.scores[p] for p in pool if p in r.scores}, ck.fraction))
+        savers = sorted(p for p in chosen if p in st.servers or len(r.scores[p]))
         fs, root = storage.filesystem(ck.location)
         path = storage.new_checkpoint_dir(fs, root)
-        ck.snapshotting(path, list(st.servers))
-        for srv in st.servers:
-            self.endpoint.send(srv, "ckpt_save", cid=cid, location=ck.location, path=path, rows=chosen[srv])
+        ck.snapshotting(path, savers)
+        for ident in savers:
+            self.endpoint.send(ident, "ckpt_save", cid=cid, location=ck.location, path=path, rows=chosen[ident])
+        if not savers:  # no rows anywhere: an empty partial checkpoint
+            self._finish_checkpoint()
 
     def _finish_checkpoint(self) -> None:
         ck, st = self.checkpoints, self.state
@@ -1115,6 +1124,7 @@ class Master:
                 "job": self.job, "created": time.time(), "reason": r.reason, "partial_of": base[0],
                 "policy": ck.policy, "fraction": ck.fraction, "num_shards": st.num_shards,
                 "shards_files": sorted(f for p in st.servers for f in r.files.get(p, [])),
+                "executor_rows_files": sorted(f for p in st.workers for f in r.files.get(p, [])),
             }
             try:
                 storage.write_manifest(storage.filesystem(ck.location)[0], r.path, manifest)

@@ -166,8 +166,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("checkpoint", {"cid": "int", "location": "str", "path": "str"}),
     MessageType("checkpoint_snapshot", {"cid": "int"}),
     MessageType("checkpoint_written", {"cid": "int", "files": "list", "error?": "str"}),
-    # SCAR partial checkpoints: master -> servers, score your rows; the master picks the global
-    # top fraction and asks each server to save its chosen rows (positions in its scored list)
+    # SCAR partial checkpoints: master -> servers, score your rows, and -> workers, score your
+    # executors' state rows (each between two of the executor's tasks); the master picks the top
+    # fraction of the servers' rows and of the workers' rows, and asks each process to save its
+    # chosen rows (positions in its scored list)
     MessageType("ckpt_scores", {"cid": "int", "policy": "str"}),
     MessageType("ckpt_scores_reply", {"cid": "int", "scores": "array", "error?": "str"}),
     MessageType("ckpt_save", {"cid": "int", "location": "str", "path": "str", "rows": "list"}),

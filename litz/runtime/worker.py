@@ -26,9 +26,10 @@ import cloudpickle
 import greenlet
 import numpy as np
 
-from litz.api import Executor, ParameterServer
+from litz.api import Executor, ParameterServer, StateRows
 from litz.errors import LitzError, TableError
 from litz.ft import storage
+from litz.ft.checkpoint import RowSaves
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
@@ -76,6 +77,23 @@ class Outgoing:
     executors: list[int]
     dest: str
     ship_input: bool
+
+
+@dataclass
+class _Scoring:
+    """A partial checkpoint's request to score the executors' state rows: each executor is
+    scored between two of its tasks, so those still running are waited for."""
+
+    master: str
+    policy: str
+    waiting: set[int]
+    scored: dict[int, tuple[StateRows, np.ndarray]] = field(default_factory=dict)
+    error: str | None = None
+
+
+def keeps_rows(ex: Executor) -> bool:
+    """Whether partial checkpoints save this executor's state by rows (it overrides ``state_rows``)."""
+    return type(ex).state_rows is not Executor.state_rows
 
 
 class _Wait:
@@ -144,6 +162,12 @@ class Worker(Node):
         self.update_errors: list[str] = []
         self._rollback_from: tuple[str, int] | None = None  # the master waiting for rolled_back, its round
         self.rollbacks = 0
+        self.rows_restored = 0  # executor state rows restored from partial checkpoints
+        # SCAR partial checkpoints of executor state: what the running checkpoint holds of each
+        # executor's rows, rounds being scored, and the rows scored per round (saved on ckpt_save)
+        self.row_saves: dict[int, RowSaves] = {}
+        self._scoring: dict[int, _Scoring] = {}
+        self._scored: dict[int, list[tuple[int, StateRows]]] = {}
 
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
@@ -185,14 +209,34 @@ class Worker(Node):
             raise LitzError(f"checkpoint {where['path']} holds no state for executors {missing}")
         return out
 
+    @staticmethod
+    def _saved_rows(where: dict[str, Any], executors: list[int]) -> dict[int, dict[int, np.ndarray]]:
+        """Rows of ``executors``' states saved by the partial checkpoints after the base
+        (``where["partials"]``, oldest first: a later copy of a row replaces an earlier one)."""
+        fs, _ = storage.filesystem(where["location"])
+        out: dict[int, dict[int, np.ndarray]] = {}
+        for path, files in where.get("partials", []):
+            for name in files:
+                for eid, rows in storage.read_executor_rows(fs, f"{path}/{name}", set(executors)).items():
+                    out.setdefault(eid, {}).update(rows)
+        return out
+
     def _host_from_checkpoint(self, msg: Message) -> list[int]:
         """Host ``msg["executors"]``: their states from the checkpoint in ``msg["restore"]``
-        (fresh ones without it), their input reloaded."""
+        (fresh ones without it) with the rows partial checkpoints saved since, their input reloaded."""
         eids = list(msg["executors"])
-        saved = self._saved_states(msg["restore"], eids) if msg.get("restore") else {}
+        where = msg.get("restore")
+        saved = self._saved_states(where, eids) if where else {}
+        patches = self._saved_rows(where, eids) if where else {}
         for eid in eids:
             self.moved_to.pop(eid, None)
-            self.slots[eid] = Slot(self._make_executor(eid, saved.get(eid)))
+            ex = self._make_executor(eid, saved.get(eid))
+            if patches.get(eid):
+                ex.restore_rows(patches[eid])
+                self.rows_restored += len(patches[eid])
+            self.slots[eid] = Slot(ex)
+            if where:  # the running checkpoint holds exactly this state
+                self._remember_rows(eid)
         return eids
 
     def on_restore_executors(self, msg: Message) -> None:
@@ -215,6 +259,9 @@ class Worker(Node):
         self.runnable.clear()
         self.current = None
         self.outgoing.clear()
+        self.row_saves.clear()
+        self._scoring.clear()
+        self._scored.clear()
         self.moved_to.clear()
         self.cache = ProcessCache(enabled=bool(self.options["cache"]))
         self.log.discard()
@@ -256,8 +303,91 @@ class Worker(Node):
         if busy:  # the master only asks when every task completed: this is a bug, not a race
             raise LitzError(f"worker {self.ident} asked to checkpoint while executors {busy} have tasks")
         states = {eid: cloudpickle.dumps(slot.executor.get_state()) for eid, slot in self.slots.items()}
+        for eid in self.slots:
+            self._remember_rows(eid)
         self.checkpoint_part(msg, f"executors-{self.ident}.arrow",
                              lambda fs, path: storage.write_executors(fs, path, states))
+
+    # -- SCAR partial checkpoints of executor state (Executor.state_rows) -----------------
+    def _state_rows(self, eid: int) -> StateRows:
+        """Executor ``eid``'s state rows, checked (a wrong shape would save or restore garbage)."""
+        rows = self.slots[eid].executor.state_rows()
+        if not isinstance(rows, StateRows):
+            raise LitzError(f"executor {eid}: state_rows returned {type(rows).__name__}, expected litz.StateRows")
+        ptr = np.asarray(rows.ptr)
+        if (rows.values.ndim != 1 or ptr.ndim != 1 or len(ptr) < 1 or ptr[0] != 0
+                or ptr[-1] != len(rows.values) or np.any(np.diff(ptr) < 0)):
+            raise LitzError(f"executor {eid}: state_rows must give 1-D values and offsets ptr from 0 to "
+                            f"len(values), got values of shape {rows.values.shape} and ptr {ptr[:3]}...{ptr[-3:]}")
+        return StateRows(rows.values, ptr.astype(np.int64, copy=False))
+
+    def _remember_rows(self, eid: int) -> None:
+        """The running checkpoint now holds executor ``eid``'s state as it is (a full checkpoint,
+        or a restore): its rows are the saved copies that partial checkpoints score against."""
+        self.row_saves.pop(eid, None)
+        if self.options.get("checkpoint_policy", "full") == "full" or not keeps_rows(self.slots[eid].executor):
+            return
+        try:
+            self.row_saves[eid] = RowSaves(self._state_rows(eid))
+        except Exception as exc:  # the next partial round reports it, and fails, for this executor
+            log.error("%s: executor %d's state rows cannot be remembered: %s: %s", self.ident, eid,
+                      type(exc).__name__, exc)
+
+    def on_ckpt_scores(self, msg: Message) -> None:
+        """Score the state rows of every executor that keeps some, each between two of its tasks:
+        those idle now, the others as their running task ends (``_score_ready``)."""
+        eids = {eid for eid, slot in self.slots.items() if keeps_rows(slot.executor)}
+        self._scoring[msg["cid"]] = _Scoring(msg.sender, msg["policy"], eids)
+        self._score_ready()
+
+    def _score_ready(self) -> None:
+        """Score the executors that partial rounds wait for and that run no task now; answer a
+        round once all its executors are scored (or the first failed)."""
+        for cid, sc in list(self._scoring.items()):
+            for eid in [e for e in sc.waiting if e not in self.slots or not self.slots[e].running]:
+                sc.waiting.discard(eid)
+                if eid not in self.slots or sc.error is not None:
+                    continue
+                try:
+                    sc.scored[eid] = self._score_rows(cid, eid, sc.policy)
+                except Exception as exc:  # e.g. the application's row_distances raised: this round is lost
+                    sc.error = f"worker {self.ident}: executor {eid}: {type(exc).__name__}: {exc}"
+            if sc.waiting:
+                continue
+            del self._scoring[cid]
+            if sc.error is not None:
+                self.endpoint.send(sc.master, "ckpt_scores_reply", cid=cid, scores=np.empty(0), error=sc.error)
+                continue
+            order = sorted(sc.scored)
+            self._scored[cid] = [(eid, sc.scored[eid][0]) for eid in order]
+            scores = np.concatenate([sc.scored[eid][1] for eid in order]) if order else np.empty(0)
+            self.endpoint.send(sc.master, "ckpt_scores_reply", cid=cid, scores=scores)
+
+    def _score_rows(self, cid: int, eid: int, policy: str) -> tuple[StateRows, np.ndarray]:
+        rows = self._state_rows(eid)
+        saves = self.row_saves.get(eid)
+        if saves is None:  # never saved (say, its state could not be read at the last full checkpoint)
+            saves = self.row_saves[eid] = RowSaves(rows, saved=False)
+        elif not saves.matches(rows):
+            raise LitzError(f"state_rows changed shape since the last checkpoint ({saves.saved.num_rows} rows "
+                            f"then, {rows.num_rows} now): an executor's rows must stay the same")
+        return rows, saves.scores(rows, policy, [cid, eid], self.slots[eid].executor.row_distances)
+
+    def on_ckpt_save(self, msg: Message) -> None:
+        """Save the chosen rows, as they were scored, into a partial checkpoint in the background.
+        An executor that migrated away since took its saved copies along: its rows are written
+        all the same (values it had), but only its new host's copies say what is saved."""
+        scored = self._scored.pop(msg["cid"], [])
+        starts = np.cumsum([0, *(rows.num_rows for _, rows in scored)])
+        chosen = np.asarray(msg["rows"], np.int64)
+        out: list[tuple[int, int, np.ndarray]] = []
+        for k, (eid, rows) in enumerate(scored):
+            mine = chosen[(chosen >= starts[k]) & (chosen < starts[k + 1])] - starts[k]
+            out.extend((eid, int(i), rows.row(int(i))) for i in mine)
+            if len(mine) and eid in self.slots and eid in self.row_saves:
+                self.row_saves[eid].remember(rows, mine)
+        self.checkpoint_part(msg, f"executor-rows-{self.ident}.arrow",
+                             lambda fs, path: storage.write_executor_rows(fs, path, out))
 
     def _make_executor(self, eid: int, shipped: list[Any] | None = None) -> Executor:
         """Create executor ``eid``: fresh, or from a migration's [state, input or None]."""
@@ -339,9 +469,11 @@ class Worker(Node):
             for e in mig.executors:
                 slot = self.slots.pop(e)
                 ex = slot.executor
+                saves = self.row_saves.pop(e, None)
                 payload.append([e, pack_object(ex.get_state()),
                                 pack_object(ex.input) if mig.ship_input else None,
-                                [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]])
+                                [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue],
+                                pack_object(saves) if saves is not None else None])
                 self.moved_to[e] = mig.dest
             self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
             self.migrations_out += len(mig.executors)
@@ -358,9 +490,11 @@ class Worker(Node):
 
     def _receive_executors(self, msg: Message) -> None:
         arrived = []
-        for eid, state, inp, tasks in msg["executors"]:
+        for eid, state, inp, tasks, saves in msg["executors"]:
             self.moved_to.pop(eid, None)
             slot = self.slots[eid] = Slot(self._make_executor(eid, [state, inp]))
+            if saves is not None:  # what the running checkpoint holds of its rows
+                self.row_saves[eid] = unpack_object(saves)
             slot.queue.extend(Task(*t) for t in tasks)
             if slot.queue:
                 self._start_next(slot)
@@ -392,6 +526,8 @@ class Worker(Node):
             self.tasks_run += 1
             self._record("completed", [task.task_id, value])
         slot.running = False
+        if self._scoring:  # before anything else runs or it leaves: a partial checkpoint waits for it
+            self._score_ready()
         if slot.leaving:
             self._ship_ready()
         elif slot.queue:
@@ -705,7 +841,8 @@ class Worker(Node):
                    waiting_completions=len(self._waiting_ack) + len(self._waiting_flush),
                    shard_map_servers=sorted(set(self.shard_map)))
         out.update(migrations_out=self.migrations_out, migrations_in=self.migrations_in,
-                   tasks_forwarded=self.tasks_forwarded, executors=sorted(self.slots), rollbacks=self.rollbacks)
+                   tasks_forwarded=self.tasks_forwarded, executors=sorted(self.slots), rollbacks=self.rollbacks,
+                   rows_restored=self.rows_restored)
         out.update(tasks_run=self.tasks_run, tasks_failed=self.tasks_failed,
                    updates_logged=self.log.updates_in, update_rows_sent=self.log.rows_out,
                    update_errors=len(self.update_errors))
