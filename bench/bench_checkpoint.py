@@ -1,11 +1,20 @@
-"""Cost of consistent checkpoints (issue 4): MLR with a checkpoint every epoch against none.
+"""Cost of checkpoints (issue 4): the time per iteration with checkpoints against none.
 
-Runs alternate in one process (none, every epoch, none, every epoch, ...), after a warm-up
-run, and report the median time per epoch of each, their ratio, and for the checkpointed
-runs how long training was held per checkpoint (pause until nothing runs + in-memory copy)
-and how long a checkpoint took until its manifest was written (background writes included).
+* ``--app mlr`` (default): MLR, 2 workers, 1 server, 8 executors; a full checkpoint every
+  epoch against none.
+* ``--app lda``: LDA on fortunes (K = 20), 4 workers, 4 servers, 4 executors, the setting of
+  ``bench_scar_lda.py``; a full checkpoint every 16 iterations, and SCAR priority checkpoints of
+  1/8 of the rows (server rows and the executors' documents) every 2 iterations after a first
+  full one, against none.
 
-Run: ``python bench/bench_checkpoint.py [--epochs 16] [--repeats 3]``
+Runs alternate in one process (none, then each checkpoint setting, again and again) after a
+warm-up run, and report the median time per epoch or iteration of each and its ratio to none;
+for full checkpoints, how long training was held per checkpoint (pause until nothing runs +
+in-memory copy) and how long a checkpoint took until its manifest was written (background
+writes included). Partial rounds hold no task: a worker scores an executor's rows between two
+of its tasks, which delays that executor's next task by the scoring.
+
+Run: ``python bench/bench_checkpoint.py [--app mlr|lda] [--repeats 3]``
 """
 
 from __future__ import annotations
@@ -13,43 +22,73 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from typing import Any
 
 import litz
-from apps import mlr
+from apps import lda, mlr
+
+SETTINGS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "mlr": [("a full checkpoint every epoch", {"checkpoint_every": "20"})],  # 20 clocks = 1 epoch
+    "lda": [("a full checkpoint every 16 iterations", {"checkpoint_every": "16"}),
+            ("priority 1/8 every 2 iterations", {"checkpoint_every": "16", "checkpoint_policy": "priority",
+                                                 "checkpoint_fraction": 0.125})],
+}
 
 
-def one(epochs: int, ckpt_dir: str | None) -> dict[str, float]:
-    app = mlr.make_app(["--epochs", str(epochs), "--quiet"])
-    kw = {"checkpoint_dir": ckpt_dir, "checkpoint_every": "20"} if ckpt_dir else {}  # 20 clocks = 1 epoch
-    res = litz.run(app, workers=2, servers=1, num_executors=8, **kw)
-    epoch_s = statistics.median(h["seconds"] for h in res.value["history"])
+def one(app_name: str, length: int, options: dict[str, Any] | None) -> dict[str, float]:
+    """One run: its median seconds per epoch (MLR) or iteration (LDA, after the 10th), its checkpoints."""
+    kw: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        if options is not None:
+            kw = {"checkpoint_dir": d, **options}
+        if app_name == "mlr":
+            res = litz.run(mlr.make_app(["--epochs", str(length), "--quiet"]), workers=2, servers=1, num_executors=8,
+                           **kw)
+            per = statistics.median(h["seconds"] for h in res.value["history"])
+            quality = res.value["test_accuracy"]
+        else:
+            app = lda.make_app(["--corpus", "fortunes", "--topics", "20", "--iterations", str(length), "--quiet",
+                                "--ll-every", "1"])
+            res = litz.run(app, workers=4, servers=4, num_executors=4, **kw)
+            h = res.value["history"]
+            per = (h[-1]["elapsed"] - h[9]["elapsed"]) / (h[-1]["iteration"] - h[9]["iteration"])
+            quality = res.value["loglik"]
     ckpts = [c for c in res.stats["master"]["checkpoints"] if c["ok"]]
-    return {"epoch": epoch_s, "n": len(ckpts),
-            "paused": statistics.median(c["paused_seconds"] for c in ckpts) if ckpts else 0.0,
-            "total": statistics.median(c["seconds"] for c in ckpts) if ckpts else 0.0,
-            "accuracy": res.value["test_accuracy"]}
+    full = [c for c in ckpts if c["kind"] == "full"]
+    partial = [c for c in ckpts if c["kind"] == "partial"]
+    return {"per": per, "full": len(full), "partial": len(partial), "quality": quality,
+            "paused": statistics.median(c["paused_seconds"] for c in full) if full else 0.0,
+            "total": statistics.median(c["seconds"] for c in full) if full else 0.0,
+            "partial_total": statistics.median(c["seconds"] for c in partial) if partial else 0.0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--epochs", type=int, default=16)
+    ap.add_argument("--app", choices=sorted(SETTINGS), default="mlr")
+    ap.add_argument("--length", type=int, default=None, help="epochs (MLR, 16) or iterations (LDA, 100)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    one(2, None)  # warm-up: Numba cache, dataset cache
-    plain, ckpt = [], []
+    length = args.length or (16 if args.app == "mlr" else 100)
+    unit = "epoch" if args.app == "mlr" else "iteration"
+    one(args.app, 2 if args.app == "mlr" else 12, None)  # warm-up: Numba cache, dataset cache
+    runs: dict[str, list[dict[str, float]]] = {"none": []}
     for _ in range(args.repeats):
-        plain.append(one(args.epochs, None))
-        with tempfile.TemporaryDirectory() as d:
-            ckpt.append(one(args.epochs, d))
-    p = statistics.median(r["epoch"] for r in plain)
-    c = statistics.median(r["epoch"] for r in ckpt)
-    print(f"MLR {args.epochs} epochs, 2 workers, 1 server, 8 executors, {args.repeats} runs each")
-    print(f"no checkpoints: {p:.3f} s/epoch; a checkpoint every epoch: {c:.3f} s/epoch; ratio {c / p:.3f}")
-    print(f"per checkpoint: training held {statistics.median(r['paused'] for r in ckpt) * 1e3:.1f} ms, "
-          f"manifest written after {statistics.median(r['total'] for r in ckpt) * 1e3:.1f} ms "
-          f"({statistics.median(r['n'] for r in ckpt):.0f} checkpoints per run); "
-          f"accuracy {statistics.median(r['accuracy'] for r in plain):.4f} vs "
-          f"{statistics.median(r['accuracy'] for r in ckpt):.4f}")
+        runs["none"].append(one(args.app, length, None))
+        for name, options in SETTINGS[args.app]:
+            runs.setdefault(name, []).append(one(args.app, length, options))
+    base = statistics.median(r["per"] for r in runs["none"])
+    print(f"{args.app.upper()}, {length} {unit}s, {args.repeats} runs each, alternating")
+    print(f"no checkpoints: {base:.4f} s/{unit} (quality {statistics.median(r['quality'] for r in runs['none']):.4f})")
+    for name, _ in SETTINGS[args.app]:
+        rs = runs[name]
+        per = statistics.median(r["per"] for r in rs)
+        med = {k: statistics.median(r[k] for r in rs) for k in ("full", "partial", "paused", "total",
+                                                                  "partial_total", "quality")}
+        print(f"{name}: {per:.4f} s/{unit}, ratio {per / base:.3f}; {med['full']:.0f} full checkpoints "
+              f"(training held {med['paused'] * 1e3:.1f} ms each, manifest after {med['total'] * 1e3:.1f} ms)"
+              + (f", {med['partial']:.0f} partial ones ({med['partial_total'] * 1e3:.1f} ms each, "
+                 f"no task held)" if med["partial"] else "")
+              + f"; quality {med['quality']:.4f}")
 
 
 if __name__ == "__main__":

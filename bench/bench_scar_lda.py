@@ -69,11 +69,11 @@ class ScarLDADriver(ScarClock, lda.LDADriver):
 
 
 def run_once(iterations: int, every: int, *, fail_at: int | None = None, victims: tuple[str, ...] = (),
-             recovery: str = "partial", target: float | None = None) -> dict[str, Any]:
+             recovery: str = "partial", target: float | None = None, **options: Any) -> dict[str, Any]:
     app = lda.make_app(["--corpus", "fortunes", "--topics", "20", "--iterations", str(iterations), "--quiet"])
     app.driver = ScarLDADriver
     return run_with_failures(app, every, fail_at=fail_at, victims=victims, recovery=recovery, target=target,
-                             workers=PROCESSES, servers=PROCESSES, executors=PROCESSES)
+                             workers=PROCESSES, servers=PROCESSES, executors=PROCESSES, **options)
 
 
 if __name__ == "__main__":

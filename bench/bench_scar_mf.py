@@ -67,11 +67,11 @@ class ScarMFDriver(ScarClock, mf.MFDriver):
 
 
 def run_once(iterations: int, every: int, *, fail_at: int | None = None, victims: tuple[str, ...] = (),
-             recovery: str = "partial", target: float | None = None) -> dict[str, Any]:
+             recovery: str = "partial", target: float | None = None, **options: Any) -> dict[str, Any]:
     app = mf.make_app(["--iterations", str(iterations), "--quiet"])
     app.driver = ScarMFDriver
     return run_with_failures(app, every, fail_at=fail_at, victims=victims, recovery=recovery, target=target,
-                             workers=PROCESSES, servers=PROCESSES, executors=8)
+                             workers=PROCESSES, servers=PROCESSES, executors=8, **options)
 
 
 if __name__ == "__main__":

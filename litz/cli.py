@@ -243,6 +243,8 @@ def describe_recovery(rec: dict[str, Any]) -> str:
     source = rec["restored_from"] or "scratch (no checkpoint yet)"
     text = (f"lost {rec['role']} {rec['lost']}: {rec.get('strategy', 'partial')} recovery, {rec['restored']} {what} "
             f"onto {', '.join(rec['onto']) or '-'}, restored from {source}")
+    if rec.get("partials"):
+        text += f" and the {len(rec['partials'])} partial checkpoints after it"
     if rec.get("strategy") == "full":
         text += (f", everything rolled back from version {rec['rolled_back_from_version']} "
                  f"to {rec['rolled_back_to_version']}")

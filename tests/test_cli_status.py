@@ -74,6 +74,10 @@ def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
                "restored_from": "/ck/ckpt-000003", "seconds": 0.125}
     assert describe_recovery(partial) == ("lost server s1: partial recovery, 21 shards onto s0, s2, "
                                           "restored from /ck/ckpt-000003 in 0.12 s")
+    partial.update(partials=["/ck/ckpt-000004", "/ck/ckpt-000005"])
+    assert describe_recovery(partial) == ("lost server s1: partial recovery, 21 shards onto s0, s2, "
+                                          "restored from /ck/ckpt-000003 and the 2 partial checkpoints after it "
+                                          "in 0.12 s")
     full = {"lost": "w1", "role": "worker", "strategy": "full", "restored": 2, "onto": ["w0"],
             "restored_from": None, "rolled_back_from_version": 534, "rolled_back_to_version": 0, "seconds": 1.5}
     assert describe_recovery(full) == ("lost worker w1: full recovery, 2 executors onto w0, restored from scratch "

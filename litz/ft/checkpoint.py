@@ -135,7 +135,7 @@ class CheckpointRound:
     waiting_written: set[str] = field(default_factory=set)
     files: dict[str, list[str]] = field(default_factory=dict)  # process -> its files
     errors: list[str] = field(default_factory=list)
-    paused_for: float = 0.0  # seconds training was held (pause + snapshot)
+    paused_for: float = 0.0  # seconds training was held (pause + snapshot; none in a partial round)
     version: int = 0  # the master's version at the snapshot
     commands: list[str] = field(default_factory=list)  # `litz checkpoint` / `litz stop` ids it answers
 
@@ -213,7 +213,8 @@ class CheckpointCoordinator:
         if r.waiting_snapshot:
             return False
         r.phase = "writing"
-        r.paused_for = time.monotonic() - r.started
+        if r.kind == "full":  # a partial round holds no task
+            r.paused_for = time.monotonic() - r.started
         return True
 
     def written(self, cid: int, sender: str, files: list[str], error: str | None) -> bool:
