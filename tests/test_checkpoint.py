@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -585,6 +586,23 @@ def test_priority_checkpoints_save_executor_rows_and_a_lost_worker_gets_them_bac
     distinct = {(e, i) for path in rec["partials"] for name in storage.read_manifest(fs, path)["executor_rows_files"]
                 for e, rows in storage.read_executor_rows(fs, f"{path}/{name}", set(expected)).items() for i in rows}
     assert res.total("rows_restored", "worker") == len(distinct) > 0 and restored_rows >= len(distinct)
+
+
+def test_a_failing_row_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: Path) -> None:
+    """An executor whose row_distances raises: each partial round fails, naming the worker and the
+    executor; the full base stays the running checkpoint and the job ends normally."""
+    app = testapps.rows_app(tasks=60, sleep=0.005)
+    app.executor = testapps.BrokenRowsExecutor
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="4",
+                   checkpoint_policy="priority", checkpoint_fraction=0.25)
+    assert res.value["done"] == [60] * 4
+    records = res.stats["master"]["checkpoints"]
+    assert records[0]["ok"] and records[0]["kind"] == "full"
+    failed = [c for c in records if not c["ok"]]
+    assert failed and all(c["kind"] == "partial" for c in failed)
+    assert re.search(r"worker w[01]: executor \d: RuntimeError: no rows today", failed[0]["errors"][0])
+    base, _, partials = storage.running_checkpoint(str(tmp_path), "executors")  # type: ignore[misc]
+    assert base == records[0]["path"] and partials == []
 
 
 def _iteration(st: dict) -> int:

@@ -545,3 +545,10 @@ def rows_app(tasks: int = 150, rows: int = 40, executors: int = 4, sleep: float 
                     num_executors=executors,
                     config={"tasks": tasks, "rows": rows, "sleep": sleep, "move_prob": move_prob,
                             "move_until": move_until})
+
+
+class BrokenRowsExecutor(RowsExecutor):
+    """A row distance with a bug, for the partial checkpoint error path."""
+
+    def row_distances(self, now: litz.StateRows, saved: litz.StateRows) -> np.ndarray:
+        raise RuntimeError("no rows today")

@@ -416,7 +416,7 @@ class ServerNode(Node):
             self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=msg["cid"], scores=np.empty(0),
                                error=f"{self.ident}: {exc}")
             return
-        self._scored[msg["cid"]] = entries
+        self._scored = {msg["cid"]: entries}  # one round at a time: an earlier one failed, or ended
         self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=msg["cid"], scores=scores)
 
     def on_ckpt_save(self, msg: Message) -> None:

@@ -337,6 +337,7 @@ class Worker(Node):
         """Score the state rows of every executor that keeps some, each between two of its tasks:
         those idle now, the others as their running task ends (``_score_ready``)."""
         eids = {eid for eid, slot in self.slots.items() if keeps_rows(slot.executor)}
+        self._scored.clear()  # the master runs one round at a time: an earlier one failed, or ended
         self._scoring[msg["cid"]] = _Scoring(msg.sender, msg["policy"], eids)
         self._score_ready()
 
