@@ -530,23 +530,10 @@ def test_priority_checkpoints_save_executor_rows_and_a_lost_worker_gets_them_bac
 
     import cloudpickle
 
-    from tests.test_recovery import _status_when
-
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
-    job = f"rows-{time.time_ns()}"
     tasks, n_rows, executors = 150, 40, 4
     # a worker lost while one of its executors moves stops the job (README): the moves end first
     app = testapps.rows_app(tasks=tasks, rows=n_rows, executors=executors, move_prob=move_prob, move_until=10)
-    t, out = run_in_thread(app, workers=2, servers=1, num_executors=executors, job=job,
-                           checkpoint_dir=str(tmp_path / "c"), checkpoint_every="4", checkpoint_policy="priority",
-                           checkpoint_fraction=0.25, recovery="partial")
-    try:
-        st = _status_when(job, lambda s: _iteration(s) >= 12 and sum(
-            c["ok"] and c["kind"] == "partial" for c in s["master"].get("checkpoints", [])) >= 3)
-        assert _iteration(st) < tasks // 3 - 10, "the job must still run when the worker dies"
-        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "w1"), signal.SIGKILL)
-    finally:
-        t.join(120)
+    out = _kill_w1_after_partials(app, tmp_path, monkeypatch)
     assert "error" not in out, out.get("error")
     res = out["res"]
     assert res.value["done"] == [tasks] * executors
@@ -586,6 +573,39 @@ def test_priority_checkpoints_save_executor_rows_and_a_lost_worker_gets_them_bac
     distinct = {(e, i) for path in rec["partials"] for name in storage.read_manifest(fs, path)["executor_rows_files"]
                 for e, rows in storage.read_executor_rows(fs, f"{path}/{name}", set(expected)).items() for i in rows}
     assert res.total("rows_restored", "worker") == len(distinct) > 0 and restored_rows >= len(distinct)
+
+
+def _kill_w1_after_partials(app: litz.App, tmp_path: Path, monkeypatch) -> dict:  # noqa: ANN001
+    """Run a rows_app job (2 workers, priority checkpoints of a quarter every iteration, partial
+    recovery), ``kill -9`` worker w1 after iteration 12 and 3 partial checkpoints; the job's outcome."""
+    from tests.test_recovery import _status_when
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    job = f"rows-{time.time_ns()}"
+    t, out = run_in_thread(app, workers=2, servers=1, job=job, checkpoint_dir=str(tmp_path / "c"),
+                           checkpoint_every="4", checkpoint_policy="priority", checkpoint_fraction=0.25,
+                           recovery="partial")
+    try:
+        st = _status_when(job, lambda s: _iteration(s) >= 12 and sum(
+            c["ok"] and c["kind"] == "partial" for c in s["master"].get("checkpoints", [])) >= 3)
+        assert _iteration(st) < app.config["tasks"] // 3 - 10, "the job must still run when the worker dies"
+        os.kill(next(p["pid"] for p in st["processes"] if p["id"] == "w1"), signal.SIGKILL)
+    finally:
+        t.join(120)
+    assert processes_mentioning(job) == []
+    return out
+
+
+def test_a_restore_that_fails_stops_the_job_and_says_where(tmp_path: Path, monkeypatch) -> None:
+    """An executor whose restore_rows raises when its worker is lost: the recovery cannot complete,
+    so the job stops (it used to wait forever) with the survivor, the executor and the cause."""
+    app = testapps.rows_app()
+    app.executor = testapps.UnrestorableRowsExecutor
+    out = _kill_w1_after_partials(app, tmp_path, monkeypatch)
+    assert isinstance(out.get("error"), litz.LitzError), out
+    assert re.search(r"recovery failed on w0 \(restore_executors\): LitzError: executor [23]: restore_rows failed "
+                     r"on \d+ rows from .*ckpt-000000's partial checkpoints: RuntimeError: no restore today",
+                     str(out["error"])), out["error"]
 
 
 def test_a_failing_row_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: Path) -> None:

@@ -552,3 +552,10 @@ class BrokenRowsExecutor(RowsExecutor):
 
     def row_distances(self, now: litz.StateRows, saved: litz.StateRows) -> np.ndarray:
         raise RuntimeError("no rows today")
+
+
+class UnrestorableRowsExecutor(RowsExecutor):
+    """Rows that cannot be restored, for the recovery error path."""
+
+    def restore_rows(self, rows: dict[int, np.ndarray]) -> None:
+        raise RuntimeError("no restore today")

@@ -558,6 +558,9 @@ class Master:
     def _report_error(self, msg: Message) -> None:
         if msg.get("about") in ("executor_state", "migrate_out"):  # executors would be lost: stop cleanly
             raise LitzError(f"executor migration failed on {msg.sender}: {msg['reason']}")
+        if msg.get("about") in ("restore_executors", "restore_shards", "reload_executors", "reload_shards"):
+            # the recovery would wait for this process forever
+            raise LitzError(f"recovery failed on {msg.sender} ({msg['about']}): {msg['reason']}")
         text = f"{msg.sender}: {msg['reason']}"
         self.errors.append(text)
         log.error("error reported by %s", text)

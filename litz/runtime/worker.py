@@ -232,7 +232,11 @@ class Worker(Node):
             self.moved_to.pop(eid, None)
             ex = self._make_executor(eid, saved.get(eid))
             if patches.get(eid):
-                ex.restore_rows(patches[eid])
+                try:
+                    ex.restore_rows(patches[eid])
+                except Exception as exc:
+                    raise LitzError(f"executor {eid}: restore_rows failed on {len(patches[eid])} rows from "
+                                    f"{where['path']}'s partial checkpoints: {type(exc).__name__}: {exc}") from exc
                 self.rows_restored += len(patches[eid])
             self.slots[eid] = Slot(ex)
             if where:  # the running checkpoint holds exactly this state
