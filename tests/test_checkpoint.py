@@ -186,15 +186,15 @@ def test_server_scores_rows_by_distance_age_or_chance() -> None:
     table = litz.Table("w", (2,), "float64")
     store = ShardStore({"w": table}, shards=[0, 1], num_shards=2)
     store.update("w", [0, 1, 2], np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]]))
-    entries, scores = store.scores("priority", 0)
+    entries, scores = store.scores("priority", 1)
     assert np.isinf(scores).all()  # never saved: first in line
-    store.remember(store.rows_snapshot())
+    store.remember(store.rows_snapshot(), 1)
     store.update("w", [1, 2], np.array([[0.0, 1.0], [3.0, 4.0]]))
-    entries, scores = store.scores("priority", 0)
+    entries, scores = store.scores("priority", 2)
     dist = dict(zip([k for _, _, k in entries], scores, strict=True))
     assert dist == {0: 0.0, 1: 1.0, 2: 5.0}
-    store.remember([(n, s, k, store.shards[s][n][k].copy()) for n, s, k in entries if k == 2])
-    entries, scores = store.scores("round-robin", 0)
+    store.remember([(n, s, k, store.shards[s][n][k].copy()) for n, s, k in entries if k == 2], 2)
+    entries, scores = store.scores("round-robin", 3)  # rounds since saved, in the master's numbering
     assert dict(zip([k for _, _, k in entries], scores, strict=True)) == {0: 2, 1: 2, 2: 1}
     _, a = store.scores("random", 3)
     _, b = store.scores("random", 4)
@@ -246,7 +246,7 @@ def test_tables_say_what_distance_ranks_their_rows() -> None:
     store = ShardStore(tables, shards=[0], num_shards=1)
     store.update("c", [0, 1], np.array([[4.0, 4.0], [1.0, 3.0]]))
     store.update("w", [0], np.array([[1.0, 1.0]]))
-    store.remember(store.rows_snapshot())
+    store.remember(store.rows_snapshot(), 1)
     store.update("c", [0, 1], np.array([[4.0, 4.0], [3.0, -1.0]]))  # c0 keeps its mix; c1 -> (4, 2)
     store.update("w", [0], np.array([[0.5, 100.0]]))  # only column 0 counts for w
     entries, scores = store.scores("priority", 0)
@@ -257,7 +257,7 @@ def test_tables_say_what_distance_ranks_their_rows() -> None:
     broken = {"w": litz.Table("w", (2,), "float64", distance=lambda v, s: float("nan"))}
     store = ShardStore(broken, shards=[0], num_shards=1)
     store.update("w", [0], np.array([[1.0, 1.0]]))
-    store.remember(store.rows_snapshot())
+    store.remember(store.rows_snapshot(), 1)
     with pytest.raises(TableError, match="table 'w': distance function returned nan"):
         store.scores("priority", 0)
     store.tables["w"] = litz.Table("w", (2,), "float64", distance=lambda v, s: 1 / 0)
@@ -482,28 +482,31 @@ def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> Non
 
 def test_row_saves_score_each_policy_and_remember_what_was_saved() -> None:
     """The worker's bookkeeping of an executor's state rows (no sockets): priority scores by the
-    executor's distance from the saved copy, round-robin by rounds since saved, never-saved rows
-    first; remember() copies exactly the chosen rows."""
+    executor's distance from the saved copy, round-robin by rounds since saved (the master's round
+    numbers, so that executors compare), never-saved rows first; remember() copies exactly the
+    chosen rows."""
     from litz.ft.checkpoint import RowSaves
 
     ptr = np.array([0, 2, 2, 5, 6])  # rows of 2, 0, 3 and 1 values
-    saves = RowSaves(litz.StateRows(np.array([1.0, 1, 2, 2, 2, 3]), ptr))
+    saves = RowSaves(litz.StateRows(np.array([1.0, 1, 2, 2, 2, 3]), ptr), 4)
     now = litz.StateRows(np.array([1.0, 4, 2, 2, 2, 0]), ptr)  # row 0 moved by 3, row 3 by 3 too
-    ex = litz.Executor()
-    np.testing.assert_array_equal(saves.scores(now, "priority", 0, ex.row_distances), [3, 0, 0, 3])
-    np.testing.assert_array_equal(saves.scores(now, "round-robin", 0, ex.row_distances), [1, 1, 1, 1])
-    saves.remember(now, np.array([3]))
+    d = litz.Executor().row_distances
+    np.testing.assert_array_equal(saves.scores(now, "priority", 5, 0, d), [3, 0, 0, 3])
+    np.testing.assert_array_equal(saves.scores(now, "round-robin", 5, 0, d), [1, 1, 1, 1])
+    saves.remember(now, np.array([3]), 5)
     np.testing.assert_array_equal(saves.saved.values, [1, 1, 2, 2, 2, 0])  # row 3 only
-    np.testing.assert_array_equal(saves.scores(now, "priority", 0, ex.row_distances), [3, 0, 0, 0])
-    np.testing.assert_array_equal(saves.scores(now, "round-robin", 0, ex.row_distances), [2, 2, 2, 1])
-    a, b = (saves.scores(now, "random", s, ex.row_distances) for s in ([1, 0], [1, 1]))
+    np.testing.assert_array_equal(saves.scores(now, "priority", 6, 0, d), [3, 0, 0, 0])
+    np.testing.assert_array_equal(saves.scores(now, "round-robin", 7, 0, d), [3, 3, 3, 2])
+    other = RowSaves(now, 6)  # another executor, saved later: its rows are younger than these
+    np.testing.assert_array_equal(other.scores(now, "round-robin", 7, 0, d), [1, 1, 1, 1])
+    a, b = (saves.scores(now, "random", 7, s, d) for s in ([7, 0], [7, 1]))
     assert a.shape == (4,) and not np.array_equal(a, b)
-    fresh = RowSaves(now, saved=False)
-    assert np.isinf(fresh.scores(now, "priority", 0, ex.row_distances)).all()
-    fresh.remember(now, np.array([0, 2]))
-    np.testing.assert_array_equal(fresh.scores(now, "round-robin", 0, ex.row_distances), [1, np.inf, 1, np.inf])
+    fresh = RowSaves(now, None)
+    assert np.isinf(fresh.scores(now, "priority", 7, 0, d)).all()
+    fresh.remember(now, np.array([0, 2]), 7)
+    np.testing.assert_array_equal(fresh.scores(now, "round-robin", 8, 0, d), [1, np.inf, 1, np.inf])
     with pytest.raises(ValueError, match="expected 4 numbers >= 0"):
-        saves.scores(now, "priority", 0, lambda n, s: np.array([1.0, -1.0, 0.0, 0.0]))
+        saves.scores(now, "priority", 8, 0, lambda n, s: np.array([1.0, -1.0, 0.0, 0.0]))
     assert saves.matches(now) and not saves.matches(litz.StateRows(np.zeros(6), np.array([0, 3, 6])))
 
 
@@ -573,6 +576,23 @@ def test_priority_checkpoints_save_executor_rows_and_a_lost_worker_gets_them_bac
     distinct = {(e, i) for path in rec["partials"] for name in storage.read_manifest(fs, path)["executor_rows_files"]
                 for e, rows in storage.read_executor_rows(fs, f"{path}/{name}", set(expected)).items() for i in rows}
     assert res.total("rows_restored", "worker") == len(distinct) > 0 and restored_rows >= len(distinct)
+
+
+def test_round_robin_checkpoints_go_round_every_executors_rows(tmp_path: Path) -> None:
+    """Round-robin partial checkpoints of a quarter of the executors' rows: the first four after
+    the full base save every row of every executor exactly once (rows' ages are counted in the
+    master's rounds, so the executors of another worker are not starved)."""
+    app = testapps.rows_app(tasks=60, sleep=0.005)
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="4",
+                   checkpoint_policy="round-robin", checkpoint_fraction=0.25)
+    records = res.stats["master"]["checkpoints"]
+    assert all(c["ok"] for c in records) and records[0]["kind"] == "full"
+    _, _, partials = storage.running_checkpoint(str(tmp_path), "executors")  # type: ignore[misc]
+    assert len(partials) >= 4
+    fs, _ = storage.filesystem(str(tmp_path))
+    saved = [(e, i) for path, files in partials[:4] for name in files
+             for e, rows in storage.read_executor_rows(fs, f"{path}/{name}", set(range(4))).items() for i in rows]
+    assert sorted(saved) == [(e, i) for e in range(4) for i in range(40)]
 
 
 def _kill_w1_after_partials(app: litz.App, tmp_path: Path, monkeypatch) -> dict:  # noqa: ANN001

@@ -56,24 +56,23 @@ def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list
 
 class RowSaves:
     """What the running checkpoint holds of one executor's state rows (``Executor.state_rows``):
-    the copy of each row as last saved and the partial round it was saved in, so that the next
-    partial round can score the rows (DESIGN.md §5), as servers do for table rows. It travels
-    with the executor when it migrates; no sockets here.
+    the copy of each row as last saved and the round (a checkpoint's cid) it was saved in, so
+    that the next partial round can score the rows (DESIGN.md §5), as servers do for table rows.
+    It travels with the executor when it migrates; no sockets here.
     """
 
-    def __init__(self, rows: StateRows, saved: bool = True) -> None:
-        """Everything is as saved (a full checkpoint or a restore just happened), or, with
-        ``saved`` False, nothing is (a row never saved comes first)."""
+    def __init__(self, rows: StateRows, saved_in: int | None) -> None:
+        """Every row is as saved in round ``saved_in`` (a full checkpoint, or a restore: 0, the
+        oldest), or, with None, no row is (a row never saved comes first)."""
         self.saved = StateRows(rows.values.copy(), rows.ptr.copy())
-        self.saved_round = np.full(rows.num_rows, 0 if saved else -1, np.int64)
-        self.rounds = 1
+        self.saved_round = np.full(rows.num_rows, -1 if saved_in is None else saved_in, np.int64)
 
     def matches(self, rows: StateRows) -> bool:
         return np.array_equal(rows.ptr, self.saved.ptr)
 
-    def scores(self, rows: StateRows, policy: str, seed: Any,
+    def scores(self, rows: StateRows, policy: str, round_: int, seed: Any,
                distances: Callable[[StateRows, StateRows], np.ndarray]) -> np.ndarray:
-        """Each row's claim to be saved next: ``priority``, ``distances(rows, saved)``;
+        """Each row's claim to be saved in round ``round_``: ``priority``, ``distances(rows, saved)``;
         ``round-robin``, the rounds since it was saved; ``random``, a draw. A row never saved
         comes first under the first two."""
         n = rows.num_rows
@@ -86,18 +85,17 @@ class RowSaves:
                                  f"expected {n} numbers >= 0")
             out = out.copy()
         else:
-            out = (self.rounds - self.saved_round).astype(np.float64)
+            out = (round_ - self.saved_round).astype(np.float64)
         out[self.saved_round < 0] = np.inf
         return out
 
-    def remember(self, rows: StateRows, chosen: np.ndarray) -> None:
-        """The rows ``chosen`` (positions) were saved as they are in ``rows``."""
+    def remember(self, rows: StateRows, chosen: np.ndarray, round_: int) -> None:
+        """The rows ``chosen`` (positions) were saved in round ``round_`` as they are in ``rows``."""
         chosen = np.asarray(chosen, dtype=np.int64)
         lengths = np.diff(rows.ptr)
         mask = np.repeat(np.isin(np.arange(rows.num_rows), chosen), lengths)
         self.saved.values[mask] = rows.values[mask]
-        self.saved_round[chosen] = self.rounds
-        self.rounds += 1
+        self.saved_round[chosen] = round_
 
 
 def parse_every(text: str | float | int | None) -> tuple[float | None, int | None]:

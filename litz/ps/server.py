@@ -37,10 +37,9 @@ class ShardStore:
         self.gets = 0
         self.updates = 0
         self.forward: dict[int, str] = {}  # shards that moved away -> where they went
-        # SCAR: each row's value as last saved in a checkpoint, and the round it was saved in
+        # SCAR: each row's value as last saved in a checkpoint, and the round (its cid) it was saved in
         self.saved: dict[tuple[str, Hashable], np.ndarray] = {}
         self.saved_round: dict[tuple[str, Hashable], int] = {}
-        self.rounds = 0
 
     def split(self, keys: list[Hashable]) -> tuple[list[int], dict[str, list[int]]]:
         """Positions of keys served here, and of keys whose shard moved (grouped by new server)."""
@@ -116,24 +115,24 @@ class ShardStore:
                         row = np.frombuffer(raw, dtype=table.dtype).reshape(table.shape).copy()
                         self.shards[shard][table.name][key] = row
                         restored.append((table.name, shard, key, row.copy()))
-        self.remember(restored)
+        self.remember(restored, 0)  # saved at some round before now: counted as the oldest
 
-    def remember(self, rows: list[tuple[str, int, Hashable, np.ndarray]]) -> None:
-        """These copies are now what the checkpoint holds for their rows."""
+    def remember(self, rows: list[tuple[str, int, Hashable, np.ndarray]], round_: int) -> None:
+        """These copies are now what the checkpoint holds for their rows, saved in round ``round_``
+        (a checkpoint's cid: rounds are numbered by the master, so ages compare across servers)."""
         for name, _, key, row in rows:
             self.saved[(name, key)] = row
-            self.saved_round[(name, key)] = self.rounds
-        self.rounds += 1
+            self.saved_round[(name, key)] = round_
 
-    def scores(self, policy: str, seed: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
+    def scores(self, policy: str, round_: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
         """Every row hosted here with its claim to be saved next: ``priority``, the table's
         distance (L2 unless the table says otherwise) from its saved value; ``round-robin``, the
-        rounds since it was saved; ``random``, a draw.
+        rounds since it was saved (``round_`` is this one's); ``random``, a draw.
         A row never saved comes first under the first two."""
         entries = [(name, shard, key) for shard, tables in self.shards.items()
                    for name, rows in tables.items() for key in rows]
         if policy == "random":
-            return entries, np.random.default_rng(seed).random(len(entries))
+            return entries, np.random.default_rng(round_).random(len(entries))
         out = np.empty(len(entries))
         for i, (name, shard, key) in enumerate(entries):
             saved = self.saved.get((name, key))
@@ -142,7 +141,7 @@ class ShardStore:
             elif policy == "priority":
                 out[i] = self.tables[name].distance_from_saved(self.shards[shard][name][key], saved)
             else:
-                out[i] = self.rounds - self.saved_round[(name, key)]
+                out[i] = round_ - self.saved_round[(name, key)]
         return entries, out
 
     def _rows(self, table: Table, key: Hashable) -> dict[Hashable, np.ndarray]:
@@ -425,7 +424,7 @@ class ServerNode(Node):
         entries = self._scored.pop(msg["cid"], [])
         rows = [(name, shard, key, store.shards[shard][name][key].copy())
                 for name, shard, key in (entries[i] for i in msg["rows"]) if shard in store.shards]
-        store.remember(rows)
+        store.remember(rows, msg["cid"])
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow", lambda fs, path: storage.write_shards(fs, path, rows))
 
     # -- SCAR partial recovery --------------------------------------------------------------------
@@ -472,7 +471,7 @@ class ServerNode(Node):
     def on_checkpoint(self, msg: Message) -> None:
         """Copy every row now (training resumes at once), write the copy in the background."""
         rows = self._store().rows_snapshot()
-        self._store().remember(rows)
+        self._store().remember(rows, msg["cid"])
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow",
                              lambda fs, path: storage.write_shards(fs, path, rows))
 

@@ -239,8 +239,8 @@ class Worker(Node):
                                     f"{where['path']}'s partial checkpoints: {type(exc).__name__}: {exc}") from exc
                 self.rows_restored += len(patches[eid])
             self.slots[eid] = Slot(ex)
-            if where:  # the running checkpoint holds exactly this state
-                self._remember_rows(eid)
+            if where:  # the running checkpoint holds exactly this state (saved at rounds before now)
+                self._remember_rows(eid, 0)
         return eids
 
     def on_restore_executors(self, msg: Message) -> None:
@@ -308,7 +308,7 @@ class Worker(Node):
             raise LitzError(f"worker {self.ident} asked to checkpoint while executors {busy} have tasks")
         states = {eid: cloudpickle.dumps(slot.executor.get_state()) for eid, slot in self.slots.items()}
         for eid in self.slots:
-            self._remember_rows(eid)
+            self._remember_rows(eid, msg["cid"])
         self.checkpoint_part(msg, f"executors-{self.ident}.arrow",
                              lambda fs, path: storage.write_executors(fs, path, states))
 
@@ -325,14 +325,15 @@ class Worker(Node):
                             f"len(values), got values of shape {rows.values.shape} and ptr {ptr[:3]}...{ptr[-3:]}")
         return StateRows(rows.values, ptr.astype(np.int64, copy=False))
 
-    def _remember_rows(self, eid: int) -> None:
-        """The running checkpoint now holds executor ``eid``'s state as it is (a full checkpoint,
-        or a restore): its rows are the saved copies that partial checkpoints score against."""
+    def _remember_rows(self, eid: int, round_: int) -> None:
+        """The running checkpoint now holds executor ``eid``'s state as it is (a full checkpoint
+        of cid ``round_``, or a restore): its rows are the saved copies that partial checkpoints
+        score against."""
         self.row_saves.pop(eid, None)
         if self.options.get("checkpoint_policy", "full") == "full" or not keeps_rows(self.slots[eid].executor):
             return
         try:
-            self.row_saves[eid] = RowSaves(self._state_rows(eid))
+            self.row_saves[eid] = RowSaves(self._state_rows(eid), round_)
         except Exception as exc:  # the next partial round reports it, and fails, for this executor
             log.error("%s: executor %d's state rows cannot be remembered: %s: %s", self.ident, eid,
                       type(exc).__name__, exc)
@@ -372,11 +373,11 @@ class Worker(Node):
         rows = self._state_rows(eid)
         saves = self.row_saves.get(eid)
         if saves is None:  # never saved (say, its state could not be read at the last full checkpoint)
-            saves = self.row_saves[eid] = RowSaves(rows, saved=False)
+            saves = self.row_saves[eid] = RowSaves(rows, None)
         elif not saves.matches(rows):
             raise LitzError(f"state_rows changed shape since the last checkpoint ({saves.saved.num_rows} rows "
                             f"then, {rows.num_rows} now): an executor's rows must stay the same")
-        return rows, saves.scores(rows, policy, [cid, eid], self.slots[eid].executor.row_distances)
+        return rows, saves.scores(rows, policy, cid, [cid, eid], self.slots[eid].executor.row_distances)
 
     def on_ckpt_save(self, msg: Message) -> None:
         """Save the chosen rows, as they were scored, into a partial checkpoint in the background.
@@ -390,7 +391,7 @@ class Worker(Node):
             mine = chosen[(chosen >= starts[k]) & (chosen < starts[k + 1])] - starts[k]
             out.extend((eid, int(i), rows.row(int(i))) for i in mine)
             if len(mine) and eid in self.slots and eid in self.row_saves:
-                self.row_saves[eid].remember(rows, mine)
+                self.row_saves[eid].remember(rows, mine, msg["cid"])
         self.checkpoint_part(msg, f"executor-rows-{self.ident}.arrow",
                              lambda fs, path: storage.write_executor_rows(fs, path, out))
 
