@@ -12,11 +12,17 @@ driver sends SIGKILL to the victims, and the master recovers by itself:
   survivors; nothing else rolls back. The driver then recounts the tables from the assignments
   (``LDADriver.recovered``), so they are exact again.
 
-Two experiments: killing 1, 2 or 3 of the 4 **workers** loses 1/4, 1/2 or 3/4 of the documents'
+Experiment A: killing 1, 2 or 3 of the 4 **workers** loses 1/4, 1/2 or 3/4 of the documents'
 assignments (their sampling since the checkpoint is redone); killing 1, 2 or 3 of the 4 **servers**
 loses count rows only, which the recount rebuilds from the assignments, so partial recovery redoes
-nothing (the rows restored from the checkpoint do not matter, which is also why priority checkpoints
-of the word-topic rows, SCAR's experiment B, have nothing to gain on LDA here).
+nothing (the rows restored from the checkpoint do not matter).
+
+Experiment B (``--policies priority,round-robin,random``, with ``--only workers --lost 2``): partial
+checkpoints of a fraction 1/d (d = 2, 4, 8) every C/d iterations after a first full one, 2 of 4
+workers lost, partial recovery. The executors' documents are state rows (``LDAExecutor.state_rows``):
+priority ranks them by the length-scaled total variation of their topic counts since they were
+saved (SCAR's distance for LDA), round-robin by rounds since saved, random by chance; a restored
+executor gets each document's newest copy. Results in ``scar_lda_workers_partial.*``.
 
 **Rework**: iterations executed (redone ones included) until the log-likelihood per token, averaged
 over 5 iterations, reaches the failure-free runs' mean at 60% of the training, minus the mean count
@@ -29,8 +35,8 @@ tasks completed first. So several failure-free runs (``--baselines``) set the ta
 spread is printed: the noise floor of a rework.
 
 Run: ``python bench/bench_scar_lda.py [--reps 10] [--baselines 5] [--iterations 100] [--every 16]
-[--only workers|servers]`` (10-20 s per run on 2 cores; the defaults make 2 × 65 runs). Results:
-``bench/results/scar_lda_{workers,servers}.json`` and ``.png``.
+[--only workers|servers] [--lost 1,2,3] [--policies ...]`` (5-10 s per run on 2 cores; the defaults
+make 2 × 65 runs). Results: ``bench/results/scar_lda_{workers,servers}.json`` and ``.png``.
 """
 
 from __future__ import annotations

@@ -510,6 +510,39 @@ def test_row_saves_score_each_policy_and_remember_what_was_saved() -> None:
     assert saves.matches(now) and not saves.matches(litz.StateRows(np.zeros(6), np.array([0, 3, 6])))
 
 
+def test_row_scoring_waits_for_running_executors_and_fails_at_the_first_error() -> None:
+    """A worker's partial rounds (no sockets): an executor is scored only once it runs no task,
+    the round is answered when all are scored (executors in order, one gone is skipped), and a
+    failure answers the round at once with the executor named."""
+    from litz.ft.checkpoint import RowScoring
+
+    running = {0: False, 1: True, 2: False}
+    busy = (lambda e: running.get(e))  # noqa: E731
+    rows = {e: litz.StateRows(np.arange(e + 1.0), np.array([0, e + 1])) for e in range(4)}
+    calls = []
+
+    def score(cid: int, eid: int, policy: str) -> tuple[litz.StateRows, np.ndarray]:
+        calls.append((cid, eid, policy))
+        return rows[eid], np.array([10.0 * eid])
+
+    sc = RowScoring()
+    sc.request(7, "master", "priority", {0, 1, 2, 3})  # 3 has left (migrated away) meanwhile
+    assert sc.ready(busy, score) == [] and calls == [(7, 0, "priority"), (7, 2, "priority")]
+    running[1] = False  # its task ended
+    [(cid, master, scored, scores, error)] = sc.ready(busy, score)
+    assert (cid, master, error) == (7, "master", None) and [e for e, _ in scored] == [0, 1, 2]
+    np.testing.assert_array_equal(scores, [0.0, 10.0, 20.0])
+    assert sc.ready(busy, score) == [] and not sc.rounds
+
+    def broken(cid: int, eid: int, policy: str) -> tuple[litz.StateRows, np.ndarray]:
+        raise RuntimeError("no rows today")
+
+    running[1] = True
+    sc.request(8, "master", "priority", {0, 1})
+    [(cid, _, scored, scores, error)] = sc.ready(busy, broken)  # not waiting for 1: the round is lost
+    assert cid == 8 and error == "executor 0: RuntimeError: no rows today" and len(scores) == 0 and not sc.rounds
+
+
 def test_executor_rows_round_trip_exactly(tmp_path: Path) -> None:
     fs, root = storage.filesystem(str(tmp_path))
     rows = [(0, 3, np.array([1.5, np.nan])), (2, 0, np.array([], np.int32)), (2, 7, np.array([7, -1], np.int16))]

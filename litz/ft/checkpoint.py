@@ -98,6 +98,58 @@ class RowSaves:
         self.saved_round[chosen] = round_
 
 
+@dataclass
+class _RowRound:
+    master: str
+    policy: str
+    waiting: set[int]
+    scored: dict[int, tuple[StateRows, np.ndarray]] = field(default_factory=dict)
+    error: str | None = None
+
+
+class RowScoring:
+    """A worker's partial rounds in progress over its executors' state rows (no sockets).
+
+    A round asks for every executor that keeps rows; an executor is scored only between two of
+    its tasks (its state may be half-updated while a task is suspended in a read), so a round
+    waits for the running ones. It is answered once every executor is scored, or at the first
+    failure, which loses the round.
+    """
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, _RowRound] = {}
+
+    def request(self, cid: int, master: str, policy: str, executors: set[int]) -> None:
+        self.rounds[cid] = _RowRound(master, policy, set(executors))
+
+    def ready(self, busy: Callable[[int], bool | None],
+              score: Callable[[int, int, str], tuple[StateRows, np.ndarray]]
+              ) -> list[tuple[int, str, list[tuple[int, StateRows]], np.ndarray, str | None]]:
+        """Score the executors rounds wait for that run no task now (``busy(eid)``: True while one
+        runs, None once the executor is gone); returns the rounds answered, as ``(cid, master,
+        [(executor, rows)], concatenated scores, error)`` with executors in order."""
+        done = []
+        for cid, rr in list(self.rounds.items()):
+            for eid in sorted(e for e in rr.waiting if not busy(e)):
+                rr.waiting.discard(eid)
+                if busy(eid) is None or rr.error is not None:
+                    continue
+                try:
+                    rr.scored[eid] = score(cid, eid, rr.policy)
+                except Exception as exc:  # e.g. the application's row_distances raised: this round is lost
+                    rr.error = f"executor {eid}: {type(exc).__name__}: {exc}"
+            if rr.waiting and rr.error is None:
+                continue
+            del self.rounds[cid]
+            order = sorted(rr.scored)
+            scores = np.concatenate([rr.scored[e][1] for e in order]) if order and rr.error is None else np.empty(0)
+            done.append((cid, rr.master, [(e, rr.scored[e][0]) for e in order], scores, rr.error))
+        return done
+
+    def clear(self) -> None:
+        self.rounds.clear()
+
+
 def parse_every(text: str | float | int | None) -> tuple[float | None, int | None]:
     """``"30s"`` -> every 30 seconds; ``"5"`` -> every 5 iterations of the driver. None: never."""
     if text is None or text == "":

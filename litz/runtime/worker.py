@@ -29,7 +29,7 @@ import numpy as np
 from litz.api import Executor, ParameterServer, StateRows
 from litz.errors import LitzError, TableError
 from litz.ft import storage
-from litz.ft.checkpoint import RowSaves
+from litz.ft.checkpoint import RowSaves, RowScoring
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
@@ -77,18 +77,6 @@ class Outgoing:
     executors: list[int]
     dest: str
     ship_input: bool
-
-
-@dataclass
-class _Scoring:
-    """A partial checkpoint's request to score the executors' state rows: each executor is
-    scored between two of its tasks, so those still running are waited for."""
-
-    master: str
-    policy: str
-    waiting: set[int]
-    scored: dict[int, tuple[StateRows, np.ndarray]] = field(default_factory=dict)
-    error: str | None = None
 
 
 def keeps_rows(ex: Executor) -> bool:
@@ -166,7 +154,7 @@ class Worker(Node):
         # SCAR partial checkpoints of executor state: what the running checkpoint holds of each
         # executor's rows, rounds being scored, and the rows scored per round (saved on ckpt_save)
         self.row_saves: dict[int, RowSaves] = {}
-        self._scoring: dict[int, _Scoring] = {}
+        self._scoring = RowScoring()
         self._scored: dict[int, list[tuple[int, StateRows]]] = {}
 
     # -- set-up -------------------------------------------------------------------------
@@ -343,31 +331,23 @@ class Worker(Node):
         those idle now, the others as their running task ends (``_score_ready``)."""
         eids = {eid for eid, slot in self.slots.items() if keeps_rows(slot.executor)}
         self._scored.clear()  # the master runs one round at a time: an earlier one failed, or ended
-        self._scoring[msg["cid"]] = _Scoring(msg.sender, msg["policy"], eids)
+        self._scoring.request(msg["cid"], msg.sender, msg["policy"], eids)
         self._score_ready()
 
     def _score_ready(self) -> None:
-        """Score the executors that partial rounds wait for and that run no task now; answer a
-        round once all its executors are scored (or the first failed)."""
-        for cid, sc in list(self._scoring.items()):
-            for eid in [e for e in sc.waiting if e not in self.slots or not self.slots[e].running]:
-                sc.waiting.discard(eid)
-                if eid not in self.slots or sc.error is not None:
-                    continue
-                try:
-                    sc.scored[eid] = self._score_rows(cid, eid, sc.policy)
-                except Exception as exc:  # e.g. the application's row_distances raised: this round is lost
-                    sc.error = f"worker {self.ident}: executor {eid}: {type(exc).__name__}: {exc}"
-            if sc.waiting:
+        """Score the executors that partial rounds wait for and that run no task now; answer the
+        rounds that are complete (or failed)."""
+        for cid, master, scored, scores, error in self._scoring.ready(self._busy, self._score_rows):
+            if error is not None:
+                self.endpoint.send(master, "ckpt_scores_reply", cid=cid, scores=scores,
+                                   error=f"worker {self.ident}: {error}")
                 continue
-            del self._scoring[cid]
-            if sc.error is not None:
-                self.endpoint.send(sc.master, "ckpt_scores_reply", cid=cid, scores=np.empty(0), error=sc.error)
-                continue
-            order = sorted(sc.scored)
-            self._scored[cid] = [(eid, sc.scored[eid][0]) for eid in order]
-            scores = np.concatenate([sc.scored[eid][1] for eid in order]) if order else np.empty(0)
-            self.endpoint.send(sc.master, "ckpt_scores_reply", cid=cid, scores=scores)
+            self._scored[cid] = scored
+            self.endpoint.send(master, "ckpt_scores_reply", cid=cid, scores=scores)
+
+    def _busy(self, eid: int) -> bool | None:
+        """Whether executor ``eid`` runs a task now; None if it is not hosted here."""
+        return self.slots[eid].running if eid in self.slots else None
 
     def _score_rows(self, cid: int, eid: int, policy: str) -> tuple[StateRows, np.ndarray]:
         rows = self._state_rows(eid)
@@ -532,7 +512,7 @@ class Worker(Node):
             self.tasks_run += 1
             self._record("completed", [task.task_id, value])
         slot.running = False
-        if self._scoring:  # before anything else runs or it leaves: a partial checkpoint waits for it
+        if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
             self._score_ready()
         if slot.leaving:
             self._ship_ready()
