@@ -545,12 +545,18 @@ def test_row_scoring_waits_for_running_executors_and_fails_at_the_first_error() 
 
 def test_executor_rows_round_trip_exactly(tmp_path: Path) -> None:
     fs, root = storage.filesystem(str(tmp_path))
-    rows = [(0, 3, np.array([1.5, np.nan])), (2, 0, np.array([], np.int32)), (2, 7, np.array([7, -1], np.int16))]
-    assert storage.write_executor_rows(fs, f"{root}/r.arrow", rows) == 3
+    a = litz.StateRows(np.array([0.0, 1.5, np.nan, 2.0]), np.array([0, 1, 1, 1, 3, 4]))  # rows 1, 2 empty
+    b = litz.StateRows(np.array([7, -1, 5], np.int16), np.array([0, 0, 2, 3]))
+    assert storage.write_executor_rows(fs, f"{root}/r.arrow", [(0, np.array([3, 1]), a), (2, np.array([1, 0]), b),
+                                                               (5, np.array([], np.int64), b)]) == 4
     back = storage.read_executor_rows(fs, f"{root}/r.arrow", {2})
-    assert list(back) == [2] and sorted(back[2]) == [0, 7]
-    assert back[2][7].dtype == np.int16 and back[2][7].tolist() == [7, -1] and back[2][0].dtype == np.int32
-    assert storage.read_executor_rows(fs, f"{root}/r.arrow", {0})[0][3].tobytes() == rows[0][2].tobytes()
+    assert list(back) == [2] and sorted(back[2]) == [0, 1]
+    assert back[2][1].dtype == np.int16 and back[2][1].tolist() == [7, -1] and back[2][0].dtype == np.int16
+    assert len(back[2][0]) == 0
+    mine = storage.read_executor_rows(fs, f"{root}/r.arrow", {0})[0]
+    assert sorted(mine) == [1, 3] and mine[3].tobytes() == a.values[1:3].tobytes() and len(mine[1]) == 0
+    assert storage.write_executor_rows(fs, f"{root}/e.arrow", []) == 0
+    assert storage.read_executor_rows(fs, f"{root}/e.arrow", {0}) == {}
 
 
 @pytest.mark.parametrize("move_prob", [0.0, 0.05])

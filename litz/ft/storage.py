@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from litz.api import StateRows
 from litz.errors import LitzError
 
 MANIFEST = "MANIFEST.json"
@@ -106,16 +107,26 @@ def read_executors(fs: pafs.FileSystem, path: str) -> dict[int, bytes]:
     return dict(zip(t["executor"], t["state"], strict=True))
 
 
-def write_executor_rows(fs: pafs.FileSystem, path: str, rows: Iterable[tuple[int, int, np.ndarray]]) -> int:
-    """Write ``(executor, row, values)`` tuples (1-D values, exact bytes). Returns the row count."""
-    cols: dict[str, list[Any]] = {name: [] for name in EXECUTOR_ROWS_SCHEMA.names}
-    for eid, row, values in rows:
-        cols["executor"].append(eid)
-        cols["row"].append(row)
-        cols["dtype"].append(np.dtype(values.dtype).str)
-        cols["values"].append(np.ascontiguousarray(values).tobytes())
-    _write_table(fs, path, pa.table(cols, schema=EXECUTOR_ROWS_SCHEMA))
-    return len(cols["row"])
+def write_executor_rows(fs: pafs.FileSystem, path: str, parts: Iterable[tuple[int, np.ndarray, StateRows]]) -> int:
+    """Write, per executor, the rows ``chosen`` of its ``StateRows`` (exact bytes): ``parts`` are
+    ``(executor, chosen, rows)``. Built from the arrays without a loop over rows (a partial round
+    saves thousands; the write runs beside training). Returns the row count."""
+    tables = []
+    for eid, chosen, rows in parts:
+        chosen = np.unique(np.asarray(chosen, np.int64))  # sorted: the mask below keeps row order
+        lengths = np.diff(rows.ptr)[chosen]
+        mask = np.zeros(rows.num_rows, bool)
+        mask[chosen] = True
+        data = np.ascontiguousarray(rows.values[np.repeat(mask, np.diff(rows.ptr))])
+        offsets = np.concatenate([[0], np.cumsum(lengths * data.itemsize)]).astype(np.int32)
+        values = pa.BinaryArray.from_buffers(pa.binary(), len(chosen), [None, pa.py_buffer(offsets),
+                                                                         pa.py_buffer(data.view(np.uint8))])
+        tables.append(pa.table({"executor": pa.array(np.full(len(chosen), eid, np.int32)), "row": pa.array(chosen),
+                                "dtype": pa.repeat(pa.scalar(data.dtype.str), len(chosen)), "values": values},
+                               schema=EXECUTOR_ROWS_SCHEMA))
+    table = pa.concat_tables(tables) if tables else EXECUTOR_ROWS_SCHEMA.empty_table()
+    _write_table(fs, path, table)
+    return table.num_rows
 
 
 def read_executor_rows(fs: pafs.FileSystem, path: str, executors: set[int]) -> dict[int, dict[int, np.ndarray]]:

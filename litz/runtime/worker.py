@@ -366,10 +366,10 @@ class Worker(Node):
         scored = self._scored.pop(msg["cid"], [])
         starts = np.cumsum([0, *(rows.num_rows for _, rows in scored)])
         chosen = np.asarray(msg["rows"], np.int64)
-        out: list[tuple[int, int, np.ndarray]] = []
+        out: list[tuple[int, np.ndarray, StateRows]] = []
         for k, (eid, rows) in enumerate(scored):
             mine = chosen[(chosen >= starts[k]) & (chosen < starts[k + 1])] - starts[k]
-            out.extend((eid, int(i), rows.row(int(i))) for i in mine)
+            out.append((eid, mine, rows))
             if len(mine) and eid in self.slots and eid in self.row_saves:
                 self.row_saves[eid].remember(rows, mine, msg["cid"])
         self.checkpoint_part(msg, f"executor-rows-{self.ident}.arrow",
