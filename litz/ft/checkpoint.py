@@ -44,13 +44,14 @@ def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list
     if k == 0:
         return out
     flat = np.concatenate([np.asarray(scores[s], dtype=np.float64) for s in servers])
-    owner = np.repeat(np.arange(len(servers)), [len(scores[s]) for s in servers])
-    pos = np.concatenate([np.arange(len(scores[s])) for s in servers])
-    order = np.lexsort((pos, owner, -flat))[:k]  # highest score first; ties: server, then position
-    for j in order:
-        out[servers[owner[j]]].append(int(pos[j]))
-    for s in servers:
-        out[s].sort()
+    # the k highest; at the k-th value, ties go by server, then position: by index in ``flat``
+    kth = np.partition(flat, total - k)[total - k]
+    above = np.flatnonzero(flat > kth)
+    chosen = np.sort(np.concatenate([above, np.flatnonzero(flat == kth)[:k - len(above)]]))
+    starts = np.cumsum([0, *(len(scores[s]) for s in servers)])
+    cut = np.searchsorted(chosen, starts)
+    for i, s in enumerate(servers):
+        out[s] = (chosen[cut[i]:cut[i + 1]] - starts[i]).tolist()
     return out
 
 
@@ -209,6 +210,7 @@ class CheckpointCoordinator:
         self._last_time = time.monotonic()
         self._last_iteration = 0
         self._rollback_mark = 0  # rounds before this index belong to an abandoned timeline
+        self.last_dir: str | None = None  # the checkpoint directory created last
 
     def due(self, iteration: int | None) -> bool:
         """Whether the policy asks for a checkpoint now (none while one is in progress)."""
@@ -222,11 +224,16 @@ class CheckpointCoordinator:
             return iteration - self._last_iteration >= max(1, round(self.every_iterations * scale))
         return False
 
+    def base(self) -> str | None:
+        """The full checkpoint partial rounds now build on: the last one written since the last
+        rollback (None: there is none, the next round is full)."""
+        since = [c for c in self.completed[self._rollback_mark:] if c["ok"] and c["kind"] == "full"]
+        return since[-1]["path"] if since else None
+
     def partial_next(self) -> bool:
         """Whether the next policy round saves only a fraction of the rows (a full base exists,
         taken since the last rollback: partial rows of an abandoned timeline build on nothing)."""
-        since = self.completed[self._rollback_mark:]
-        return self.policy != "full" and any(c["ok"] and c["kind"] == "full" for c in since)
+        return self.policy != "full" and self.base() is not None
 
     def rolled_back(self) -> None:
         """The job went back to its last full checkpoint: the next round is a full one, due a

@@ -170,10 +170,17 @@ def has_manifest(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File
 
 
-def new_checkpoint_dir(fs: pafs.FileSystem, root: str) -> str:
-    """Create the next ``ckpt-<seq>`` directory (numbers never reused, even of incomplete ones)."""
-    seqs = [seq for seq, _ in checkpoint_dirs(fs, root)]
-    path = f"{root}/ckpt-{(max(seqs) + 1 if seqs else 0):06d}"
+def new_checkpoint_dir(fs: pafs.FileSystem, root: str, last: str | None = None) -> str:
+    """Create the next ``ckpt-<seq>`` directory (numbers never reused, even of incomplete ones):
+    the one after ``last``, the directory this process created before, without listing ``root``
+    again (a job with partial checkpoints every few iterations has hundreds)."""
+    m = _CKPT.match(last.rsplit("/", 1)[-1]) if last else None
+    if m:
+        seq = int(m.group(1)) + 1
+    else:
+        seqs = [seq for seq, _ in checkpoint_dirs(fs, root)]
+        seq = max(seqs) + 1 if seqs else 0
+    path = f"{root}/ckpt-{seq:06d}"
     fs.create_dir(path, recursive=True)
     return path
 
@@ -205,8 +212,9 @@ def running_checkpoint(location: str, kind: str = "shards"
     if not full:
         return None
     base = full[-1]
+    name = base.rsplit("/", 1)[-1]  # the master names the base by the path it created, the listing by its own
     partials = [(p, manifests[p].get(key, [])) for p in dirs[dirs.index(base) + 1:]
-                if manifests[p].get("partial_of") == base]
+                if str(manifests[p].get("partial_of", "")).rsplit("/", 1)[-1] == name]
     return base, manifests[base], partials
 
 

@@ -1064,7 +1064,7 @@ class Master:
         if r is None or r.phase != "pausing" or not st.quiescent() or self.elastic.op is not None:
             return
         fs, root = storage.filesystem(ck.location)
-        path = storage.new_checkpoint_dir(fs, root)
+        path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
         processes = sorted(st.workers + st.servers)
         ck.snapshotting(path, processes)
         r.version = st.version
@@ -1108,7 +1108,7 @@ class Master:
             chosen.update(select_top({p: r.scores[p] for p in pool if p in r.scores}, ck.fraction))
         savers = sorted(p for p in chosen if p in st.servers or len(r.scores[p]))
         fs, root = storage.filesystem(ck.location)
-        path = storage.new_checkpoint_dir(fs, root)
+        path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
         ck.snapshotting(path, savers)
         for ident in savers:
             self.endpoint.send(ident, "ckpt_save", cid=cid, location=ck.location, path=path, rows=chosen[ident])
@@ -1119,12 +1119,12 @@ class Master:
         ck, st = self.checkpoints, self.state
         assert ck is not None and ck.round is not None and st is not None
         r = ck.round
-        base = storage.running_checkpoint(ck.location) if r.kind == "partial" and not r.errors else None
+        base = ck.base() if r.kind == "partial" and not r.errors else None
         if r.kind == "partial" and base is None and not r.errors:
             r.errors.append("a partial checkpoint needs a complete full one before it")
         if not r.errors and base is not None:
             manifest: dict[str, Any] = {
-                "job": self.job, "created": time.time(), "reason": r.reason, "partial_of": base[0],
+                "job": self.job, "created": time.time(), "reason": r.reason, "partial_of": base,
                 "policy": ck.policy, "fraction": ck.fraction, "num_shards": st.num_shards,
                 "shards_files": sorted(f for p in st.servers for f in r.files.get(p, [])),
                 "executor_rows_files": sorted(f for p in st.workers for f in r.files.get(p, [])),

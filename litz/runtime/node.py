@@ -53,7 +53,8 @@ class Node:
         self.endpoint = Endpoint(ident, host, secret=security.settings().secret)
         self._wake_r, self._wake_w = os.pipe()
         self._leaving: tuple[str, float, bool] | None = None  # (who asked us to leave, deadline, settle)
-        self._background: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._background: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # done: run on the loop
+        self._jobs: queue.SimpleQueue[Any] | None = None  # for the background thread, started on first use
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
@@ -116,18 +117,26 @@ class Node:
         self.in_background(work, then)
 
     def in_background(self, work: Callable[[], Any], then: Callable[[Any, BaseException | None], None]) -> None:
-        """Run ``work`` on a thread (slow I/O, e.g. writing a checkpoint) and ``then(result, error)``
-        back on the loop's thread, which alone may touch the sockets."""
+        """Run ``work`` on this process's background thread (slow I/O, e.g. writing a checkpoint),
+        in order, and ``then(result, error)`` back on the loop's thread, which alone may touch the
+        sockets. One long-lived thread, not one per job: starting a thread made the loop wait for
+        the new thread to take the GIL, milliseconds per partial checkpoint round."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._run_jobs, args=(self._jobs,), daemon=True,
+                             name=f"{self.ident}-background").start()
+        self._jobs.put((work, then))
 
-        def body() -> None:
+    def _run_jobs(self, jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]]
+                  ) -> None:
+        while True:
+            work, then = jobs.get()
             try:
                 result, error = work(), None
             except BaseException as exc:  # handed to ``then``
                 result, error = None, exc
-            self._background.put(lambda: then(result, error))
+            self._background.put(lambda then=then, result=result, error=error: then(result, error))
             self._wake()
-
-        threading.Thread(target=body, daemon=True, name=f"{self.ident}-background").start()
 
     def on_event(self, ev: Event) -> None:
         if ev.kind == "put":
