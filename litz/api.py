@@ -127,9 +127,6 @@ class StateRows:
     def num_rows(self) -> int:
         return len(self.ptr) - 1
 
-    def row(self, i: int) -> np.ndarray:
-        return self.values[self.ptr[i]:self.ptr[i + 1]]
-
 
 class Executor:
     """A logical executor: owns an input partition (reloadable) and mutable state (serializable).

@@ -224,16 +224,20 @@ class CheckpointCoordinator:
             return iteration - self._last_iteration >= max(1, round(self.every_iterations * scale))
         return False
 
+    def _last_full(self) -> dict[str, Any] | None:
+        since = [c for c in self.completed[self._rollback_mark:] if c["ok"] and c["kind"] == "full"]
+        return since[-1] if since else None
+
     def base(self) -> str | None:
         """The full checkpoint partial rounds now build on: the last one written since the last
         rollback (None: there is none, the next round is full)."""
-        since = [c for c in self.completed[self._rollback_mark:] if c["ok"] and c["kind"] == "full"]
-        return since[-1]["path"] if since else None
+        last = self._last_full()
+        return last["path"] if last else None
 
     def partial_next(self) -> bool:
         """Whether the next policy round saves only a fraction of the rows (a full base exists,
         taken since the last rollback: partial rows of an abandoned timeline build on nothing)."""
-        return self.policy != "full" and self.base() is not None
+        return self.policy != "full" and self._last_full() is not None
 
     def rolled_back(self) -> None:
         """The job went back to its last full checkpoint: the next round is a full one, due a
