@@ -2,9 +2,11 @@
 
 A checkpoint is a directory ``<root>/ckpt-<seq>`` holding one Arrow IPC file of shard rows
 per server, one of executor states per worker, the driver's pickled state, and
-``MANIFEST.json``. The manifest is written last, under a temporary name and then moved into
-place, so a checkpoint exists only once it is complete: a directory without a manifest (a
-crash while writing) is never used.
+``MANIFEST.json``. A partial (SCAR) checkpoint names its full base (``partial_of``) and holds
+only the rows it saved: shard rows per server and rows of executor state per worker
+(``executor_rows_files``, for executors that define ``state_rows``). The manifest is written
+last, under a temporary name and then moved into place, so a checkpoint exists only once it
+is complete: a directory without a manifest (a crash while writing) is never used.
 
 ``root`` is a local path or any URI pyarrow understands (``file://``, ``s3://``, ``hdfs://``;
 a move on S3 is a copy, so there the manifest's atomicity is that of a single PUT).
