@@ -224,7 +224,7 @@ class LDAExecutor(litz.Executor):
         K = self.config["topics"]
         rng = np.random.default_rng([self.config["seed"], self.executor_id, 1])
         z = rng.integers(0, K, size=len(inp["tok_word"])).astype(np.int32)
-        return {"z": z, "doc_list": lk.build_doc_lists(inp["tok_off"], z, int(inp["doc_off"][-1]), K)}
+        return {"z": z, "doc_list": self._doc_lists(z)}
 
     def setup(self) -> None:
         lk.warmup()  # compile or load the kernels before the first task, here or after a move
@@ -258,9 +258,11 @@ class LDAExecutor(litz.Executor):
         z = self.state["z"]
         for d, topics in rows.items():
             z[self._by_doc[self._doc_ptr[d]:self._doc_ptr[d + 1]]] = topics
-        inp = self.input
-        self.state["doc_list"] = lk.build_doc_lists(inp["tok_off"], z, int(inp["doc_off"][-1]),
-                                                    self.config["topics"])
+        self.state["doc_list"] = self._doc_lists(z)
+
+    def _doc_lists(self, z: np.ndarray) -> np.ndarray:
+        """The documents' topic-count lists for the assignment ``z``."""
+        return lk.build_doc_lists(self.input["tok_off"], z, int(self.input["doc_off"][-1]), self.config["topics"])
 
     def run_task(self, args: dict[str, Any]) -> dict[str, Any]:
         op = args["op"]

@@ -127,6 +127,12 @@ class StateRows:
     def num_rows(self) -> int:
         return len(self.ptr) - 1
 
+    def values_of(self, rows: np.ndarray) -> np.ndarray:
+        """A mask over ``values`` that selects the rows ``rows`` (positions), in row order."""
+        mask = np.zeros(self.num_rows, bool)
+        mask[np.asarray(rows, np.int64)] = True
+        return np.repeat(mask, np.diff(self.ptr))
+
 
 class Executor:
     """A logical executor: owns an input partition (reloadable) and mutable state (serializable).

@@ -92,11 +92,9 @@ class RowSaves:
 
     def remember(self, rows: StateRows, chosen: np.ndarray, round_: int) -> None:
         """The rows ``chosen`` (positions) were saved in round ``round_`` as they are in ``rows``."""
-        chosen = np.asarray(chosen, dtype=np.int64)
-        lengths = np.diff(rows.ptr)
-        mask = np.repeat(np.isin(np.arange(rows.num_rows), chosen), lengths)
+        mask = rows.values_of(chosen)
         self.saved.values[mask] = rows.values[mask]
-        self.saved_round[chosen] = round_
+        self.saved_round[np.asarray(chosen, np.int64)] = round_
 
 
 @dataclass

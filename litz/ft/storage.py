@@ -117,9 +117,7 @@ def write_executor_rows(fs: pafs.FileSystem, path: str, parts: Iterable[tuple[in
     for eid, chosen, rows in parts:
         chosen = np.unique(np.asarray(chosen, np.int64))  # sorted: the mask below keeps row order
         lengths = np.diff(rows.ptr)[chosen]
-        mask = np.zeros(rows.num_rows, bool)
-        mask[chosen] = True
-        data = np.ascontiguousarray(rows.values[np.repeat(mask, np.diff(rows.ptr))])
+        data = np.ascontiguousarray(rows.values[rows.values_of(chosen)])
         offsets = np.concatenate([[0], np.cumsum(lengths * data.itemsize)]).astype(np.int32)
         values = pa.BinaryArray.from_buffers(pa.binary(), len(chosen), [None, pa.py_buffer(offsets),
                                                                          pa.py_buffer(data.view(np.uint8))])
