@@ -321,3 +321,57 @@ def test_a_fenced_process_is_never_heard_again() -> None:
         assert [k for _, k, _ in sent] == ["error"]  # the same message from anyone else is handled
     finally:
         w.endpoint.close()
+
+
+@pytest.mark.parametrize(("recovery", "kind", "victim", "when", "on"), [
+    ("partial", "executors", "source", "before", "source"),  # never shipped: restored with the source's own
+    ("partial", "executors", "dest", "before", "source"),  # cancelled: it stays and never rolls back
+    ("partial", "executors", "source", "after", "dest"),  # it arrived: runs on, never rolls back
+    ("partial", "executors", "dest", "after", "dest"),  # shipped to the dead: restored from the checkpoint
+    ("partial", "shards", "dest", "before", "dest"),  # the source sends at once: lost with the dest
+    ("full", "executors", "source", "after", None),
+    ("full", "shards", "source", "before", None),
+])
+def test_a_process_lost_during_a_migration_is_recovered(tmp_path: Path, monkeypatch, recovery: str, kind: str,
+                                                        victim: str, when: str, on: str | None) -> None:
+    """Either end of an executor or shard migration killed in flight: the master settles the
+    migration with the survivor (after the fence, so its answer is final) and the items are
+    restored only if they were on the dead process. The executors that never were there never
+    roll back (their counts stay gapless and unrepeated); those restored repeat counts from the
+    checkpoint but skip none. Under full recovery everything rolls back exactly."""
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, f"mig-{kind[0]}-{victim}", 6, kind=kind, victim=victim,
+                                     **({"slow_task": 0.6} if when == "before" else
+                                        {"slow_arrival": 1.0, "after_ship": 0.3}))
+    app.driver = testapps.KillMidMigrationDriver
+    executors = kind == "executors"
+    t, out = _start(app, workers=3 if executors else 2, servers=1 if executors else 3, job=job,
+                    checkpoint_dir=str(tmp_path / "ckpt"), recovery=recovery,
+                    checkpoint_every="2s")
+    try:
+        st = _status_when(job, lambda s: s["master"].get("recoveries"))
+        rec = st["master"]["recoveries"][0]
+        time.sleep(1.0)  # training goes on after the recovery
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    res = out["res"].value
+    struck = res["struck"]
+    assert rec["lost"] == struck["victim"] == struck[victim]
+    final = out["res"].stats["master"]["recoveries"][0]
+    if recovery == "full":
+        np.testing.assert_array_equal(res["final"], res["truth"])
+        assert all(sorted(seqs) == list(range(len(seqs))) for seqs in res["done_seq"])
+        return
+    assert [s["mid"] for s in final["settled"]] == [struck["mid"]]
+    assert final["settled"][0]["on"] == struck[on]
+    rolled = set(struck["restored"]) | ({0} if executors and on == victim else set())
+    for e, seqs in enumerate(res["done_seq"]):
+        if e in rolled:  # back to the checkpoint: counts repeat, with no gap
+            assert set(seqs) == set(range(max(seqs) + 1)), (e, seqs)
+        else:
+            assert sorted(seqs) == list(range(len(seqs))), (e, seqs)
+    if not (when == "before" and victim == "source"):  # (there they shared a worker blocked by executor 0's sleeps)
+        for e in struck["restored"]:  # they ran on after the checkpoint: restored, they repeat counts
+            assert len(res["done_seq"][e]) > len(set(res["done_seq"][e])), (e, res["done_seq"][e])
+    assert processes_mentioning(job) == []

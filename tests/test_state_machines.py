@@ -384,8 +384,49 @@ def test_a_second_loss_during_a_recovery_is_planned_again_without_doubles() -> N
 
     st = MasterState(4, ["w0"], ["s0", "s1", "s2", "s3"], num_shards=8)  # s_i holds shards i and i + 4
     st.servers.remove("s1")
-    first = st.plan_takeover("s1", "server")
+    first = st.plan_takeover(["s1"], "server")
     assert first == {"s0": [1], "s2": [5]}
     st.servers.remove("s2")  # dies before its part was restored: it had shards 2, 6 and took 5
-    second = st.plan_takeover("s2", "server", prior=first)
+    second = st.plan_takeover(["s2"], "server", prior=first)
     assert second == {"s0": [1, 5], "s3": [2, 6]}  # s0 keeps its part; nothing lands twice
+
+
+def test_losses_planned_together_keep_the_part_a_dead_one_was_given() -> None:
+    """Losses settled before planning are planned as one: s2 died before its part (shard 5, from
+    s1's plan) was restored, and s3 died with it; s2's own shards and its part land once each,
+    and a retiring server (avoid) takes nothing while another is left."""
+    from litz.runtime.master import MasterState
+
+    st = MasterState(4, ["w0"], ["s0", "s1", "s2", "s3", "s4"], num_shards=10)  # s_i: shards i, i + 5
+    st.servers.remove("s1")
+    first = st.plan_takeover(["s1"], "server")
+    assert first == {"s0": [1], "s2": [6]}
+    st.servers.remove("s2")
+    st.servers.remove("s3")
+    second = st.plan_takeover(["s2", "s3"], "server", prior=first, avoid={"s4"})
+    assert second == {"s0": [1, 2, 3, 6, 7, 8]}
+    assert st.plan_takeover(["s2"], "server", avoid={"s0", "s4"}) == {"s0": [2], "s4": [7]}  # none else left
+
+
+def test_a_settled_migration_routes_every_task_of_its_executors_to_where_they_are() -> None:
+    """Tasks queued for the source and not sent yet are held when a migration starts (so none
+    is ever forwarded behind the executor); when it ends, arrived or cancelled, held tasks go
+    to the executors' worker and every task of theirs in flight is recorded there, so a later
+    loss of that worker dispatches them again."""
+    from litz.runtime.master import MasterState
+
+    for arrived, where in ((True, "w1"), (False, "w0")):
+        st = MasterState(2, ["w0", "w1"], ["s0"])  # executor 0 on w0, 1 on w1
+        sent = st.dispatch(0, "sent")
+        st.take_outbox()  # that one reached w0 (it ships with the executor, or stays)
+        queued = st.dispatch(0, "queued")  # still in the outbox when the move starts
+        [(mid, source, eids)] = st.start_migration([0], "w1")
+        assert (source, eids) == ("w0", [0]) and st.take_outbox() == {}
+        during = st.dispatch(0, "during")
+        st.finish_migration(mid, arrived)
+        assert st.placement[0] == where and 0 not in st.moving
+        assert [item[0] for item in st.take_outbox()[where]] == [queued, during]
+        assert {t.task_id: t.worker for t in st.inflight.values()} == dict.fromkeys((sent, queued, during), where)
+    st = MasterState(2, ["w0", "w1"], ["s0"])
+    st.workers.remove("w0")  # dead: its executor is being restored, not moved
+    assert st.start_migration([0], "w1") == [] and not st.moving

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -354,7 +355,13 @@ class CountingStateExecutor(litz.Executor):
         self.ps.update_many("s", keys, deltas)
         if args["seq"] % 3 == 0:
             time.sleep(0.001)
+        if self.executor_id == 0:
+            time.sleep(self.config.get("slow_task", 0.0))
         return seen, keys, deltas
+
+    def setup(self) -> None:
+        if self.state["count"]:  # arriving by a migration (or restored): slowly, if the test says so
+            time.sleep(self.config.get("slow_arrival", 0.0))
 
 
 def failing_distance(value: np.ndarray, saved: np.ndarray) -> float:
@@ -401,6 +408,49 @@ class TimedMigratingDriver(MigratingDriver):
             return
         self._send(result.executor_id)
         self._maybe_read()
+
+
+class KillMidMigrationDriver(TimedMigratingDriver):
+    """0.4 s after a checkpoint is complete, starts one migration (executor 0 to another worker, or
+    shard 0 to another server: ``kind``) and SIGKILLs one end of it (``victim``: source or
+    dest), at once or ``after_ship`` seconds later. With ``slow_task`` executor 0 is always in
+    a task, so at once means before the source ships it; with ``slow_arrival`` the destination
+    takes that long to install it, so ``after_ship`` means shipped but not yet reported."""
+
+    transient = ("struck", "checkpointed")  # a full recovery must not make it strike again
+
+    def dispatch_initial_tasks(self) -> None:
+        self.struck: dict[str, Any] | None = None
+        self.checkpointed: float | None = None
+        super().dispatch_initial_tasks()
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        super().handle_task_completion(result)
+        master = self._master  # test-only: migrations are the framework's, not the app's
+        if self.checkpointed is None and any(c.get("ok") for c in master.checkpoints.completed):
+            self.checkpointed = time.monotonic()
+        if self.struck is not None or self._finished or self.checkpointed is None \
+                or time.monotonic() - self.checkpointed < 0.4:  # work after the checkpoint, to redo
+            return
+        st, kind = master.state, self.config["kind"]
+        if kind == "executors":
+            source = st.placement[0]
+            dest = next(w for w in st.workers if w != source)
+            mids = master.move_executors([0], dest, ship_input=False)
+        else:
+            source = st.shard_map[0]
+            dest = next(s for s in st.servers if s != source)
+            mids = master.move_shards([0], dest)
+        victim = source if self.config["victim"] == "source" else dest
+        time.sleep(self.config.get("after_ship", 0.0))
+        os.kill(master.procs[victim]["pid"], signal.SIGKILL)
+        self.struck = {"mid": mids[0], "source": source, "dest": dest, "victim": victim,
+                       "restored": [e for e in range(self.num_executors)
+                                    if st.placement[e] == victim and e != 0]}
+
+    def finish(self, result: object = None) -> None:
+        assert isinstance(result, dict)
+        super().finish({**result, "struck": self.struck})
 
 
 _LOADS = [0]

@@ -249,6 +249,7 @@ class ServerNode(Node):
         self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]], str, list[Any]]] = {}
         self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         self._scored: dict[int, list[tuple[str, int, Hashable]]] = {}  # partial round -> rows scored
+        self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self.forwarded = 0
         self.shards_out = 0
         self.shards_in = 0
@@ -400,7 +401,16 @@ class ServerNode(Node):
         self.endpoint.send(msg["dest"], "shard_data", mid=msg["mid"], shards=msg["shards"], data=data,
                            source=self.ident)
 
+    def on_settle(self, msg: Message) -> None:
+        """The source of shard migration ``mid`` died: say whether its shards arrived here."""
+        store = self._store()
+        self.endpoint.send(msg.sender, "settled", mid=msg["mid"], holds=all(s in store.shards for s in msg["items"]))
+
     def on_shard_data(self, msg: Message) -> None:
+        if msg["mid"] <= self.abandoned_mids:  # sent before a rollback reloaded every shard
+            log.warning("%s: dropped shards %s of migration %d, abandoned by a rollback", self.ident,
+                        msg["shards"], msg["mid"])
+            return
         self._store().install(list(msg["shards"]), msg["data"])
         self.shards_in += len(msg["shards"])
         assert self.master is not None
@@ -440,6 +450,7 @@ class ServerNode(Node):
         timeline from the checkpoint."""
         self._subs.clear()
         self._scored.clear()
+        self.abandoned_mids = max(self.abandoned_mids, msg.get("abandoned", 0))
         self._store().reload(list(msg["shards"]), msg.get("restore"))
         self.endpoint.send(msg.sender, "reloaded", round=msg["round"])
 

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -86,6 +86,11 @@ class MasterState:
         self.shard_migrations: dict[int, tuple[list[int], str, str]] = {}
         self.shards_moving: set[int] = set()
 
+    @property
+    def last_mid(self) -> int:
+        """The id of the last migration started (ids are never reused)."""
+        return self._next_mid
+
     def executors_of(self, worker: str) -> list[int]:
         return [e for e, w in self.placement.items() if w == worker]
 
@@ -131,23 +136,25 @@ class MasterState:
             else:
                 self.outbox.setdefault(self.placement[item[1]], []).append(item)
 
-    def plan_takeover(self, lost: str, role: str,
-                      prior: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
-        """Who takes the dead process's shards (server) or executors (worker): each item to the
-        least loaded survivor. The dead must already be out of its group. ``prior``: a plan
-        not yet carried out when this process died; its survivors keep their part and the
-        dead one's part is planned again, so no item ends up in two places."""
+    def plan_takeover(self, losts: list[str], role: str, prior: dict[str, list[int]] | None = None,
+                      avoid: set[str] | frozenset[str] = frozenset()) -> dict[str, list[int]]:
+        """Who takes the dead processes' shards (server) or executors (worker): each item to the
+        least loaded survivor, those in ``avoid`` (retiring ones) only if no other is left. The
+        dead must already be out of their group. ``prior``: a plan not yet carried out when these
+        processes died; its survivors keep their part and the dead ones' parts are planned
+        again, so no item ends up in two places."""
         group = self.servers if role == "server" else self.workers
+        targets = [p for p in group if p not in avoid] or group
 
         def held(p: str) -> list[int]:
             return self.shards_of(p) if role == "server" else self.executors_of(p)
 
         prior = prior or {}
-        items = sorted(held(lost) + prior.get(lost, []))
+        items = sorted(i for lost in losts for i in held(lost) + prior.get(lost, []))
         assign = {p: list(v) for p, v in prior.items() if p in group}
-        load = {p: len(held(p)) + len(assign.get(p, [])) for p in group}
+        load = {p: len(held(p)) + len(assign.get(p, [])) for p in targets}
         for item in items:
-            dest = min(group, key=lambda p: (load[p], p))
+            dest = min(targets, key=lambda p: (load[p], p))
             load[dest] += 1
             assign.setdefault(dest, []).append(item)
         return assign
@@ -156,7 +163,7 @@ class MasterState:
         """Full recovery: the dead process leaves, the survivors take its part, and every task of
         the abandoned timeline is forgotten (the checkpoint's tasks come back by restore_tasks)."""
         (self.servers if role == "server" else self.workers).remove(lost)
-        assign = self.plan_takeover(lost, role)
+        assign = self.plan_takeover([lost], role)
         for dest, items in assign.items():
             for item in items:
                 if role == "server":
@@ -166,6 +173,12 @@ class MasterState:
         self.inflight.clear()
         self.outbox.clear()
         self.held.clear()
+        # migrations under way are abandoned: their items reload where the placement says
+        # (the sources), and what they shipped is dropped on arrival (stale_mids)
+        self.migrations.clear()
+        self.moving.clear()
+        self.shard_migrations.clear()
+        self.shards_moving.clear()
         self.paused = False
         self.paused_items = []
         self.version = self.completed = 0
@@ -202,14 +215,23 @@ class MasterState:
         for e in executors:
             if e not in self.placement:
                 raise LitzError(f"cannot move executor {e!r}: no such executor")
-            if self.placement[e] != dest and e not in self.moving:
-                by_source.setdefault(self.placement[e], []).append(e)
+            if self.placement[e] != dest and e not in self.moving and self.placement[e] in self.workers:
+                by_source.setdefault(self.placement[e], []).append(e)  # (one on a dead worker is being restored)
         out = []
         for source, eids in by_source.items():
             self._next_mid += 1
             self.migrations[self._next_mid] = (eids, source, dest)
             for e in eids:
                 self.moving[e] = self._next_mid
+            # tasks queued for the source and not sent yet are held too: every task the source
+            # gets for these executors then arrives before migrate_out and ships with them, so
+            # none is forwarded behind the executor (a forward from a source that dies next is lost)
+            queued = self.outbox.pop(source, [])
+            for item in queued:
+                if item[1] in eids:
+                    self.held.setdefault(item[1], []).append(item)
+            if rest := [item for item in queued if item[1] not in eids]:
+                self.outbox[source] = rest
             out.append((self._next_mid, source, eids))
         return out
 
@@ -221,7 +243,7 @@ class MasterState:
         for s in shards:
             if not (isinstance(s, int) and 0 <= s < self.num_shards):
                 raise LitzError(f"cannot move shard {s!r}: shards are 0..{self.num_shards - 1}")
-            if self.shard_map[s] != dest and s not in self.shards_moving:
+            if self.shard_map[s] != dest and s not in self.shards_moving and self.shard_map[s] in self.servers:
                 by_source.setdefault(self.shard_map[s], []).append(s)
         out = []
         for source, ss in by_source.items():
@@ -231,23 +253,39 @@ class MasterState:
             out.append((self._next_mid, source, ss))
         return out
 
-    def finish_shard_migration(self, mid: int) -> None:
+    def finish_shard_migration(self, mid: int, arrived: bool = True) -> None:
+        """Shard migration ``mid`` ended: its shards are served by the destination, or (not
+        ``arrived``: the source died before the destination installed them) still the source's."""
         shards, _, dest = self.shard_migrations.pop(mid)
         for s in shards:
-            self.shard_map[s] = dest
+            if arrived:
+                self.shard_map[s] = dest
             self.shards_moving.discard(s)
 
-    def finish_migration(self, mid: int) -> None:
-        """The executors of ``mid`` run on their new worker: route to it, release held tasks."""
-        eids, _, dest = self.migrations.pop(mid)
+    def finish_migration(self, mid: int, arrived: bool = True) -> None:
+        """Executor migration ``mid`` ended: its executors run on the destination or (not
+        ``arrived``: cancelled when one end died) stay on the source. Held tasks go there, and
+        every task of theirs in flight is recorded there, so a later loss of that worker sends
+        them again (the tasks queued at the source shipped along with the executors)."""
+        eids, source, dest = self.migrations.pop(mid)
+        worker = dest if arrived else source
+        eset = set(eids)
         for e in eids:
             del self.moving[e]
-            self.placement[e] = dest
+            self.placement[e] = worker
             held = self.held.pop(e, [])
             if held:
-                self.outbox.setdefault(dest, []).extend(held)
-            for item in held:
-                self.inflight[item[0]].worker = dest
+                self.outbox.setdefault(worker, []).extend(held)
+        for task in self.inflight.values():
+            if task.executor_id in eset:
+                task.worker = worker
+
+    def migrations_of(self, ident: str) -> list[tuple[str, int, list[int], str, str]]:
+        """Migrations ``ident`` takes part in: ``(kind, mid, items, source, dest)``, kind
+        ``"executors"`` or ``"shards"``."""
+        return [(kind, mid, items, source, dest)
+                for kind, migs in (("executors", self.migrations), ("shards", self.shard_migrations))
+                for mid, (items, source, dest) in migs.items() if ident in (source, dest)]
 
     def plan_balance(self, workers: list[str] | None = None) -> dict[str, list[int]]:
         """Moves that spread the executors evenly over ``workers`` (default: all), with few moves."""
@@ -309,6 +347,24 @@ class DriverPS(ParameterServer):
 
 CHECKPOINT_KEY = "commands/checkpoint"  # `litz checkpoint` writes {"id": ...} here
 STOP_KEY = "commands/stop"  # `litz stop` writes {"id": ..., "checkpoint": bool} here
+
+
+@dataclass
+class _Restoring:
+    """A partial recovery (SCAR) in progress: who died, the migrations being settled, and the
+    plan of who restores what."""
+
+    role: str  # "server" or "worker": losses of one role recover together
+    started: float
+    losts: list[str] = field(default_factory=list)
+    planned: list[str] = field(default_factory=list)  # losts whose items are in assign
+    assign: dict[str, list[int]] = field(default_factory=dict)  # survivor -> items it restores
+    settling: dict[int, str] = field(default_factory=dict)  # migration id -> the survivor asked
+    settled: list[dict[str, Any]] = field(default_factory=list)  # where each settled migration's items were
+    waiting: set[str] = field(default_factory=set)  # survivors still restoring their part
+    round: int | None = None  # of the plan sent; None while (re)planning
+    source: str | None = None  # the checkpoint restored from
+    partials: list[str] = field(default_factory=list)  # partial checkpoints applied after it
 
 
 class _Rollback(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -397,7 +453,7 @@ class Master:
         self.lost: set[str] = set()  # fenced: declared lost, never heard again (see _fence)
         self._fenced_told: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
-        self._restoring: dict[str, Any] | None = None  # the server recovery in progress
+        self._restoring: _Restoring | None = None  # the partial recovery in progress
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
         # completed partial recoveries the driver has not been told of yet (``Driver.recovered``):
         # told from the main loop, never from inside a driver's own read that pumps messages
@@ -527,6 +583,8 @@ class Master:
             if msg["mid"] in self.state.shard_migrations:
                 self.state.finish_shard_migration(msg["mid"])
                 self.elastic.tick()
+        elif msg.type == "settled":
+            self.on_settled(msg)
         elif msg.type in ("shards_restored", "executors_restored"):
             self._restored(msg.sender, msg.get("round"))
         elif msg.type == "checkpoint_snapshot":
@@ -700,10 +758,9 @@ class Master:
             raise ProcessLost(reason, ident)
         group = st.servers if ident in st.servers else st.workers if ident in st.workers else None
         role = "server" if group is st.servers else "worker"
-        moving = [m for m in (*st.shard_migrations.values(), *st.migrations.values()) if ident in m[1:]]
         recoverable = (self.recovery is not None and group is not None and len(group) > 1
-                       and (self._restoring is None or self._restoring["role"] == role)
-                       and self.elastic.op is None and not moving)
+                       and (self._restoring is None or self._restoring.role == role)
+                       and self.elastic.op is None)
         if not recoverable:
             why = "" if self.recovery else (" (launch with --recovery partial or full and --checkpoint-dir "
                                             "to survive this)")
@@ -736,34 +793,20 @@ class Master:
 
         A server's shards get their checkpointed rows; a worker's executors their checkpointed
         states (input reloaded) and their unfinished tasks are dispatched again. Nothing else
-        rolls back, the driver included. Placement and routes change only once every part is
-        restored, so a second loss during the recovery can still re-plan everything: its round
-        number tells the answers to the first plan from those to the second.
+        rolls back, the driver included. Migrations the dead took part in are settled first
+        (``_settle``): their items count as the dead's only if they were there. Placement and
+        routes change only once every part is restored, so a second loss during the recovery
+        can still re-plan everything: its round number tells the answers to the first plan from
+        those to the second.
         """
         st = self.state
         assert st is not None
         self._fence(lost)
         (st.servers if role == "server" else st.workers).remove(lost)
-        prev = self._restoring
-        losts = [*(prev["losts"] if prev else []), lost]
-        assign = st.plan_takeover(lost, role, prev["assign"] if prev else None)
-        where = None
-        kind = "shards" if role == "server" else "executors"
-        if self.checkpoints is not None:
-            running = storage.running_checkpoint(self.checkpoints.location, kind)
-            if running is not None:
-                path, manifest, partials = running
-                where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
-            else:
-                log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(losts))
-        self._restore_round += 1
-        for dest, part in assign.items():
-            self.endpoint.send(dest, f"restore_{kind}", **{kind: part}, round=self._restore_round,
-                               **({"restore": where} if where else {}))
-        self._restoring = {"losts": losts, "role": role, "assign": assign, "waiting": set(assign),
-                           "round": self._restore_round, "started": prev["started"] if prev else time.monotonic(),
-                           "from": where["path"] if where else None,
-                           "partials": [path for path, _ in where["partials"]] if where else []}
+        rec = self._restoring = self._restoring or _Restoring(role, time.monotonic())
+        rec.losts.append(lost)
+        rec.round = None  # answers to an earlier plan no longer count: it is planned again
+        self._settle(lost, rec)
         ck = self.checkpoints
         r = ck.round if ck is not None else None
         if r is not None and r.phase == "scoring":
@@ -774,50 +817,134 @@ class Master:
                 st.release_paused()
             if ck.written(r.cid, lost, [], f"{lost} died during the checkpoint"):
                 self._finish_checkpoint()
-        if not assign:
-            self._restored("", self._restore_round)
+        if not rec.settling:
+            self._plan_restore(rec)
+
+    def _settle(self, lost: str, rec: _Restoring) -> None:
+        """Decide where the items of migrations ``lost`` took part in are, before planning.
+
+        A dead destination server had its shards already: the source sends them as soon as
+        it is asked. Otherwise the surviving end is asked (``settle``), after the fence, so
+        its answer is final: a destination holds the items if they arrived before; a source
+        holds them if it had not shipped them yet, and then keeps them. A survivor asked
+        that dies before it answers leaves the items with the migration's source (dead too)."""
+        st = self.state
+        assert st is not None
+        for mid in [mid for mid, asked in rec.settling.items() if asked == lost]:
+            del rec.settling[mid]
+            self._end_migration(mid, arrived=False)
+        for kind, mid, items, source, dest in st.migrations_of(lost):
+            if mid in rec.settling:
+                continue
+            if kind == "shards" and dest == lost:
+                self._end_migration(mid, arrived=True)
+                continue
+            survivor = dest if source == lost else source
+            if survivor in self.lost:  # both ends died: the items are lost either way
+                self._end_migration(mid, arrived=False)
+                continue
+            rec.settling[mid] = survivor
+            self.endpoint.send(survivor, "settle", mid=mid, kind=kind, items=items)
+            log.warning("%s died during migration %d of %s %s (%s -> %s): asking %s where they are",
+                        lost, mid, kind, items, source, dest, survivor)
+
+    def _end_migration(self, mid: int, arrived: bool) -> None:
+        """A migration settled during a recovery: its items are on its destination or source."""
+        st, rec = self.state, self._restoring
+        assert st is not None and rec is not None
+        kind = "executors" if mid in st.migrations else "shards"
+        items, source, dest = st.migrations[mid] if kind == "executors" else st.shard_migrations[mid]
+        rec.settled.append({"mid": mid, kind: list(items), "on": dest if arrived else source})
+        if kind == "executors":
+            st.finish_migration(mid, arrived)
+        else:
+            st.finish_shard_migration(mid, arrived)
+
+    def on_settled(self, msg: Message) -> None:
+        """The surviving end of a migration said whether it holds the items; with every such
+        answer in, the recovery is planned."""
+        st, rec = self.state, self._restoring
+        mid = msg["mid"]
+        if st is None or rec is None or rec.settling.get(mid) != msg.sender:
+            return
+        del rec.settling[mid]
+        mig = st.migrations.get(mid) or st.shard_migrations.get(mid)
+        if mig is not None:
+            self._end_migration(mid, arrived=msg["holds"] == (msg.sender == mig[2]))
+        else:  # it finished meanwhile: the destination said "migrated" before it answered
+            rec.settled.append({"mid": mid, "on": msg.sender})
+        log.warning("migration %d settled: its items are on %s", mid, rec.settled[-1]["on"])
+        if not rec.settling:
+            self._plan_restore(rec)
+
+    def _plan_restore(self, rec: _Restoring) -> None:
+        """Plan who takes the dead's items and send them there, rows or states from the running
+        checkpoint (SCAR); processes leaving by a scale-in take none."""
+        st = self.state
+        assert st is not None
+        fresh = [p for p in rec.losts if p not in rec.planned]
+        retiring = self.elastic.op.retiring if self.elastic.op is not None else set()
+        rec.assign = st.plan_takeover(fresh, rec.role, rec.assign, avoid=retiring)
+        rec.planned.extend(fresh)
+        kind = "shards" if rec.role == "server" else "executors"
+        where = None
+        if self.checkpoints is not None:
+            running = storage.running_checkpoint(self.checkpoints.location, kind)
+            if running is not None:
+                path, manifest, partials = running
+                where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
+            else:
+                log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(rec.losts))
+        rec.source = where["path"] if where else None
+        rec.partials = [path for path, _ in where["partials"]] if where else []
+        self._restore_round += 1
+        rec.round = self._restore_round
+        rec.waiting = set(rec.assign)
+        for dest, part in rec.assign.items():
+            self.endpoint.send(dest, f"restore_{kind}", **{kind: part}, round=rec.round,
+                               **({"restore": where} if where else {}))
+        if not rec.assign:
+            self._restored("", rec.round)
 
     def _restored(self, sender: str, round_: int | None) -> None:
         """A survivor took its part; once all did, route to them and carry on."""
         rec, st = self._restoring, self.state
-        if rec is None or st is None or round_ != rec["round"]:
+        if rec is None or st is None or round_ is None or round_ != rec.round:
             return  # an answer to a plan that a later loss replaced
-        rec["waiting"].discard(sender)
-        if rec["waiting"]:
+        rec.waiting.discard(sender)
+        if rec.waiting:
             return
-        if rec["role"] == "server":
-            for dest, shards in rec["assign"].items():
+        if rec.role == "server":
+            for dest, shards in rec.assign.items():
                 for shard in shards:
                     st.shard_map[shard] = dest
             for ident in st.workers + st.servers:  # only now may requests reach the new owners
-                for lost in rec["losts"]:
+                for lost in rec.losts:
                     self.endpoint.send(ident, "server_lost", server=lost, shard_map=st.shard_map)
         else:
-            for dest, eids in rec["assign"].items():
+            for dest, eids in rec.assign.items():
                 for eid in eids:
                     st.placement[eid] = dest
             held = {item[0] for item in st.paused_items}
-            for lost in rec["losts"]:
+            for lost in rec.losts:
                 st.outbox.pop(lost, None)
             for task in st.inflight.values():  # their unfinished tasks run again, with their ids
-                if task.worker in rec["losts"] and task.task_id not in held:
+                if task.worker in rec.losts and task.task_id not in held:
                     task.worker = st.placement[task.executor_id]
                     st.outbox.setdefault(task.worker, []).append(
                         [task.task_id, task.executor_id, task.version, task.args])
         self._restoring = None
-        restored = tuple(sorted(i for part in rec["assign"].values() for i in part))
-        self._recovered.append(Recovery(rec["role"], tuple(rec["losts"]),
-                                        restored if rec["role"] == "worker" else (),
-                                        restored if rec["role"] == "server" else (), rec["from"]))
-        lost = ", ".join(rec["losts"])
-        self.recoveries.append({"lost": lost, "role": rec["role"], "strategy": "partial",
-                                "restored": sum(len(v) for v in rec["assign"].values()),
-                                "restored_from": rec["from"], "partials": rec["partials"],
-                                "onto": sorted(rec["assign"]),
-                                "seconds": time.monotonic() - rec["started"], "time": time.time()})
-        log.warning("recovered from the loss of %s: %d %s restored from %s", lost,
-                    self.recoveries[-1]["restored"], "shards" if rec["role"] == "server" else "executors",
-                    rec["from"] or "scratch")
+        restored = tuple(sorted(i for part in rec.assign.values() for i in part))
+        self._recovered.append(Recovery(rec.role, tuple(rec.losts),
+                                        restored if rec.role == "worker" else (),
+                                        restored if rec.role == "server" else (), rec.source))
+        lost = ", ".join(rec.losts)
+        self.recoveries.append({"lost": lost, "role": rec.role, "strategy": "partial",
+                                "restored": len(restored), "restored_from": rec.source, "partials": rec.partials,
+                                "onto": sorted(rec.assign), "settled": rec.settled,
+                                "seconds": time.monotonic() - rec.started, "time": time.time()})
+        log.warning("recovered from the loss of %s: %d %s restored from %s", lost, len(restored),
+                    "shards" if rec.role == "server" else "executors", rec.source or "scratch")
 
     # -- failures (full recovery: everything rolls back) ---------------------------------------
     def _roll_back(self, driver: Driver, rb: _Rollback, leftover: list[Message]) -> None:
@@ -868,7 +995,8 @@ class Master:
                 waiting.update(st.workers)
                 self._restore_round += 1
                 for w in st.workers:
-                    self.endpoint.send(w, "rollback", lost=lost_servers, round=self._restore_round)
+                    self.endpoint.send(w, "rollback", lost=lost_servers, round=self._restore_round,
+                                       abandoned=st.last_mid)
                 self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
                 saved, where = self._reload(st, lost_servers, waiting, on_msg)
             except _Rollback as again:
@@ -917,7 +1045,7 @@ class Master:
         self._restore_round += 1
         for srv in st.servers:
             self.endpoint.send(srv, "reload_shards", shards=st.shards_of(srv), round=self._restore_round,
-                               **restore("shards"))
+                               abandoned=st.last_mid, **restore("shards"))
         for w in st.workers:
             self.endpoint.send(w, "reload_executors", executors=st.executors_of(w), shard_map=st.shard_map,
                                lost=lost_servers, round=self._restore_round, **restore("executors"))

@@ -134,6 +134,11 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("routes", {"rid": "int", "shard_map": "list", "gone": "list"}),
     MessageType("routes_ack", {"rid": "int"}),
     # -- SCAR partial recovery (DESIGN.md §5) --
+    # master -> the surviving end of a migration whose other end died (sent after the fence, so
+    # the answer is final): do you hold its items? A destination holds them if they arrived; a
+    # source if it had not shipped them yet, and it then keeps them (the migration is cancelled)
+    MessageType("settle", {"mid": "int", "kind": "str", "items": "list"}),
+    MessageType("settled", {"mid": "int", "holds": "bool"}),
     # master -> every live worker and server: this process was declared lost (it may only have
     # stalled past its lease); never accept another message from it
     MessageType("fence", {"ident": "str"}),
@@ -151,10 +156,11 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> surviving workers: stop every task, drop executors, queued tasks, update log and
     # cache; answer rolled_back once every update already sent to a live server was acknowledged
     # (so no update of the abandoned timeline can reach a server after it reloads)
-    MessageType("rollback", {"lost": "list", "round": "int"}),
+    # ("abandoned": migrations up to this id are abandoned; what still arrives of them is dropped)
+    MessageType("rollback", {"lost": "list", "round": "int", "abandoned?": "int"}),
     MessageType("rolled_back", {"round": "int"}),
     # master -> servers: serve exactly these shards, rows from the checkpoint (fresh without one)
-    MessageType("reload_shards", {"shards": "list", "round": "int", "restore?": "dict"}),
+    MessageType("reload_shards", {"shards": "list", "round": "int", "restore?": "dict", "abandoned?": "int"}),
     # master -> workers: host exactly these executors, states from the checkpoint, route by shard_map
     MessageType("reload_executors", {"executors": "list", "shard_map": "list", "lost": "list", "round": "int",
                                        "restore?": "dict"}),

@@ -141,7 +141,9 @@ class Worker(Node):
         self.app: dict[str, Any] = {}
         self.num_executors = 0
         self.outgoing: list[Outgoing] = []
+        self._ship_due = False  # a leaving executor's task ended: ship after the next poll
         self.moved_to: dict[int, str] = {}  # executors shipped away: late tasks are forwarded there
+        self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self.migrations_out = 0
         self.migrations_in = 0
         self.tasks_forwarded = 0
@@ -269,6 +271,7 @@ class Worker(Node):
                 del self._sent_to[rid]
                 if rid in self._update_items:
                     self._acked(rid)
+        self.abandoned_mids = max(self.abandoned_mids, msg.get("abandoned", 0))
         self.rollbacks += 1
         self._rollback_from = (msg.sender, msg["round"])
         self._answer_rollback()
@@ -464,7 +467,29 @@ class Worker(Node):
             self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
             self.migrations_out += len(mig.executors)
 
+    def on_settle(self, msg: Message) -> None:
+        """The other end of migration ``mid`` died: say whether its executors are here. As the
+        source that has not shipped them yet, keep them (the migration is cancelled) and go on
+        with their queued tasks; as the destination, they are here if they arrived."""
+        out = next((m for m in self.outgoing if m.mid == msg["mid"]), None)
+        if out is not None:
+            self.outgoing.remove(out)
+            for e in out.executors:
+                slot = self.slots[e]
+                slot.leaving = False
+                if slot.queue and not slot.running:
+                    self._start_next(slot)
+            self._send_fetches()
+            holds = True
+        else:
+            holds = all(e in self.slots for e in msg["items"])
+        self.endpoint.send(msg.sender, "settled", mid=msg["mid"], holds=holds)
+
     def on_executor_state(self, msg: Message) -> None:
+        if msg["mid"] <= self.abandoned_mids:  # shipped before a rollback that dropped them
+            log.warning("%s: dropped executors %s of migration %d, abandoned by a rollback", self.ident,
+                        [e[0] for e in msg["executors"]], msg["mid"])
+            return
         try:
             self._receive_executors(msg)
         except Exception:  # the executors cannot run here: the master must know, or the job would hang
@@ -514,8 +539,8 @@ class Worker(Node):
         slot.running = False
         if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
             self._score_ready()
-        if slot.leaving:
-            self._ship_ready()
+        if slot.leaving:  # shipped by the loop, once it has read what arrived during the task
+            self._ship_due = True  # (a "settle" there, its destination dead, keeps the executor here)
         elif slot.queue:
             self._start_next(slot)
 
@@ -811,7 +836,10 @@ class Worker(Node):
             self.leave_when_settled()
             if self.stopping:
                 break
-            self.poll(0 if self.runnable else 50 if self._leaving else 200)
+            self.poll(0 if self.runnable or self._ship_due else 50 if self._leaving else 200)
+            if self._ship_due:
+                self._ship_due = False
+                self._ship_ready()
 
     def before_exit(self) -> None:
         self.flush()
