@@ -375,3 +375,49 @@ def test_a_process_lost_during_a_migration_is_recovered(tmp_path: Path, monkeypa
         for e in struck["restored"]:  # they ran on after the checkpoint: restored, they repeat counts
             assert len(res["done_seq"][e]) > len(set(res["done_seq"][e])), (e, res["done_seq"][e])
     assert processes_mentioning(job) == []
+
+
+@pytest.mark.parametrize(("scale", "victim", "recovery"), [
+    ({"workers": 2}, "w2", "partial"),  # the retiring worker dies while its executors move off it
+    ({"workers": 2}, "w0", "partial"),  # one that stays dies: its executors go to w1, not to the leaving w2
+    ({"workers": 2}, "w2", "full"),
+    ({"servers": 2}, "s2", "partial"),  # the retiring server dies while its shards move off it
+    ({"servers": 2}, "s0", "partial"),
+])
+def test_a_process_lost_during_a_scale_in_is_recovered_and_the_scale_in_completes(
+        tmp_path: Path, monkeypatch, scale: dict, victim: str, recovery: str) -> None:
+    """A scale-in under way when a process dies: the loss is recovered (nothing is restored onto
+    the retiring process) and the scale-in completes without the dead one, leaving exactly the
+    processes that were to stay and survived, with every executor and shard on them."""
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, f"scale-{victim}", 6, scale=scale, victim=victim)
+    app.driver = testapps.KillDuringScaleDriver
+    workers = "workers" in scale
+    t, out = _start(app, workers=3 if workers else 2, servers=1 if workers else 3, job=job,
+                    checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="2s", recovery=recovery)
+    try:
+        st = _status_when(job, lambda s: s["master"].get("recoveries") and s["master"].get("scale_history"))
+        time.sleep(1.0)  # training goes on after both
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    [done] = st["master"]["scale_history"]
+    assert done["lost"] == [victim]
+    role = "workers" if workers else "servers"
+    staying = sorted({"w0", "w1"} - {victim} if workers else {"s0", "s1"} - {victim})
+    assert done[role] == staying
+    held = "executors" if workers else "shards"
+    hosts = {p["id"]: p[held] for p in st["processes"] if p["role"] == role[:-1] and p.get("state") != "lost"}
+    assert sorted(i for p in staying for i in hosts[p]) == list(range(6 if workers else 64))
+    res = out["res"].value
+    if recovery == "full":
+        np.testing.assert_array_equal(res["final"], res["truth"])
+    rec = out["res"].stats["master"]["recoveries"][0]
+    restored = set(res["struck"]["hosted"]) | {e for m in rec.get("settled", []) if m["on"] == victim
+                                               for e in m.get("executors", [])}
+    for e, seqs in enumerate(res["done_seq"]):
+        if e in restored and recovery == "partial":  # back to the checkpoint: repeats, no gap
+            assert set(seqs) == set(range(max(seqs) + 1)), (e, seqs)
+        else:
+            assert sorted(seqs) == list(range(len(seqs))), (e, seqs)
+    assert processes_mentioning(job) == []

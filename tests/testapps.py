@@ -410,12 +410,9 @@ class TimedMigratingDriver(MigratingDriver):
         self._maybe_read()
 
 
-class KillMidMigrationDriver(TimedMigratingDriver):
-    """0.4 s after a checkpoint is complete, starts one migration (executor 0 to another worker, or
-    shard 0 to another server: ``kind``) and SIGKILLs one end of it (``victim``: source or
-    dest), at once or ``after_ship`` seconds later. With ``slow_task`` executor 0 is always in
-    a task, so at once means before the source ships it; with ``slow_arrival`` the destination
-    takes that long to install it, so ``after_ship`` means shipped but not yet reported."""
+class StrikingDriver(TimedMigratingDriver):
+    """Strikes once (``strike``), 0.4 s after a checkpoint is complete, so that there is work
+    after the checkpoint to redo. Test-only: it drives the framework from inside the master."""
 
     transient = ("struck", "checkpointed")  # a full recovery must not make it strike again
 
@@ -426,12 +423,35 @@ class KillMidMigrationDriver(TimedMigratingDriver):
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
         super().handle_task_completion(result)
-        master = self._master  # test-only: migrations are the framework's, not the app's
+        master = self._master
         if self.checkpointed is None and any(c.get("ok") for c in master.checkpoints.completed):
             self.checkpointed = time.monotonic()
-        if self.struck is not None or self._finished or self.checkpointed is None \
-                or time.monotonic() - self.checkpointed < 0.4:  # work after the checkpoint, to redo
-            return
+        if self.struck is None and not self._finished and self.checkpointed is not None \
+                and time.monotonic() - self.checkpointed >= 0.4:
+            self.struck = self.strike(master)
+
+    def strike(self, master: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def kill(master: Any, ident: str) -> list[int]:
+        """SIGKILL ``ident``; returns the executors it hosted."""
+        os.kill(master.procs[ident]["pid"], signal.SIGKILL)
+        return master.state.executors_of(ident)
+
+    def finish(self, result: object = None) -> None:
+        assert isinstance(result, dict)
+        super().finish({**result, "struck": self.struck})
+
+
+class KillMidMigrationDriver(StrikingDriver):
+    """Starts one migration (executor 0 to another worker, or shard 0 to another server:
+    ``kind``) and SIGKILLs one end of it (``victim``: source or dest), at once or
+    ``after_ship`` seconds later. With ``slow_task`` executor 0 is always in a task, so at once
+    means before the source ships it; with ``slow_arrival`` the destination takes that long
+    to install it, so ``after_ship`` means shipped but not yet reported."""
+
+    def strike(self, master: Any) -> dict[str, Any]:
         st, kind = master.state, self.config["kind"]
         if kind == "executors":
             source = st.placement[0]
@@ -443,14 +463,20 @@ class KillMidMigrationDriver(TimedMigratingDriver):
             mids = master.move_shards([0], dest)
         victim = source if self.config["victim"] == "source" else dest
         time.sleep(self.config.get("after_ship", 0.0))
-        os.kill(master.procs[victim]["pid"], signal.SIGKILL)
-        self.struck = {"mid": mids[0], "source": source, "dest": dest, "victim": victim,
-                       "restored": [e for e in range(self.num_executors)
-                                    if st.placement[e] == victim and e != 0]}
+        hosted = self.kill(master, victim)
+        return {"mid": mids[0], "source": source, "dest": dest, "victim": victim,
+                "restored": [e for e in hosted if e != 0]}
 
-    def finish(self, result: object = None) -> None:
-        assert isinstance(result, dict)
-        super().finish({**result, "struck": self.struck})
+
+class KillDuringScaleDriver(StrikingDriver):
+    """SIGKILLs ``victim`` and at once starts a scale-in to ``scale`` (``{"workers": 2}``, say):
+    the master learns of the death only after the scale-in started its migrations, some of
+    them from or to the dead process."""
+
+    def strike(self, master: Any) -> dict[str, Any]:
+        hosted = self.kill(master, self.config["victim"])
+        master.elastic.on_command({"id": "test-scale", **self.config["scale"]})
+        return {"victim": self.config["victim"], "hosted": hosted}
 
 
 _LOADS = [0]

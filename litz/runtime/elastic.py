@@ -48,6 +48,7 @@ class ScaleOp:
     retiring: set[str] = field(default_factory=set)
     routes: dict[str, int] = field(default_factory=dict)  # retiring server -> its routes request
     drain_host: str | None = None  # the host being drained, whose agents leave at the end
+    lost: list[str] = field(default_factory=list)  # processes that died during the operation
 
 
 class _Refused(Exception):
@@ -194,6 +195,56 @@ class Elasticity:
         if any(s in op.retiring for s in st.servers):
             self.m.rebalance_shards([s for s in st.servers if s not in op.retiring])
 
+    # -- failures during an operation -------------------------------------------------------------
+    def joining(self, ident: str) -> bool:
+        return self.op is not None and ident in self.op.joining
+
+    def retiring(self) -> set[str]:
+        """Processes this operation retires: a recovery restores nothing onto them."""
+        return set(self.op.retiring) if self.op is not None else set()
+
+    def on_lost(self, ident: str) -> None:
+        """A process died during the operation (the master recovers what it held). It no longer
+        joins or leaves: the operation goes on with the others."""
+        op = self.op
+        if op is None:
+            return
+        op.lost.append(ident)
+        op.routes.pop(ident, None)
+        op.retiring.discard(ident)
+        if ident in op.joining:
+            op.joining.discard(ident)
+            reason = f"scale {op.cid}: {ident} died before it joined; going on without it"
+            log.error("%s", reason)
+            self.m.errors.append(reason)
+            if not op.joining:
+                self._joined()
+
+    def recovered(self) -> None:
+        """A recovery ended during the operation: the survivors took the dead's items, perhaps
+        unevenly. Once every new process has joined, spread them again over the processes that
+        stay (moves off retiring ones included: a rollback abandons migrations in flight)."""
+        op, st = self.op, self.m.state
+        if op is None or st is None or op.joining:
+            return
+        self.m.rebalance(self._staying(st.workers), ship_input=not op.retiring)
+        self.m.rebalance_shards(self._staying(st.servers))
+        self.tick()
+
+    def _staying(self, group: list[str]) -> list[str]:
+        """The processes of ``group`` that stay. If only retiring ones are left (the others
+        died), those stay too: their retirement is called off."""
+        op = self.op
+        assert op is not None
+        stay = [p for p in group if p not in op.retiring]
+        if not stay:
+            reason = f"scale {op.cid}: {', '.join(group)} stay (every other one of their kind died)"
+            log.error("%s", reason)
+            self.m.errors.append(reason)
+            op.retiring -= set(group)
+            stay = list(group)
+        return stay
+
     # -- progress ----------------------------------------------------------------------------------
     def on_ready(self, ident: str, error: str | None) -> None:
         """A joining worker finished initialising."""
@@ -242,10 +293,12 @@ class Elasticity:
             self._joined()
             return
         if op.retiring and not op.joining:
-            # executors that were in flight to a retiring worker when the command came move on now
-            keep = [w for w in st.workers if w not in op.retiring]
+            # executors that were in flight to a retiring worker when the command came move on now,
+            # as do executors and shards put back on a retiring process by a recovery
             if any(st.moving_dest(e) in op.retiring for e in st.placement if e not in st.moving):
-                self.m.rebalance(keep, ship_input=False)
+                self.m.rebalance(self._staying(st.workers), ship_input=False)
+            if any(owner in op.retiring for s, owner in enumerate(st.shard_map) if s not in st.shards_moving):
+                self.m.rebalance_shards(self._staying(st.servers))
         for w in sorted(op.retiring):
             if w in st.workers and not any(st.moving_dest(e) == w or st.placement[e] == w for e in st.placement):
                 st.workers.remove(w)
@@ -261,7 +314,7 @@ class Elasticity:
             return
         self.history.append({"command": op.cid, "seconds": time.monotonic() - op.started,
                              "workers": sorted(st.workers), "servers": sorted(st.servers),
-                             "retired": sorted(op.retiring)})
+                             "retired": sorted(op.retiring), "lost": op.lost})
         self.op = None
         if op.drain_host is not None:  # the drained host's agents have nothing left to run: they leave
             for key, agent in self.m.membership.get_prefix(AGENT_PROCS).items():

@@ -159,11 +159,11 @@ class MasterState:
             assign.setdefault(dest, []).append(item)
         return assign
 
-    def roll_back(self, lost: str, role: str) -> dict[str, list[int]]:
+    def roll_back(self, lost: str, role: str, avoid: set[str] | frozenset[str] = frozenset()) -> dict[str, list[int]]:
         """Full recovery: the dead process leaves, the survivors take its part, and every task of
         the abandoned timeline is forgotten (the checkpoint's tasks come back by restore_tasks)."""
         (self.servers if role == "server" else self.workers).remove(lost)
-        assign = self.plan_takeover([lost], role)
+        assign = self.plan_takeover([lost], role, avoid=avoid)
         for dest, items in assign.items():
             for item in items:
                 if role == "server":
@@ -758,13 +758,21 @@ class Master:
             raise ProcessLost(reason, ident)
         group = st.servers if ident in st.servers else st.workers if ident in st.workers else None
         role = "server" if group is st.servers else "worker"
+        if group is None and (ident in self.retiring or self.elastic.joining(ident)):
+            # it held nothing: one retired by a scale-in (told to leave), or one still joining
+            log.error("%s; it held nothing (it was %s): the job goes on without it", reason,
+                      "leaving" if ident in self.retiring else "joining")
+            self._fence(ident)
+            self.retiring.discard(ident)
+            self.elastic.on_lost(ident)
+            return
         recoverable = (self.recovery is not None and group is not None and len(group) > 1
-                       and (self._restoring is None or self._restoring.role == role)
-                       and self.elastic.op is None)
+                       and (self._restoring is None or self._restoring.role == role))
         if not recoverable:
             why = "" if self.recovery else (" (launch with --recovery partial or full and --checkpoint-dir "
                                             "to survive this)")
             raise ProcessLost(reason + why, ident)
+        self.elastic.on_lost(ident)  # a scale operation under way goes on without it
         if self.recovery == "full":  # unwinds to the main loop (or the rollback), even out of a driver's read
             raise _Rollback(ident, role, reason)
         log.error("%s; restoring its %s on the others", reason, "shards" if role == "server" else "executors")
@@ -779,6 +787,8 @@ class Master:
         The fence goes out before anything of the recovery, so it precedes, on each connection,
         the restored work the stalled process could otherwise collide with."""
         self.lost.add(ident)
+        for waiting in self._route_waits.values():  # it will never acknowledge new routes
+            waiting.discard(ident)
         info = self.procs.pop(ident, None) or {}
         if info.get("pid") and info.get("host") == host_name(self.endpoint.host):
             if kill_job_process(int(info["pid"]), ident, self.job):
@@ -883,8 +893,7 @@ class Master:
         st = self.state
         assert st is not None
         fresh = [p for p in rec.losts if p not in rec.planned]
-        retiring = self.elastic.op.retiring if self.elastic.op is not None else set()
-        rec.assign = st.plan_takeover(fresh, rec.role, rec.assign, avoid=retiring)
+        rec.assign = st.plan_takeover(fresh, rec.role, rec.assign, avoid=self.elastic.retiring())
         rec.planned.extend(fresh)
         kind = "shards" if rec.role == "server" else "executors"
         where = None
@@ -945,6 +954,7 @@ class Master:
                                 "seconds": time.monotonic() - rec.started, "time": time.time()})
         log.warning("recovered from the loss of %s: %d %s restored from %s", lost, len(restored),
                     "shards" if rec.role == "server" else "executors", rec.source or "scratch")
+        self.elastic.recovered()
 
     # -- failures (full recovery: everything rolls back) ---------------------------------------
     def _roll_back(self, driver: Driver, rb: _Rollback, leftover: list[Message]) -> None:
@@ -983,7 +993,8 @@ class Master:
             log.error("%s; rolling the whole job back to its last checkpoint", rb.reason)
             lost.append(rb.ident)
             self._fence(rb.ident)
-            moved |= {(rb.role, i) for items in st.roll_back(rb.ident, rb.role).values() for i in items}
+            moved |= {(rb.role, i) for items in st.roll_back(rb.ident, rb.role, self.elastic.retiring()).values()
+                      for i in items}
             if rb.role == "server":
                 lost_servers.append(rb.ident)
             try:
@@ -1019,6 +1030,7 @@ class Master:
             driver.resumed()
         else:
             driver.dispatch_initial_tasks()
+        self.elastic.recovered()
 
     def _reload(self, st: MasterState, lost_servers: list[str], waiting: set[str],
                 on_msg: Callable[[Message], None]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
