@@ -245,6 +245,9 @@ def describe_recovery(rec: dict[str, Any]) -> str:
             f"onto {', '.join(rec['onto']) or '-'}, restored from {source}")
     if rec.get("partials"):
         text += f" and the {len(rec['partials'])} partial checkpoints after it"
+    for mig in rec.get("settled", []):  # migrations it died in: where their items turned out to be
+        items = " ".join(f"{k} {v}" for k, v in mig.items() if k in ("executors", "shards"))
+        text += f"; migration {mig['mid']}{' of ' + items if items else ''} settled on {mig['on']}"
     if rec.get("strategy") == "full":
         text += (f", everything rolled back from version {rec['rolled_back_from_version']} "
                  f"to {rec['rolled_back_to_version']}")

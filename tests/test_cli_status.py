@@ -78,6 +78,12 @@ def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
     assert describe_recovery(partial) == ("lost server s1: partial recovery, 21 shards onto s0, s2, "
                                           "restored from /ck/ckpt-000003 and the 2 partial checkpoints after it "
                                           "in 0.12 s")
+    worker = {"lost": "w2", "role": "worker", "strategy": "partial", "restored": 3, "onto": ["w0", "w1"],
+              "restored_from": "/ck/ckpt-000003", "seconds": 0.25,
+              "settled": [{"mid": 7, "executors": [4], "on": "w2"}, {"mid": 8, "on": "w0"}]}
+    assert describe_recovery(worker) == ("lost worker w2: partial recovery, 3 executors onto w0, w1, restored from "
+                                         "/ck/ckpt-000003; migration 7 of executors [4] settled on w2; migration 8 "
+                                         "settled on w0 in 0.25 s")
     full = {"lost": "w1", "role": "worker", "strategy": "full", "restored": 2, "onto": ["w0"],
             "restored_from": None, "rolled_back_from_version": 534, "rolled_back_to_version": 0, "seconds": 1.5}
     assert describe_recovery(full) == ("lost worker w1: full recovery, 2 executors onto w0, restored from scratch "

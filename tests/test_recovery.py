@@ -421,3 +421,32 @@ def test_a_process_lost_during_a_scale_in_is_recovered_and_the_scale_in_complete
         else:
             assert sorted(seqs) == list(range(len(seqs))), (e, seqs)
     assert processes_mentioning(job) == []
+
+
+def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, monkeypatch) -> None:
+    """A machine running a worker and a server dies: one role's partial recovery waits for the
+    other's, and both complete; executors elsewhere never roll back."""
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar-ws", 6, driver_reads=True)
+    t, out = _start(app, workers=3, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+                    checkpoint_every="1s", recovery="partial")
+    try:
+        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        procs = {p["id"]: p for p in st["processes"]}
+        for victim in ("w1", "s1"):
+            os.kill(procs[victim]["pid"], signal.SIGKILL)
+        st = _status_when(job, lambda s: len(s["master"].get("recoveries", [])) == 2)
+        time.sleep(1.0)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    assert sorted(r["lost"] for r in st["master"]["recoveries"]) == ["s1", "w1"]
+    live = [p for p in st["processes"] if p["id"] not in ("w1", "s1")]
+    assert sorted(e for p in live if p["role"] == "worker" for e in p["executors"]) == list(range(6))
+    assert sorted(s for p in live if p["role"] == "server" for s in p["shards"]) == list(range(64))
+    for e, seqs in enumerate(out["res"].value["done_seq"]):
+        if e in procs["w1"]["executors"]:
+            assert set(seqs) == set(range(max(seqs) + 1)), (e, seqs)
+        else:
+            assert sorted(seqs) == list(range(len(seqs))), (e, seqs)
+    assert processes_mentioning(job) == []

@@ -87,7 +87,7 @@ class Elasticity:
         self._next_join()
 
     def _next_join(self) -> None:
-        while self.op is None and self._joins and self.m.state is not None:
+        while self.op is None and self._joins and self.m.state is not None and not self.m.recovering:
             cmd = self._joins.pop(0)
             cid = str(cmd.get("id", ""))
             try:
@@ -105,6 +105,8 @@ class Elasticity:
             raise _Refused("the job is still starting")
         if self.op is not None:
             raise _Refused(f"scale command {self.op.cid} is still in progress")
+        if self.m.recovering:
+            raise _Refused("the job is recovering from a lost process; try again once it has")
         unknown = set(cmd) - {"id", "workers", "servers", "drain_host", "time"}
         if unknown:
             raise _Refused(f"unsupported scale option(s) {sorted(unknown)}")
@@ -225,6 +227,8 @@ class Elasticity:
         unevenly. Once every new process has joined, spread them again over the processes that
         stay (moves off retiring ones included: a rollback abandons migrations in flight)."""
         op, st = self.op, self.m.state
+        if op is None:
+            self._next_join()  # a host that offered itself during the recovery joins now
         if op is None or st is None or op.joining:
             return
         self.m.rebalance(self._staying(st.workers), ship_input=not op.retiring)

@@ -454,6 +454,7 @@ class Master:
         self._fenced_told: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
         self._restoring: _Restoring | None = None  # the partial recovery in progress
+        self._waiting_losses: list[tuple[str, str]] = []  # (ident, role) lost during the other role's recovery
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
         # completed partial recoveries the driver has not been told of yet (``Driver.recovered``):
         # told from the main loop, never from inside a driver's own read that pumps messages
@@ -533,9 +534,10 @@ class Master:
             log.warning("could not publish the job status: %s", exc)
 
     def _check_health(self) -> None:
-        if self.health_check is not None:
+        while self.health_check is not None:  # each failure is reported once: all of them, in turn
             try:
                 self.health_check()
+                break
             except ProcessLost as exc:
                 self._process_lost(exc.ident, str(exc))
         self.elastic.tick()  # time-outs of scale operations
@@ -766,8 +768,7 @@ class Master:
             self.retiring.discard(ident)
             self.elastic.on_lost(ident)
             return
-        recoverable = (self.recovery is not None and group is not None and len(group) > 1
-                       and (self._restoring is None or self._restoring.role == role))
+        recoverable = self.recovery is not None and group is not None and len(group) > 1
         if not recoverable:
             why = "" if self.recovery else (" (launch with --recovery partial or full and --checkpoint-dir "
                                             "to survive this)")
@@ -775,8 +776,20 @@ class Master:
         self.elastic.on_lost(ident)  # a scale operation under way goes on without it
         if self.recovery == "full":  # unwinds to the main loop (or the rollback), even out of a driver's read
             raise _Rollback(ident, role, reason)
+        if self._restoring is not None and self._restoring.role != role:
+            # a machine with a worker and a server died: one role's recovery at a time; the other
+            # waits, fenced at once so nothing it still sends counts
+            log.error("%s; its recovery waits for the %ss' one under way", reason, self._restoring.role)
+            self._fence(ident)
+            self._waiting_losses.append((ident, role))
+            return
         log.error("%s; restoring its %s on the others", reason, "shards" if role == "server" else "executors")
         self._recover(ident, role)
+
+    @property
+    def recovering(self) -> bool:
+        """Whether a partial recovery is under way (or waiting for one)."""
+        return self._restoring is not None or bool(self._waiting_losses)
 
     def _fence(self, ident: str) -> None:
         """Declare ``ident`` lost for good: its work is being recovered elsewhere, so it must
@@ -928,6 +941,8 @@ class Master:
                 for shard in shards:
                     st.shard_map[shard] = dest
             for ident in st.workers + st.servers:  # only now may requests reach the new owners
+                if ident in self.lost:  # a worker lost meanwhile, its recovery waiting for this one
+                    continue
                 for lost in rec.losts:
                     self.endpoint.send(ident, "server_lost", server=lost, shard_map=st.shard_map)
         else:
@@ -954,6 +969,12 @@ class Master:
                                 "seconds": time.monotonic() - rec.started, "time": time.time()})
         log.warning("recovered from the loss of %s: %d %s restored from %s", lost, len(restored),
                     "shards" if rec.role == "server" else "executors", rec.source or "scratch")
+        if self._waiting_losses:  # the other role's losses, noticed meanwhile, recover together now
+            role = self._waiting_losses[0][1]
+            for ident, _ in self._waiting_losses:
+                self._recover(ident, role)
+            self._waiting_losses = []
+            return
         self.elastic.recovered()
 
     # -- failures (full recovery: everything rolls back) ---------------------------------------
