@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import traceback
 from collections.abc import Iterator
 
 import pytest
@@ -49,6 +50,7 @@ def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, dict]:
             out["res"] = litz.run(app, **kw)  # type: ignore[arg-type]
         except BaseException as exc:  # reported by the test
             out["error"] = exc
+            out["traceback"] = traceback.format_exc()
 
     t = threading.Thread(target=body)
     t.start()

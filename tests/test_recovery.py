@@ -439,7 +439,7 @@ def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, m
     finally:
         stop.touch()
         t.join(60)
-    assert not t.is_alive() and "error" not in out, out.get("error")
+    assert not t.is_alive() and "error" not in out, out.get("traceback")
     assert sorted(r["lost"] for r in st["master"]["recoveries"]) == ["s1", "w1"]
     live = [p for p in st["processes"] if p["id"] not in ("w1", "s1")]
     assert sorted(e for p in live if p["role"] == "worker" for e in p["executors"]) == list(range(6))

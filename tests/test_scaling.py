@@ -113,3 +113,48 @@ def test_mlr_reaches_accuracy_while_scaling_2_4_1(tmp_path: Path, monkeypatch) -
     assert out["res"].total("migrations_in", "worker") >= 8  # 4 executors out, then 6 in
 
 
+
+
+def test_a_worker_killed_as_it_joins_leaves_the_scale_out_which_completes(tmp_path: Path, monkeypatch) -> None:
+    """The new worker of a scale-out dies as soon as it registers: still joining, it only
+    leaves the operation; admitted already, its executors are recovered. Either way the
+    scale-out completes without it, and the job goes on with every executor placed."""
+    import os
+    import signal
+
+    import numpy as np
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"scale-kill-{time.time_ns()}"
+    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    stop = tmp_path / "stop"
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    t, out = _run_in_thread(app, workers=2, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+                            checkpoint_every="1s", recovery="partial")
+    try:
+        _wait_running(job)
+        assert scale(["--job", job, "--workers", "3"]) == 0
+        deadline = time.monotonic() + 30
+        while not (new := [p for p in job_status(job)["processes"] if p["id"] == "w2" and p.get("pid")]):
+            assert time.monotonic() < deadline, "the new worker never registered"
+            time.sleep(0.01)
+        os.kill(new[0]["pid"], signal.SIGKILL)
+        while not (st := job_status(job))["master"].get("scale_history"):
+            assert time.monotonic() < deadline, "the scale-out never completed"
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert "error" not in out, out.get("error")
+    [done] = st["master"]["scale_history"]
+    assert done["lost"] == ["w2"] and done["workers"] == ["w0", "w1"]
+    assert sorted(e for v in _workers(st).values() for e in v) == list(range(6))
+    res = out["res"].value
+    recovered = out["res"].stats["master"]["recoveries"]
+    for seqs in res["done_seq"]:
+        assert set(seqs) == set(range(max(seqs) + 1)) and (recovered or len(seqs) == len(set(seqs)))
+    if not recovered:  # it died before it held anything: nothing was redone, the sums are exact
+        np.testing.assert_array_equal(res["final"], res["truth"])
+    assert processes_mentioning(job) == []

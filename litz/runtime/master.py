@@ -571,6 +571,8 @@ class Master:
 
     def _handle_aside(self, msg: Message) -> None:
         """While waiting for replies, keep completions for later and record replies."""
+        if msg.sender in self.lost:  # received before it was declared lost: it no longer counts
+            return
         if msg.type in ("get_reply", "update_ack", "stats") or (msg.type == "error" and "rid" in msg.fields):
             self._replies[msg["rid"]] = msg
         elif msg.type == "bye":
@@ -1484,6 +1486,10 @@ class Master:
                     batch.extend(self._poll(200))
                     while batch and not driver._finished:
                         msg = batch.pop(0)
+                        if msg.sender in self.lost:
+                            # taken off the socket before its sender was declared lost: its
+                            # tasks are dispatched again (perhaps already), so it never counts
+                            continue
                         if msg.type == "done":
                             self._on_done(driver, msg)
                         else:
