@@ -324,6 +324,9 @@ class MigratingDriver(litz.Driver):
             return
         self._send(result.executor_id)
         self._maybe_read()
+        self._maybe_move()
+
+    def _maybe_move(self) -> None:
         if self.rng.random() < self.config.get("shard_move_prob", 0.0):
             master = self._master  # test-only, as below
             shard = self.rng.randrange(self.config["rows"])  # the shards that hold rows (key % 64)
@@ -408,6 +411,8 @@ class TimedMigratingDriver(MigratingDriver):
             return
         self._send(result.executor_id)
         self._maybe_read()
+        if not self._stopping():
+            self._maybe_move()
 
 
 class StrikingDriver(TimedMigratingDriver):

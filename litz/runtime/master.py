@@ -1435,10 +1435,14 @@ class Master:
     def _on_done(self, driver: Driver, msg: Message) -> None:
         assert self.state is not None
         for task_id, tb in msg["failed"]:
+            if msg.sender in self.lost:
+                return
             rec = self.state.fail(task_id)
             driver.handle_task_failure(TaskFailure(rec.executor_id, rec.args, tb, task_id, msg.sender))
         for task_id, value in msg["completed"]:
-            if driver._finished:
+            # the driver's handler may wait for a read, during which the sender may be declared
+            # lost and its tasks dispatched again: the rest of its report no longer counts
+            if driver._finished or msg.sender in self.lost:
                 return
             rec = self.state.complete(task_id)
             driver.handle_task_completion(TaskResult(rec.executor_id, rec.args, value, task_id, rec.version))
