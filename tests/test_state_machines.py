@@ -410,23 +410,35 @@ def test_losses_planned_together_keep_the_part_a_dead_one_was_given() -> None:
 
 def test_a_settled_migration_routes_every_task_of_its_executors_to_where_they_are() -> None:
     """Tasks queued for the source and not sent yet are held when a migration starts (so none
-    is ever forwarded behind the executor); when it ends, arrived or cancelled, held tasks go
-    to the executors' worker and every task of theirs in flight is recorded there, so a later
-    loss of that worker dispatches them again."""
+    is ever forwarded behind the executor). When it ends, held tasks go to the executors'
+    worker. A task in flight completes where it is: the tasks the source shipped (``shipped``,
+    ``migrated``) on the destination, those it ran before shipping on the source, which
+    reports them; if the executors never arrived, every task is the source's. So a later
+    loss dispatches again exactly the tasks that were on the dead worker."""
     from litz.runtime.master import MasterState
 
     for arrived, where in ((True, "w1"), (False, "w0")):
         st = MasterState(2, ["w0", "w1"], ["s0"])  # executor 0 on w0, 1 on w1
-        sent = st.dispatch(0, "sent")
-        st.take_outbox()  # that one reached w0 (it ships with the executor, or stays)
+        ran, shipped = st.dispatch(0, "ran"), st.dispatch(0, "shipped")
+        st.take_outbox()  # both reached w0: it runs the first, then ships the second along
         queued = st.dispatch(0, "queued")  # still in the outbox when the move starts
         [(mid, source, eids)] = st.start_migration([0], "w1")
         assert (source, eids) == ("w0", [0]) and st.take_outbox() == {}
         during = st.dispatch(0, "during")
+        if arrived:
+            st.tasks_moved([shipped], "w1")
         st.finish_migration(mid, arrived)
         assert st.placement[0] == where and 0 not in st.moving
         assert [item[0] for item in st.take_outbox()[where]] == [queued, during]
-        assert {t.task_id: t.worker for t in st.inflight.values()} == dict.fromkeys((sent, queued, during), where)
+        assert {t.task_id: t.worker for t in st.inflight.values()} == {
+            ran: "w0", shipped: where, queued: where, during: where}
+    st = MasterState(2, ["w0", "w1"], ["s0"])  # a task held by a checkpoint's pause follows a move
+    st.paused = True
+    paused = st.dispatch(0, "paused")
+    [(mid, _, _)] = st.start_migration([0], "w1")
+    st.finish_migration(mid)
+    st.release_paused()
+    assert st.take_outbox() == {"w1": [[paused, 0, 0, "paused"]]} and st.inflight[paused].worker == "w1"
     st = MasterState(2, ["w0", "w1"], ["s0"])
     st.workers.remove("w0")  # dead: its executor is being restored, not moved
     assert st.start_migration([0], "w1") == [] and not st.moving

@@ -133,7 +133,8 @@ class MasterState:
         for item in items:
             if item[1] in self.moving:
                 self.held.setdefault(item[1], []).append(item)
-            else:
+            else:  # its executor may have moved during the pause: it completes where it is now
+                self.inflight[item[0]].worker = self.placement[item[1]]
                 self.outbox.setdefault(self.placement[item[1]], []).append(item)
 
     def plan_takeover(self, losts: list[str], role: str, prior: dict[str, list[int]] | None = None,
@@ -174,7 +175,7 @@ class MasterState:
         self.outbox.clear()
         self.held.clear()
         # migrations under way are abandoned: their items reload where the placement says
-        # (the sources), and what they shipped is dropped on arrival (stale_mids)
+        # (the sources), and what they shipped is dropped on arrival (abandoned_mids)
         self.migrations.clear()
         self.moving.clear()
         self.shard_migrations.clear()
@@ -264,21 +265,33 @@ class MasterState:
 
     def finish_migration(self, mid: int, arrived: bool = True) -> None:
         """Executor migration ``mid`` ended: its executors run on the destination or (not
-        ``arrived``: cancelled when one end died) stay on the source. Held tasks go there, and
-        every task of theirs in flight is recorded there, so a later loss of that worker sends
-        them again (the tasks queued at the source shipped along with the executors)."""
+        ``arrived``: cancelled when one end died) stay on the source. Held tasks go there.
+        Which worker each task in flight completes on decides where a loss dispatches it
+        again: tasks the source ran before shipping are its to report; those it shipped were
+        recorded at the destination (``tasks_moved``); if the executors never arrived, all
+        their tasks are the source's."""
         eids, source, dest = self.migrations.pop(mid)
         worker = dest if arrived else source
-        eset = set(eids)
         for e in eids:
             del self.moving[e]
             self.placement[e] = worker
             held = self.held.pop(e, [])
             if held:
                 self.outbox.setdefault(worker, []).extend(held)
-        for task in self.inflight.values():
-            if task.executor_id in eset:
-                task.worker = worker
+            for item in held:
+                self.inflight[item[0]].worker = worker
+        if not arrived:
+            eset = set(eids)
+            for task in self.inflight.values():
+                if task.executor_id in eset:
+                    task.worker = source
+
+    def tasks_moved(self, task_ids: list[int], dest: str) -> None:
+        """Queued tasks shipped along with their executor: they complete on ``dest`` now."""
+        for task_id in task_ids:
+            task = self.inflight.get(task_id)
+            if task is not None:
+                task.worker = dest
 
     def migrations_of(self, ident: str) -> list[tuple[str, int, list[int], str, str]]:
         """Migrations ``ident`` takes part in: ``(kind, mid, items, source, dest)``, kind
@@ -579,6 +592,8 @@ class Master:
             self._byes[msg.sender] = msg["stats"]
             self.retiring.discard(msg.sender)
             self.elastic.tick()
+        elif msg.type == "shipped":
+            self.on_shipped(msg)
         elif msg.type == "migrated":
             self.on_migrated(msg)
             self.elastic.tick()
@@ -1419,8 +1434,16 @@ class Master:
         return [mid for dest, eids in self.state.plan_balance(workers).items()
                 for mid in self.move_executors(eids, dest, ship_input)]
 
+    def on_shipped(self, msg: Message) -> None:
+        """A source shipped executors with their queued tasks: should the destination die
+        now, those tasks are dispatched again, the ones the source ran are its to report."""
+        assert self.state is not None
+        if msg["mid"] in self.state.migrations:  # else "migrated" said it first (and they may have moved on)
+            self.state.tasks_moved(msg["tasks"], msg["dest"])
+
     def on_migrated(self, msg: Message) -> None:
         assert self.state is not None
+        self.state.tasks_moved(msg.get("tasks", []), msg.sender)  # also if the source died before "shipped"
         if msg["mid"] not in self.state.migrations:
             log.warning("migrated message for unknown migration %r from %s", msg["mid"], msg.sender)
             return

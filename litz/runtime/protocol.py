@@ -120,8 +120,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     # source -> dest worker: [executor_id, state, input or None, queued tasks] per executor;
     # state and input are [pickle bytes, out-of-band buffers]
     MessageType("executor_state", {"mid": "int", "executors": "list", "source": "str"}),
-    # dest worker -> master: the executors of migration mid run here now
-    MessageType("migrated", {"mid": "int", "executors": "list"}),
+    # source worker -> master: the executors of migration mid left for dest, with these queued tasks
+    MessageType("shipped", {"mid": "int", "dest": "str", "tasks": "list"}),
+    # dest worker -> master: the executors of migration mid run here now, with these queued tasks
+    MessageType("migrated", {"mid": "int", "executors": "list", "tasks?": "list"}),
     # -- shard migration with forwarding --
     # master -> source server: send these shards to dest, then forward their requests there
     MessageType("migrate_shards", {"mid": "int", "shards": "list", "dest": "str", "dest_addr?": "str"}),

@@ -465,6 +465,9 @@ class Worker(Node):
                                 pack_object(saves) if saves is not None else None])
                 self.moved_to[e] = mig.dest
             self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
+            assert self.master is not None
+            self.endpoint.send(self.master, "shipped", mid=mig.mid, dest=mig.dest,
+                               tasks=[t[0] for item in payload for t in item[3]])
             self.migrations_out += len(mig.executors)
 
     def on_settle(self, msg: Message) -> None:
@@ -500,8 +503,9 @@ class Worker(Node):
             self.endpoint.send(self.master, "error", reason=reason, about="executor_state")
 
     def _receive_executors(self, msg: Message) -> None:
-        arrived = []
+        arrived, task_ids = [], []
         for eid, state, inp, tasks, saves in msg["executors"]:
+            task_ids.extend(t[0] for t in tasks)
             self.moved_to.pop(eid, None)
             slot = self.slots[eid] = Slot(self._make_executor(eid, [state, inp]))
             if saves is not None:  # what the running checkpoint holds of its rows
@@ -512,7 +516,7 @@ class Worker(Node):
             arrived.append(eid)
         self.migrations_in += len(arrived)
         assert self.master is not None
-        self.endpoint.send(self.master, "migrated", mid=msg["mid"], executors=arrived)
+        self.endpoint.send(self.master, "migrated", mid=msg["mid"], executors=arrived, tasks=task_ids)
 
     def _start_next(self, slot: Slot) -> None:
         task = slot.queue.popleft()
