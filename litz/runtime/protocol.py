@@ -117,8 +117,9 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> source worker: finish these executors' running tasks, then ship them to dest
     MessageType("migrate_out", {"mid": "int", "executors": "list", "dest": "str", "ship_input": "bool",
                                 "dest_addr?": "str"}),
-    # source -> dest worker: [executor_id, state, input or None, queued tasks] per executor;
-    # state and input are [pickle bytes, out-of-band buffers]
+    # source -> dest worker: [executor_id, state, input or None, queued tasks, saved rows or None,
+    # completions ran at the source, which the destination reports] per executor; state, input
+    # and saved rows are [pickle bytes, out-of-band buffers]
     MessageType("executor_state", {"mid": "int", "executors": "list", "source": "str"}),
     # source worker -> master: the executors of migration mid left for dest, with these queued tasks
     MessageType("shipped", {"mid": "int", "dest": "str", "tasks": "list"}),

@@ -142,6 +142,9 @@ class Worker(Node):
         self.num_executors = 0
         self.outgoing: list[Outgoing] = []
         self._ship_due = False  # a leaving executor's task ended: ship after the next poll
+        self._unreported: dict[int, int] = {}  # task id -> executor, for completions not yet reported
+        # completions of leaving executors, ready to report: they travel with the executor
+        self._carry: dict[int, list[tuple[str, list[Any]]]] = {}
         self.moved_to: dict[int, str] = {}  # executors shipped away: late tasks are forwarded there
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self.migrations_out = 0
@@ -263,6 +266,8 @@ class Worker(Node):
         self._fetching.clear()  # late replies are recognised as unknown and ignored
         self._waiting_flush.clear()
         self._waiting_ack.clear()
+        self._unreported.clear()
+        self._carry.clear()
         self._oldest_unsent = None
         lost = set(msg["lost"])  # servers that died
         self._gone |= lost
@@ -409,7 +414,7 @@ class Worker(Node):
                 self.endpoint.send(self.moved_to[eid], "tasks", tasks=[item])
                 continue
             if slot is None:
-                self._record("failed", [task_id, f"executor {eid} is not hosted by worker {self.ident}"])
+                self._record("failed", [task_id, f"executor {eid} is not hosted by worker {self.ident}"], eid)
                 continue
             task = Task(task_id, eid, version, args)
             slot.queue.append(task)
@@ -451,23 +456,33 @@ class Worker(Node):
         self._ship_ready()
 
     def _ship_ready(self) -> None:
-        """Ship every outgoing migration whose executors have finished their running tasks."""
-        for mig in [m for m in self.outgoing if not any(self.slots[e].running for e in m.executors)]:
+        """Ship every outgoing migration whose executors have finished their running tasks and
+        whose completions here are ready to report (their updates acknowledged). Those
+        completions travel with the executor and the destination reports them: the state
+        shipped counts those tasks, so they must never run again, and a source that dies
+        just after shipping could have lost its own report on the way (a separate socket)."""
+        idle = [m for m in self.outgoing if not any(self.slots[e].running for e in m.executors)]
+        owing = set(self._unreported.values())
+        if any(e in owing for m in idle for e in m.executors):
+            self.flush()  # (once acknowledged, _release carries them and sets _ship_due)
+        for mig in [m for m in idle if not any(e in owing for e in m.executors)]:
             self.outgoing.remove(mig)
             payload = []
+            moved = []
             for e in mig.executors:
                 slot = self.slots.pop(e)
                 ex = slot.executor
                 saves = self.row_saves.pop(e, None)
+                queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
+                reports = self._carry.pop(e, [])
                 payload.append([e, pack_object(ex.get_state()),
-                                pack_object(ex.input) if mig.ship_input else None,
-                                [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue],
-                                pack_object(saves) if saves is not None else None])
+                                pack_object(ex.input) if mig.ship_input else None, queued,
+                                pack_object(saves) if saves is not None else None, reports])
+                moved += [t[0] for t in queued] + [item[0] for _, item in reports]
                 self.moved_to[e] = mig.dest
             self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
             assert self.master is not None
-            self.endpoint.send(self.master, "shipped", mid=mig.mid, dest=mig.dest,
-                               tasks=[t[0] for item in payload for t in item[3]])
+            self.endpoint.send(self.master, "shipped", mid=mig.mid, dest=mig.dest, tasks=moved)
             self.migrations_out += len(mig.executors)
 
     def on_settle(self, msg: Message) -> None:
@@ -477,6 +492,7 @@ class Worker(Node):
         out = next((m for m in self.outgoing if m.mid == msg["mid"]), None)
         if out is not None:
             self.outgoing.remove(out)
+            self._report([report for e in out.executors for report in self._carry.pop(e, [])])
             for e in out.executors:
                 slot = self.slots[e]
                 slot.leaving = False
@@ -503,9 +519,11 @@ class Worker(Node):
             self.endpoint.send(self.master, "error", reason=reason, about="executor_state")
 
     def _receive_executors(self, msg: Message) -> None:
-        arrived, task_ids = [], []
-        for eid, state, inp, tasks, saves in msg["executors"]:
+        arrived, task_ids, reports = [], [], []
+        for eid, state, inp, tasks, saves, carried in msg["executors"]:
             task_ids.extend(t[0] for t in tasks)
+            task_ids.extend(item[0] for _, item in carried)
+            reports.extend(carried)
             self.moved_to.pop(eid, None)
             slot = self.slots[eid] = Slot(self._make_executor(eid, [state, inp]))
             if saves is not None:  # what the running checkpoint holds of its rows
@@ -517,6 +535,7 @@ class Worker(Node):
         self.migrations_in += len(arrived)
         assert self.master is not None
         self.endpoint.send(self.master, "migrated", mid=msg["mid"], executors=arrived, tasks=task_ids)
+        self._report(reports)  # completions the source ran and carried along: reported from here
 
     def _start_next(self, slot: Slot) -> None:
         task = slot.queue.popleft()
@@ -536,10 +555,10 @@ class Worker(Node):
             self.tasks_failed += 1
             tb = traceback.format_exc()
             log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, tb)
-            self._record("failed", [task.task_id, tb])
+            self._record("failed", [task.task_id, tb], task.executor_id)
         else:
             self.tasks_run += 1
-            self._record("completed", [task.task_id, value])
+            self._record("completed", [task.task_id, value], task.executor_id)
         slot.running = False
         if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
             self._score_ready()
@@ -548,8 +567,9 @@ class Worker(Node):
         elif slot.queue:
             self._start_next(slot)
 
-    def _record(self, kind: str, item: list[Any]) -> None:
+    def _record(self, kind: str, item: list[Any], eid: int) -> None:
         """Buffer a completion until the updates made before it are acknowledged."""
+        self._unreported[item[0]] = eid
         if self._oldest_unsent is None:
             self._oldest_unsent = time.monotonic()
         if self.log:
@@ -770,19 +790,30 @@ class Worker(Node):
 
     def _release(self) -> None:
         low = min(self._unacked) if self._unacked else self._rid + 1
-        completed: list[Any] = []
-        failed: list[Any] = []
+        ready: list[tuple[str, list[Any]]] = []
         while self._waiting_ack and self._waiting_ack[0][0] < low:
             _, kind, item = self._waiting_ack.popleft()
-            (completed if kind == "completed" else failed).append(item)
+            eid = self._unreported.pop(item[0], None)
+            slot = self.slots.get(eid) if eid is not None else None
+            if slot is not None and slot.leaving:  # it travels with its executor (_ship_ready)
+                self._carry.setdefault(eid, []).append((kind, item))
+                self._ship_due = True
+            else:
+                ready.append((kind, item))
+        self._report(ready)
+        if not self._waiting_ack and not self._waiting_flush:
+            self._oldest_unsent = None
+
+    def _report(self, reports: list[tuple[str, list[Any]]]) -> None:
+        """Tell the master these tasks completed (or failed), in one message."""
+        completed = [item for kind, item in reports if kind == "completed"]
+        failed = [item for kind, item in reports if kind != "completed"]
         if completed or failed:
             assert self.master is not None
             try:
                 self.endpoint.send(self.master, "done", completed=completed, failed=failed)
             except Exception:  # a result that cannot be serialized fails its own task, not the batch
                 self._send_done_one_by_one(completed, failed)
-        if not self._waiting_ack and not self._waiting_flush:
-            self._oldest_unsent = None
 
     def _send_done_one_by_one(self, completed: list[Any], failed: list[Any]) -> None:
         assert self.master is not None
