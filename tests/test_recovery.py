@@ -423,50 +423,26 @@ def test_a_process_lost_during_a_scale_in_is_recovered_and_the_scale_in_complete
     assert processes_mentioning(job) == []
 
 
-def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("moving", [False, True])
+def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, monkeypatch, moving: bool) -> None:
     """A machine running a worker and a server dies: one role's partial recovery waits for the
-    other's, and both complete; executors elsewhere never roll back."""
-    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar-ws", 6, driver_reads=True)
+    other's, and both complete. Without moves, executors elsewhere never roll back. With
+    executors and shards moving at random all the time (a stress test that found two
+    bookkeeping bugs the targeted tests above had missed), whatever was moving, no task is
+    lost and none counted twice: either leaves a gap in an executor's counts (and the second
+    also fails the master)."""
+    victims = ("w0", "s2") if moving else ("w1", "s1")
+    executors = 8 if moving else 6
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar-ws", executors, driver_reads=True)
+    if moving:
+        app.config.update(move_prob=0.3, shard_move_prob=0.15, seed=13)
     t, out = _start(app, workers=3, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                    checkpoint_every="1s", recovery="partial")
+                    checkpoint_every="0.4s" if moving else "1s", recovery="partial")
     try:
-        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
-        procs = {p["id"]: p for p in st["processes"]}
-        for victim in ("w1", "s1"):
-            os.kill(procs[victim]["pid"], signal.SIGKILL)
-        st = _status_when(job, lambda s: len(s["master"].get("recoveries", [])) == 2)
-        time.sleep(1.0)
-    finally:
-        stop.touch()
-        t.join(60)
-    assert not t.is_alive() and "error" not in out, out.get("traceback")
-    assert sorted(r["lost"] for r in st["master"]["recoveries"]) == ["s1", "w1"]
-    live = [p for p in st["processes"] if p["id"] not in ("w1", "s1")]
-    assert sorted(e for p in live if p["role"] == "worker" for e in p["executors"]) == list(range(6))
-    assert sorted(s for p in live if p["role"] == "server" for s in p["shards"]) == list(range(64))
-    for e, seqs in enumerate(out["res"].value["done_seq"]):
-        if e in procs["w1"]["executors"]:
-            assert set(seqs) == set(range(max(seqs) + 1)), (e, seqs)
-        else:
-            assert sorted(seqs) == list(range(len(seqs))), (e, seqs)
-    assert processes_mentioning(job) == []
-
-
-def test_random_moves_and_a_machine_lost_lose_no_task_and_run_none_twice(tmp_path: Path, monkeypatch) -> None:
-    """Executors and shards move at random all the time while a worker and a server are
-    killed together: whatever was moving, the job completes, every executor ends placed on a
-    survivor, and no executor's count has a gap (a task lost, or its completion counted
-    twice, would make one, or fail the master). This stress found two bookkeeping bugs that
-    the targeted tests above had missed."""
-    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "stress", 8, driver_reads=True)
-    app.config.update(move_prob=0.3, shard_move_prob=0.15, seed=13)
-    t, out = _start(app, workers=3, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                    checkpoint_every="0.4s", recovery="partial")
-    try:
-        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
         time.sleep(0.3)
         procs = {p["id"]: p for p in job_status(job)["processes"]}
-        for victim in ("w0", "s2"):
+        for victim in victims:
             os.kill(procs[victim]["pid"], signal.SIGKILL)
         st = _status_when(job, lambda s: len(s["master"].get("recoveries", [])) == 2)
         time.sleep(1.0)
@@ -474,10 +450,15 @@ def test_random_moves_and_a_machine_lost_lose_no_task_and_run_none_twice(tmp_pat
         stop.touch()
         t.join(60)
     assert not t.is_alive() and "error" not in out, out.get("traceback")
+    assert sorted(r["lost"] for r in st["master"]["recoveries"]) == sorted(victims)
+    live = [p for p in st["processes"] if p["id"] not in victims]
+    assert sorted(e for p in live if p["role"] == "worker" for e in p["executors"]) == list(range(executors))
+    assert sorted(s for p in live if p["role"] == "server" for s in p["shards"]) == list(range(64))
     res = out["res"].value
-    assert res["moves"] > 20
+    assert res["moves"] > 20 or not moving
     for e, seqs in enumerate(res["done_seq"]):
-        assert set(seqs) == set(range(max(seqs) + 1)), (e, sorted(set(range(max(seqs) + 1)) - set(seqs)))
-    live = [p for p in st["processes"] if p["id"] not in ("w0", "s2")]
-    assert sorted(e for p in live if p["role"] == "worker" for e in p["executors"]) == list(range(8))
+        if moving or e in procs[victims[0]]["executors"]:  # maybe restored: counts repeat, with no gap
+            assert set(seqs) == set(range(max(seqs) + 1)), (e, sorted(set(range(max(seqs) + 1)) - set(seqs)))
+        else:
+            assert sorted(seqs) == list(range(len(seqs))), (e, seqs)
     assert processes_mentioning(job) == []
