@@ -1,0 +1,121 @@
+"""Stress the recovery of lost processes while executors and shards move all the time.
+
+Not part of the test suite (it runs until told to stop): each run starts a job whose driver
+moves executors and shards at random after most completions, waits for a checkpoint, kills
+a random worker, server or both with SIGKILL, lets the job recover and run on, then stops it
+and checks that it finished, that every executor's counts have no gap (a task lost, or one
+counted twice, would make one) and, under full recovery, that the final sums are exact. On a
+hang it prints the master's bookkeeping. The tests in test_recovery.py pin down the cases
+that runs of this script found.
+
+Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+import litz
+from litz.cli import job_status
+from tests import testapps
+from tests.conftest import run_in_thread
+
+
+def _status_when(job: str, cond, timeout: float = 60.0) -> dict:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = job_status(job)
+            if cond(st):
+                return st
+        except litz.LitzError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"job {job}: condition not met in {timeout} s")
+
+
+def _dump_master(thread_id: int | None) -> None:
+    """Where the master waits and what it holds (for a run that hung)."""
+    for ident, frame in sys._current_frames().items():
+        if ident == thread_id:
+            print("".join(traceback.format_stack(frame)))
+    masters = [o for o in gc.get_objects() if type(o).__name__ == "Master"]
+    if masters:
+        m = masters[-1]
+        st = m.state
+        paused = {item[0] for item in st.paused_items}
+        running = [(r.task_id, r.executor_id, r.worker) for r in st.inflight.values() if r.task_id not in paused]
+        print("running:", running)
+        print("paused:", sorted(paused), "migrations:", st.migrations, st.shard_migrations, "held:", st.held)
+        print("placement:", st.placement, "workers:", st.workers, "servers:", st.servers, "lost:", m.lost)
+        print("checkpoint round:", m.checkpoints.round, "restoring:", m._restoring)
+
+
+def one(seed: int, recovery: str) -> bool:
+    rng = random.Random(seed)
+    tmp = Path(tempfile.mkdtemp(prefix="litz-stress-"))
+    os.environ["LITZ_JOBS_DIR"] = str(tmp / "jobs")
+    stop = tmp / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=8, move_prob=0.3, shard_move_prob=0.15, seed=seed)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=rng.random() < 0.5)
+    job = f"stress-{seed}-{time.time_ns()}"
+    t, out = run_in_thread(app, workers=3, servers=3, job=job, checkpoint_dir=str(tmp / "ckpt"),
+                           checkpoint_every="0.4s", recovery=recovery)
+    killed: list[str] = []
+    try:
+        _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        time.sleep(rng.uniform(0.1, 1.0))
+        procs = [p for p in job_status(job)["processes"] if p["role"] in ("worker", "server")]
+        for kind in rng.choice([["w"], ["s"], ["w", "s"]]):
+            victim = rng.choice([p for p in procs if p["id"].startswith(kind)])
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed.append(victim["id"])
+        recoveries = len(killed) if recovery == "partial" else 1  # a full one rolls back for all at once
+        _status_when(job, lambda s: len(s["master"].get("recoveries", [])) >= recoveries)
+        time.sleep(1.0)
+    finally:
+        stop.touch()
+        t.join(60)
+    problem = ""
+    if t.is_alive():
+        problem = "hung"
+        _dump_master(t.ident)
+    elif "error" in out:
+        problem = out.get("traceback", repr(out["error"]))
+    else:
+        res = out["res"].value
+        for e, seqs in enumerate(res["done_seq"]):
+            if seqs and set(seqs) != set(range(max(seqs) + 1)):
+                problem = f"executor {e} never reported counts {sorted(set(range(max(seqs) + 1)) - set(seqs))}"
+        if recovery == "full" and not np.array_equal(res["final"], res["truth"]):
+            problem = "the final sums differ from the driver's"
+    moves = out["res"].value["moves"] if "res" in out else "-"
+    print(f"seed {seed} {recovery}: killed {', '.join(killed)}, {moves} moves: {problem or 'ok'}", flush=True)
+    return not problem
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--recovery", choices=("partial", "full"), default="partial")
+    ap.add_argument("--seed", type=int, default=0, help="first seed (runs use seed, seed + 1, ...)")
+    args = ap.parse_args()
+    failed = sum(not one(s, args.recovery) for s in range(args.seed, args.seed + args.runs))
+    print(f"{failed} of {args.runs} runs failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
