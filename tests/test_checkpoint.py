@@ -573,7 +573,7 @@ def test_priority_checkpoints_save_executor_rows_and_a_lost_worker_gets_them_bac
     import cloudpickle
 
     tasks, n_rows, executors = 150, 40, 4
-    # a worker lost while one of its executors moves stops the job (README): the moves end first
+    # the moves end (iteration 10) before the kill; losses during a move: test_recovery.py
     app = testapps.rows_app(tasks=tasks, rows=n_rows, executors=executors, move_prob=move_prob, move_until=10)
     out = _kill_w1_after_partials(app, tmp_path, monkeypatch)
     assert "error" not in out, out.get("error")
