@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -55,3 +57,20 @@ def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, dict]:
     t = threading.Thread(target=body)
     t.start()
     return t, out
+
+
+def status_when(job: str, cond: Callable[[dict], Any], timeout: float = 120.0) -> dict:
+    """Poll ``litz status`` of ``job`` until ``cond(status)`` holds; the status then."""
+    from litz.cli import job_status
+    from litz.errors import LitzError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = job_status(job)
+            if cond(st):
+                return st
+        except LitzError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"job {job}: condition not met in {timeout} s")

@@ -26,23 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-import litz
 from litz.cli import job_status
 from tests import testapps
 from tests.conftest import run_in_thread
-
-
-def _status_when(job: str, cond, timeout: float = 60.0) -> dict:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            st = job_status(job)
-            if cond(st):
-                return st
-        except litz.LitzError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"job {job}: condition not met in {timeout} s")
+from tests.conftest import status_when as _status_when
 
 
 def _dump_master(thread_id: int | None) -> None:

@@ -18,20 +18,8 @@ from litz.ps.tables import shard_of
 from tests import testapps
 from tests.conftest import processes_mentioning
 from tests.conftest import run_in_thread as _start
+from tests.conftest import status_when as _status_when
 from tests.test_mlr_app import needs_data
-
-
-def _status_when(job: str, cond, timeout: float = 120.0) -> dict:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            st = job_status(job)
-            if cond(st):
-                return st
-        except litz.LitzError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"job {job}: condition not met in {timeout} s")
 
 
 def _open_ended_job(tmp_path: Path, monkeypatch, name: str, executors: int,  # noqa: ANN001

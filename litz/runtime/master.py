@@ -1456,6 +1456,9 @@ class Master:
             self.endpoint.send(worker, "tasks", tasks=tasks)
 
     def _on_done(self, driver: Driver, msg: Message) -> None:
+        """Hand the driver a worker's completions. A report from a process declared lost (taken
+        off the socket before, or lost while the driver handled its first completions) never
+        counts: its tasks are dispatched again, perhaps already."""
         assert self.state is not None
         for task_id, tb in msg["failed"]:
             if msg.sender in self.lost:
@@ -1463,9 +1466,7 @@ class Master:
             rec = self.state.fail(task_id)
             driver.handle_task_failure(TaskFailure(rec.executor_id, rec.args, tb, task_id, msg.sender))
         for task_id, value in msg["completed"]:
-            # the driver's handler may wait for a read, during which the sender may be declared
-            # lost and its tasks dispatched again: the rest of its report no longer counts
-            if driver._finished or msg.sender in self.lost:
+            if driver._finished or msg.sender in self.lost:  # (a handler may wait for a read)
                 return
             rec = self.state.complete(task_id)
             driver.handle_task_completion(TaskResult(rec.executor_id, rec.args, value, task_id, rec.version))
@@ -1513,10 +1514,6 @@ class Master:
                     batch.extend(self._poll(200))
                     while batch and not driver._finished:
                         msg = batch.pop(0)
-                        if msg.sender in self.lost:
-                            # taken off the socket before its sender was declared lost: its
-                            # tasks are dispatched again (perhaps already), so it never counts
-                            continue
                         if msg.type == "done":
                             self._on_done(driver, msg)
                         else:
