@@ -62,7 +62,7 @@ def one(seed: int, recovery: str) -> bool:
                            checkpoint_every="0.4s", recovery=recovery)
     killed: list[str] = []
     try:
-        _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        _status_when(job, lambda s: not t.is_alive() or any(c.get("ok") for c in s["master"].get("checkpoints", [])))
         time.sleep(rng.uniform(0.1, 1.0))
         procs = [p for p in job_status(job)["processes"] if p["role"] in ("worker", "server")]
         for kind in rng.choice([["w"], ["s"], ["w", "s"]]):
@@ -70,8 +70,11 @@ def one(seed: int, recovery: str) -> bool:
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(victim["id"])
         recoveries = len(killed) if recovery == "partial" else 1  # a full one rolls back for all at once
-        _status_when(job, lambda s: len(s["master"].get("recoveries", [])) >= recoveries)
+        _status_when(job, lambda s: not t.is_alive() or len(s["master"].get("recoveries", [])) >= recoveries)
         time.sleep(1.0)
+    except AssertionError as exc:  # no checkpoint or no recovery in time: where is the master?
+        print(exc, flush=True)
+        _dump_master(t.ident)
     finally:
         stop.touch()
         t.join(60)

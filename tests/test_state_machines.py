@@ -411,9 +411,9 @@ def test_losses_planned_together_keep_the_part_a_dead_one_was_given() -> None:
 def test_a_settled_migration_routes_every_task_of_its_executors_to_where_they_are() -> None:
     """Tasks queued for the source and not sent yet are held when a migration starts (so none
     is ever forwarded behind the executor). When it ends, held tasks go to the executors'
-    worker. A task in flight completes where it is: the tasks the source shipped (``shipped``,
-    ``migrated``) on the destination, those it ran before shipping on the source, which
-    reports them; if the executors never arrived, every task is the source's. So a later
+    worker. A task in flight completes where it is: the queued tasks the source ships (listed
+    in its ``ship_ready``) on the destination, those it ran on the source, which reported them
+    before ``ship_ready``; if the executors never arrived, every task is the source's. So a later
     loss dispatches again exactly the tasks that were on the dead worker."""
     from litz.runtime.master import MasterState
 
@@ -442,3 +442,76 @@ def test_a_settled_migration_routes_every_task_of_its_executors_to_where_they_ar
     st = MasterState(2, ["w0", "w1"], ["s0"])
     st.workers.remove("w0")  # dead: its executor is being restored, not moved
     assert st.start_migration([0], "w1") == [] and not st.moving
+
+
+@pytest.mark.parametrize("settled_first", [False, True])
+def test_a_source_ships_only_after_the_master_has_its_completions(settled_first: bool) -> None:
+    """A leaving executor's completions are reported (``done``) before the source says
+    ``ship_ready``, on the same connection, and it ships only when the master says ``ship``
+    (sent once it has handled them): a source that dies right after shipping can take no
+    report with it. A ``settle`` in between (the destination died) keeps the executor here,
+    and a late ``ship`` then finds nothing to send."""
+    import litz
+    from litz.runtime.protocol import Message
+    from litz.runtime.worker import Slot, Task, Worker
+
+    w = Worker("w0", "job", "127.0.0.1:1")
+    sent: list[tuple[str, str, dict]] = []
+    w.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    try:
+        w.master = "master"
+        ex = litz.Executor()
+        ex.state, ex.input = {"count": 3}, None
+        w.slots[0] = Slot(ex, deque([Task(7, 0, 0, "queued")]))
+        w._record("completed", [5, "ran"], 0)  # ran here, its updates not yet acknowledged
+        w.dispatch(Message("migrate_out", {"mid": 1, "executors": [0], "dest": "w1", "ship_input": False},
+                           sender="master"))
+        assert [k for _, k, _ in sent] == ["done"]  # reported first: no update was pending
+        assert sent[0][2]["completed"] == [[5, "ran"]] and w._ship_due
+        w._ship_ready()  # the loop's next turn
+        assert sent[1] == ("master", "ship_ready", {"mid": 1, "tasks": [7]})
+        w._ship_ready()  # asked once only
+        assert len(sent) == 2
+        if settled_first:
+            w.dispatch(Message("settle", {"mid": 1, "kind": "executors", "items": [0]}, sender="master"))
+            assert sent[2] == ("master", "settled", {"mid": 1, "holds": True})
+            assert not w.slots[0].leaving and w.slots[0].running  # its queued task runs here
+        w.dispatch(Message("ship", {"mid": 1}, sender="master"))
+        if settled_first:
+            assert len(sent) == 3 and 0 in w.slots
+        else:
+            [(peer, kind, fields)] = sent[2:]
+            assert (peer, kind) == ("w1", "executor_state") and 0 not in w.slots
+            [[eid, _, inp, queued, saves]] = fields["executors"]
+            assert (eid, inp, queued, saves) == (0, None, [[7, 0, 0, "queued"]], None)
+    finally:
+        w.endpoint.close()
+
+
+def test_a_rollback_answers_what_a_server_forwarded_to_a_lost_server() -> None:
+    """Full recovery: a worker may say it rolled back only once its updates are acknowledged,
+    and a live server holds the acknowledgement of an update it forwarded (its shard had
+    moved) until the new owner answers. If that owner died, the rollback tells the live
+    server, which then answers at once, for the forwards already made and any made later."""
+    from litz.ps.server import ServerNode
+    from litz.runtime.protocol import Message
+
+    srv = ServerNode("s0", "job", "127.0.0.1:1")
+    sent: list[tuple[str, str, dict]] = []
+    srv.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    try:
+        srv.master = "master"
+        srv.store = ShardStore(table_index([Table("t", (2,))]), [0, 1], 2)
+        srv.store.extract([1], "s1")  # shard 1 (odd keys) moved to s1
+        one = np.ones((2, 2))
+        srv.dispatch(Message("update", {"rid": 5, "items": [["t", [0, 1], one]]}, sender="w0"))
+        assert [(p, k) for p, k, _ in sent] == [("s1", "update")]  # key 1 forwarded; no ack yet
+        srv.dispatch(Message("rollback", {"lost": ["s1"], "round": 1}, sender="master"))
+        assert sent[-1] == ("w0", "update_ack", {"rid": 5, "errors": [None], "moved": {1: "s1"}})
+        srv.dispatch(Message("update", {"rid": 6, "items": [["t", [3], one[:1]]]}, sender="w0"))
+        srv.dispatch(Message("get", {"rid": 7, "items": [["t", [0, 3]]]}, sender="w0"))
+        assert [(p, k) for p, k, _ in sent[2:]] == [("w0", "update_ack"), ("w0", "get_reply")]  # none to s1
+        assert sent[2][2]["errors"] == [None] and "rolls back" in sent[3][2]["errors"][0]
+        np.testing.assert_array_equal(srv.store.get("t", [0]), one[:1])  # the local part landed
+    finally:
+        srv.endpoint.close()

@@ -451,10 +451,11 @@ class StrikingDriver(TimedMigratingDriver):
 
 class KillMidMigrationDriver(StrikingDriver):
     """Starts one migration (executor 0 to another worker, or shard 0 to another server:
-    ``kind``) and SIGKILLs one end of it (``victim``: source or dest), at once or
-    ``after_ship`` seconds later. With ``slow_task`` executor 0 is always in a task, so at once
-    means before the source ships it; with ``slow_arrival`` the destination takes that long
-    to install it, so ``after_ship`` means shipped but not yet reported."""
+    ``kind``) and SIGKILLs one end of it (``victim``: source or dest), at once or at the first
+    completion ``after_ship`` seconds later (the master must run its loop meanwhile: it tells
+    the source to ship). With ``slow_task`` executor 0 is always in a task, so at once means
+    before the source ships it; with ``slow_arrival`` the destination takes that long to
+    install it, so ``after_ship`` means shipped but not yet reported."""
 
     def strike(self, master: Any) -> dict[str, Any]:
         st, kind = master.state, self.config["kind"]
@@ -466,11 +467,21 @@ class KillMidMigrationDriver(StrikingDriver):
             source = st.shard_map[0]
             dest = next(s for s in st.servers if s != source)
             mids = master.move_shards([0], dest)
-        victim = source if self.config["victim"] == "source" else dest
-        time.sleep(self.config.get("after_ship", 0.0))
+        struck = {"mid": mids[0], "source": source, "dest": dest, "started": time.monotonic()}
+        self._maybe_kill(master, struck)
+        return struck
+
+    def _maybe_kill(self, master: Any, struck: dict[str, Any]) -> None:
+        if "victim" in struck or time.monotonic() - struck["started"] < self.config.get("after_ship", 0.0):
+            return
+        victim = struck[self.config["victim"]]
         hosted = self.kill(master, victim)
-        return {"mid": mids[0], "source": source, "dest": dest, "victim": victim,
-                "restored": [e for e in hosted if e != 0]}
+        struck.update(victim=victim, restored=[e for e in hosted if e != 0])
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        super().handle_task_completion(result)
+        if self.struck is not None and not self._finished:
+            self._maybe_kill(self._master, self.struck)
 
 
 class KillDuringScaleDriver(StrikingDriver):

@@ -250,6 +250,7 @@ class ServerNode(Node):
         self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         self._scored: dict[int, list[tuple[str, int, Hashable]]] = {}  # partial round -> rows scored
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
+        self._abandoned_to: set[str] = set()  # dead servers of a rollback under way: forward nothing there
         self.forwarded = 0
         self.shards_out = 0
         self.shards_in = 0
@@ -324,6 +325,9 @@ class ServerNode(Node):
     def _send_subs(self, pend: _Pending, subs: dict[str, list[tuple[int, list[int], list[Any]]]]) -> None:
         """Forward parts of a request: to each server, ``(item, positions, sub-item)`` triples."""
         for dest, parts in subs.items():
+            if dest in self._abandoned_to:
+                self._abandon(pend, [i for i, _, _ in parts])
+                continue
             self._sub_rid += 1
             items = [sub for _, _, sub in parts]
             self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts], dest, items)
@@ -445,10 +449,35 @@ class ServerNode(Node):
         self.shards_in += len(msg["shards"])
         self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"], round=msg.get("round", 0))
 
+    def on_rollback(self, msg: Message) -> None:
+        """Full recovery begins: parts of requests forwarded to a lost server (a shard that had
+        moved there) would never be answered, and the worker that sent the request waits for its
+        acknowledgement before it may say it rolled back. They count as answered now, and so
+        does any part forwarded there later (an update still on its way here): the timeline is
+        abandoned and every shard reloads from the checkpoint."""
+        self._abandoned_to |= set(msg["lost"])
+        for rid, (pend, parts, dest, _) in list(self._subs.items()):
+            if dest in self._abandoned_to:
+                del self._subs[rid]
+                pend.outstanding -= 1
+                self._abandon(pend, [i for i, _ in parts])
+                if not pend.outstanding:
+                    self._reply(pend)
+
+    @staticmethod
+    def _abandon(pend: _Pending, items: list[int]) -> None:
+        """Items of a request that went to a server lost in a rollback: an update is dropped
+        with its timeline; a read fails (its rows are gone)."""
+        if pend.kind == "get":
+            for i in items:
+                pend.values[i] = None
+                pend.errors[i] = "its server died and the job rolls back"
+
     def on_reload_shards(self, msg: Message) -> None:
         """Full recovery: every worker has stopped and its updates have landed; start the new
         timeline from the checkpoint."""
         self._subs.clear()
+        self._abandoned_to.clear()  # (no update of the abandoned timeline is still on its way)
         self._scored.clear()
         self.abandoned_mids = max(self.abandoned_mids, msg.get("abandoned", 0))
         self._store().reload(list(msg["shards"]), msg.get("restore"))

@@ -267,9 +267,9 @@ class MasterState:
         """Executor migration ``mid`` ended: its executors run on the destination or (not
         ``arrived``: cancelled when one end died) stay on the source. Held tasks go there.
         Which worker each task in flight completes on decides where a loss dispatches it
-        again: tasks the source ran before shipping are its to report; those it shipped were
-        recorded at the destination (``tasks_moved``); if the executors never arrived, all
-        their tasks are the source's."""
+        again: the source reported every task it ran before it was told to ship, and the
+        queued ones it ships were recorded at the destination then (``tasks_moved``); if the
+        executors never arrived, all their tasks are the source's."""
         eids, source, dest = self.migrations.pop(mid)
         worker = dest if arrived else source
         for e in eids:
@@ -583,7 +583,8 @@ class Master:
                 handle(msg)
 
     def _handle_aside(self, msg: Message) -> None:
-        """While waiting for replies, keep completions for later and record replies."""
+        """While waiting for replies, keep completions (and ``ship_ready``, which must follow
+        its sender's completions) for the main loop, and record replies."""
         if msg.sender in self.lost:  # received before it was declared lost: it no longer counts
             return
         if msg.type in ("get_reply", "update_ack", "stats") or (msg.type == "error" and "rid" in msg.fields):
@@ -592,8 +593,6 @@ class Master:
             self._byes[msg.sender] = msg["stats"]
             self.retiring.discard(msg.sender)
             self.elastic.tick()
-        elif msg.type == "shipped":
-            self.on_shipped(msg)
         elif msg.type == "migrated":
             self.on_migrated(msg)
             self.elastic.tick()
@@ -1043,8 +1042,8 @@ class Master:
                 waiting.clear()  # answers still owed by the dead are never coming
                 waiting.update(st.workers)
                 self._restore_round += 1
-                for w in st.workers:
-                    self.endpoint.send(w, "rollback", lost=lost_servers, round=self._restore_round,
+                for p in st.servers + st.workers:  # servers first: workers may wait for their acks
+                    self.endpoint.send(p, "rollback", lost=lost_servers, round=self._restore_round,
                                        abandoned=st.last_mid)
                 self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
                 saved, where = self._reload(st, lost_servers, waiting, on_msg)
@@ -1434,16 +1433,25 @@ class Master:
         return [mid for dest, eids in self.state.plan_balance(workers).items()
                 for mid in self.move_executors(eids, dest, ship_input)]
 
-    def on_shipped(self, msg: Message) -> None:
-        """A source shipped executors with their queued tasks: should the destination die
-        now, those tasks are dispatched again, the ones the source ran are its to report."""
-        assert self.state is not None
-        if msg["mid"] in self.state.migrations:  # else "migrated" said it first (and they may have moved on)
-            self.state.tasks_moved(msg["tasks"], msg["dest"])
+    def on_ship_ready(self, msg: Message) -> None:
+        """The source of a migration reported every completion of its executors: they may leave.
+
+        Only the main loop handles this message, in order (``_handle_aside`` defers it), so
+        every report the source sent before it has been handled in full, not left half-done by
+        a driver waiting for a read. Had the source shipped first and died, a report still on
+        its way would be lost, and its task would run again on a state that counts it. From
+        here the queued tasks complete on the destination: if it dies, they run again.
+        """
+        st = self.state
+        assert st is not None
+        mig = st.migrations.get(msg["mid"])
+        if msg.sender in self.lost or mig is None or mig[2] in self.lost:
+            return  # cancelled, abandoned, or a loss being settled: the settle decides
+        st.tasks_moved(msg["tasks"], mig[2])
+        self.endpoint.send(msg.sender, "ship", mid=msg["mid"])
 
     def on_migrated(self, msg: Message) -> None:
         assert self.state is not None
-        self.state.tasks_moved(msg.get("tasks", []), msg.sender)  # also if the source died before "shipped"
         if msg["mid"] not in self.state.migrations:
             log.warning("migrated message for unknown migration %r from %s", msg["mid"], msg.sender)
             return
@@ -1516,6 +1524,8 @@ class Master:
                         msg = batch.pop(0)
                         if msg.type == "done":
                             self._on_done(driver, msg)
+                        elif msg.type == "ship_ready":
+                            self.on_ship_ready(msg)
                         else:
                             self._handle_aside(msg)
                         self._tell_recovered(driver)

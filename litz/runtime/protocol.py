@@ -117,14 +117,17 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> source worker: finish these executors' running tasks, then ship them to dest
     MessageType("migrate_out", {"mid": "int", "executors": "list", "dest": "str", "ship_input": "bool",
                                 "dest_addr?": "str"}),
-    # source -> dest worker: [executor_id, state, input or None, queued tasks, saved rows or None,
-    # completions ran at the source, which the destination reports] per executor; state, input
-    # and saved rows are [pickle bytes, out-of-band buffers]
+    # source worker -> master: the executors of migration mid are idle and every completion they
+    # ran here was reported before this message (same connection, so the master has them all
+    # once it handles this one in order); these queued tasks will leave with them
+    MessageType("ship_ready", {"mid": "int", "tasks": "list"}),
+    # master -> source worker: ship them now (the master handled every completion reported before)
+    MessageType("ship", {"mid": "int"}),
+    # source -> dest worker: [executor_id, state, input or None, queued tasks, saved rows or None]
+    # per executor; state, input and saved rows are [pickle bytes, out-of-band buffers]
     MessageType("executor_state", {"mid": "int", "executors": "list", "source": "str"}),
-    # source worker -> master: the executors of migration mid left for dest, with these queued tasks
-    MessageType("shipped", {"mid": "int", "dest": "str", "tasks": "list"}),
-    # dest worker -> master: the executors of migration mid run here now, with these queued tasks
-    MessageType("migrated", {"mid": "int", "executors": "list", "tasks?": "list"}),
+    # dest worker -> master: the executors of migration mid run here now
+    MessageType("migrated", {"mid": "int", "executors": "list"}),
     # -- shard migration with forwarding --
     # master -> source server: send these shards to dest, then forward their requests there
     MessageType("migrate_shards", {"mid": "int", "shards": "list", "dest": "str", "dest_addr?": "str"}),
@@ -160,6 +163,8 @@ MESSAGES: dict[str, MessageType] = _declare(
     # cache; answer rolled_back once every update already sent to a live server was acknowledged
     # (so no update of the abandoned timeline can reach a server after it reloads)
     # ("abandoned": migrations up to this id are abandoned; what still arrives of them is dropped)
+    # master -> surviving servers (no answer): parts of requests forwarded to the lost servers,
+    # and any forwarded there from now on, count as answered (the timeline is abandoned)
     MessageType("rollback", {"lost": "list", "round": "int", "abandoned?": "int"}),
     MessageType("rolled_back", {"round": "int"}),
     # master -> servers: serve exactly these shards, rows from the checkpoint (fresh without one)

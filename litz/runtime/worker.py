@@ -65,7 +65,7 @@ class Slot:
     executor: Executor
     queue: deque[Task] = field(default_factory=deque)
     running: bool = False
-    leaving: bool = False  # a migration is under way: start no new task, ship when idle
+    leaving: bool = False  # a migration is under way: start no new task, ship when idle and told
     glet: greenlet.greenlet | None = None  # the running task's greenlet (a rollback kills it)
 
 
@@ -77,6 +77,7 @@ class Outgoing:
     executors: list[int]
     dest: str
     ship_input: bool
+    asked: bool = False  # ship_ready sent: the executors leave on the master's "ship"
 
 
 def keeps_rows(ex: Executor) -> bool:
@@ -141,10 +142,8 @@ class Worker(Node):
         self.app: dict[str, Any] = {}
         self.num_executors = 0
         self.outgoing: list[Outgoing] = []
-        self._ship_due = False  # a leaving executor's task ended: ship after the next poll
+        self._ship_due = False  # a leaving executor's task ended or was reported: check after the next poll
         self._unreported: dict[int, int] = {}  # task id -> executor, for completions not yet reported
-        # completions of leaving executors, ready to report: they travel with the executor
-        self._carry: dict[int, list[tuple[str, list[Any]]]] = {}
         self.moved_to: dict[int, str] = {}  # executors shipped away: late tasks are forwarded there
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self.migrations_out = 0
@@ -267,7 +266,6 @@ class Worker(Node):
         self._waiting_flush.clear()
         self._waiting_ack.clear()
         self._unreported.clear()
-        self._carry.clear()
         self._oldest_unsent = None
         lost = set(msg["lost"])  # servers that died
         self._gone |= lost
@@ -456,43 +454,50 @@ class Worker(Node):
         self._ship_ready()
 
     def _ship_ready(self) -> None:
-        """Ship every outgoing migration whose executors have finished their running tasks and
-        whose completions here are ready to report (their updates acknowledged). Those
-        completions travel with the executor and the destination reports them: the state
-        shipped counts those tasks, so they must never run again, and a source that dies
-        just after shipping could have lost its own report on the way (a separate socket)."""
-        idle = [m for m in self.outgoing if not any(self.slots[e].running for e in m.executors)]
+        """Tell the master which outgoing migrations may leave: their executors finished their
+        running tasks and every completion they ran here was reported (updates acknowledged).
+        The executors then wait for the master's ``ship``, sent once it has handled those
+        reports: a source that dies just after shipping can no longer take a report with it,
+        which would make the task run again on a state that already counts it."""
         owing = set(self._unreported.values())
-        if any(e in owing for m in idle for e in m.executors):
-            self.flush()  # (once acknowledged, _release carries them and sets _ship_due)
-        for mig in [m for m in idle if not any(e in owing for e in m.executors)]:
-            self.outgoing.remove(mig)
-            payload = []
-            moved = []
-            for e in mig.executors:
-                slot = self.slots.pop(e)
-                ex = slot.executor
-                saves = self.row_saves.pop(e, None)
-                queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
-                reports = self._carry.pop(e, [])
-                payload.append([e, pack_object(ex.get_state()),
-                                pack_object(ex.input) if mig.ship_input else None, queued,
-                                pack_object(saves) if saves is not None else None, reports])
-                moved += [t[0] for t in queued] + [item[0] for _, item in reports]
-                self.moved_to[e] = mig.dest
-            self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
+        for mig in self.outgoing:
+            if mig.asked or any(self.slots[e].running for e in mig.executors):
+                continue
+            if any(e in owing for e in mig.executors):
+                self.flush()  # (their acknowledgement reports them and sets _ship_due)
+                continue
+            mig.asked = True
             assert self.master is not None
-            self.endpoint.send(self.master, "shipped", mid=mig.mid, dest=mig.dest, tasks=moved)
-            self.migrations_out += len(mig.executors)
+            self.endpoint.send(self.master, "ship_ready", mid=mig.mid,
+                               tasks=[t.task_id for e in mig.executors for t in self.slots[e].queue])
+
+    def on_ship(self, msg: Message) -> None:
+        """The master has every completion of the executors of migration ``mid``: send them
+        with their queued tasks. (None if a ``settle`` cancelled it first.)"""
+        mig = next((m for m in self.outgoing if m.mid == msg["mid"] and m.asked), None)
+        if mig is None or msg.sender != self.master:
+            return
+        self.outgoing.remove(mig)
+        payload = []
+        for e in mig.executors:
+            slot = self.slots.pop(e)
+            ex = slot.executor
+            saves = self.row_saves.pop(e, None)
+            queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
+            payload.append([e, pack_object(ex.get_state()), pack_object(ex.input) if mig.ship_input else None,
+                            queued, pack_object(saves) if saves is not None else None])
+            self.moved_to[e] = mig.dest
+        self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
+        self.migrations_out += len(mig.executors)
 
     def on_settle(self, msg: Message) -> None:
         """The other end of migration ``mid`` died: say whether its executors are here. As the
-        source that has not shipped them yet, keep them (the migration is cancelled) and go on
-        with their queued tasks; as the destination, they are here if they arrived."""
+        source that has not shipped them yet, keep them (the migration is cancelled; a late
+        ``ship`` finds nothing) and go on with their queued tasks; as the destination, they are
+        here if they arrived."""
         out = next((m for m in self.outgoing if m.mid == msg["mid"]), None)
         if out is not None:
             self.outgoing.remove(out)
-            self._report([report for e in out.executors for report in self._carry.pop(e, [])])
             for e in out.executors:
                 slot = self.slots[e]
                 slot.leaving = False
@@ -519,11 +524,8 @@ class Worker(Node):
             self.endpoint.send(self.master, "error", reason=reason, about="executor_state")
 
     def _receive_executors(self, msg: Message) -> None:
-        arrived, task_ids, reports = [], [], []
-        for eid, state, inp, tasks, saves, carried in msg["executors"]:
-            task_ids.extend(t[0] for t in tasks)
-            task_ids.extend(item[0] for _, item in carried)
-            reports.extend(carried)
+        arrived = []
+        for eid, state, inp, tasks, saves in msg["executors"]:
             self.moved_to.pop(eid, None)
             slot = self.slots[eid] = Slot(self._make_executor(eid, [state, inp]))
             if saves is not None:  # what the running checkpoint holds of its rows
@@ -534,8 +536,7 @@ class Worker(Node):
             arrived.append(eid)
         self.migrations_in += len(arrived)
         assert self.master is not None
-        self.endpoint.send(self.master, "migrated", mid=msg["mid"], executors=arrived, tasks=task_ids)
-        self._report(reports)  # completions the source ran and carried along: reported from here
+        self.endpoint.send(self.master, "migrated", mid=msg["mid"], executors=arrived)
 
     def _start_next(self, slot: Slot) -> None:
         task = slot.queue.popleft()
@@ -562,8 +563,8 @@ class Worker(Node):
         slot.running = False
         if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
             self._score_ready()
-        if slot.leaving:  # shipped by the loop, once it has read what arrived during the task
-            self._ship_due = True  # (a "settle" there, its destination dead, keeps the executor here)
+        if slot.leaving:  # the loop says ship_ready once its completions are reported
+            self._ship_due = True
         elif slot.queue:
             self._start_next(slot)
 
@@ -795,11 +796,9 @@ class Worker(Node):
             _, kind, item = self._waiting_ack.popleft()
             eid = self._unreported.pop(item[0], None)
             slot = self.slots.get(eid) if eid is not None else None
-            if slot is not None and slot.leaving:  # it travels with its executor (_ship_ready)
-                self._carry.setdefault(eid, []).append((kind, item))
+            if slot is not None and slot.leaving:  # its executor may be ready to leave now
                 self._ship_due = True
-            else:
-                ready.append((kind, item))
+            ready.append((kind, item))
         self._report(ready)
         if not self._waiting_ack and not self._waiting_flush:
             self._oldest_unsent = None
