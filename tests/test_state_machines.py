@@ -515,3 +515,36 @@ def test_a_rollback_answers_what_a_server_forwarded_to_a_lost_server() -> None:
         np.testing.assert_array_equal(srv.store.get("t", [0]), one[:1])  # the local part landed
     finally:
         srv.endpoint.close()
+
+
+def test_the_master_says_ship_only_from_its_main_loop_and_never_towards_the_lost() -> None:
+    """``ship_ready`` follows the source's completions on one connection, so the master must
+    handle it in order: inside a driver's wait (``_handle_aside``) it is kept for the main
+    loop, which has handled the earlier reports by then. The queued tasks are recorded on
+    the destination when it says ``ship``; a migration whose destination was declared lost
+    gets no ``ship`` (the settle decides where its executors are)."""
+    from litz.runtime.master import Master
+    from litz.runtime.protocol import Message
+    from tests import testapps
+
+    m = Master(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), "j", None,  # type: ignore[arg-type]
+               workers=2, servers=1, num_executors=2)
+    sent: list[tuple[str, str, dict]] = []
+    m.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    try:
+        st = m.state = MasterState(2, ["w0", "w1"], ["s0"])  # executor 0 on w0, 1 on w1
+        queued = st.dispatch(0, "queued")
+        st.take_outbox()
+        [(mid, _, _)] = st.start_migration([0], "w1")
+        ready = Message("ship_ready", {"mid": mid, "tasks": [queued]}, sender="w0")
+        m._handle_aside(ready)
+        assert m._deferred == [ready] and sent == [] and st.inflight[queued].worker == "w0"
+        m.on_ship_ready(ready)
+        assert sent == [("w0", "ship", {"mid": mid})] and st.inflight[queued].worker == "w1"
+        [(mid2, _, _)] = st.start_migration([1], "w0")
+        m.lost.add("w0")
+        m.on_ship_ready(Message("ship_ready", {"mid": mid2, "tasks": []}, sender="w1"))
+        m.on_ship_ready(Message("ship_ready", {"mid": 99, "tasks": []}, sender="w1"))  # none such
+        assert len(sent) == 1
+    finally:
+        m.endpoint.close()
