@@ -329,7 +329,7 @@ def test_a_process_lost_during_a_migration_is_recovered(tmp_path: Path, monkeypa
     checkpoint but skip none. Under full recovery everything rolls back exactly."""
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, f"mig-{kind[0]}-{victim}", 6, kind=kind, victim=victim,
                                      **({"slow_task": 0.6} if when == "before" else
-                                        {"slow_arrival": 1.0, "after_ship": 0.3}))
+                                        {"slow_arrival": 1.0, "after_ship": 0.1}))
     app.driver = testapps.KillMidMigrationDriver
     executors = kind == "executors"
     t, out = _start(app, workers=3 if executors else 2, servers=1 if executors else 3, job=job,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -451,11 +452,11 @@ class StrikingDriver(TimedMigratingDriver):
 
 class KillMidMigrationDriver(StrikingDriver):
     """Starts one migration (executor 0 to another worker, or shard 0 to another server:
-    ``kind``) and SIGKILLs one end of it (``victim``: source or dest), at once or at the first
-    completion ``after_ship`` seconds later (the master must run its loop meanwhile: it tells
-    the source to ship). With ``slow_task`` executor 0 is always in a task, so at once means
-    before the source ships it; with ``slow_arrival`` the destination takes that long to
-    install it, so ``after_ship`` means shipped but not yet reported."""
+    ``kind``) and SIGKILLs one end of it (``victim``: source or dest): at once, or with
+    ``after_ship`` at the first completion that many seconds after the master told the source
+    to ship (shards: after the move started). With ``slow_task`` executor 0 is always in a
+    task, so at once means before the source ships it; with ``slow_arrival`` the destination
+    takes that long to install it, so ``after_ship`` means shipped but not yet reported."""
 
     def strike(self, master: Any) -> dict[str, Any]:
         st, kind = master.state, self.config["kind"]
@@ -467,12 +468,24 @@ class KillMidMigrationDriver(StrikingDriver):
             source = st.shard_map[0]
             dest = next(s for s in st.servers if s != source)
             mids = master.move_shards([0], dest)
-        struck = {"mid": mids[0], "source": source, "dest": dest, "started": time.monotonic()}
+        struck = {"mid": mids[0], "source": source, "dest": dest}
+        if kind == "executors":
+            on_ship_ready = master.on_ship_ready
+
+            def spy(msg: Any) -> None:  # test-only: note when the master says "ship"
+                on_ship_ready(msg)
+                if msg["mid"] == struck["mid"]:
+                    struck.setdefault("ship", time.monotonic())
+
+            master.on_ship_ready = spy
+        else:
+            struck["ship"] = time.monotonic()
         self._maybe_kill(master, struck)
         return struck
 
     def _maybe_kill(self, master: Any, struck: dict[str, Any]) -> None:
-        if "victim" in struck or time.monotonic() - struck["started"] < self.config.get("after_ship", 0.0):
+        after = self.config.get("after_ship")
+        if "victim" in struck or (after is not None and time.monotonic() - struck.get("ship", math.inf) < after):
             return
         victim = struck[self.config["victim"]]
         hosted = self.kill(master, victim)

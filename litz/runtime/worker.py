@@ -460,16 +460,19 @@ class Worker(Node):
         reports: a source that dies just after shipping can no longer take a report with it,
         which would make the task run again on a state that already counts it."""
         owing = set(self._unreported.values())
+        waiting = False
         for mig in self.outgoing:
             if mig.asked or any(self.slots[e].running for e in mig.executors):
                 continue
             if any(e in owing for e in mig.executors):
-                self.flush()  # (their acknowledgement reports them and sets _ship_due)
+                waiting = True
                 continue
             mig.asked = True
             assert self.master is not None
             self.endpoint.send(self.master, "ship_ready", mid=mig.mid,
                                tasks=[t.task_id for e in mig.executors for t in self.slots[e].queue])
+        if waiting:
+            self.flush()  # (their acknowledgement reports them and sets _ship_due)
 
     def on_ship(self, msg: Message) -> None:
         """The master has every completion of the executors of migration ``mid``: send them
