@@ -24,6 +24,8 @@ from litz.runtime.protocol import Message
 
 log = logging.getLogger(__name__)
 
+ROLLED_BACK = "its server died and the job rolls back"  # a read forwarded to a server lost in a rollback
+
 
 class ShardStore:
     """The rows of the logical shards one server hosts: shard -> table -> key -> row."""
@@ -325,8 +327,10 @@ class ServerNode(Node):
     def _send_subs(self, pend: _Pending, subs: dict[str, list[tuple[int, list[int], list[Any]]]]) -> None:
         """Forward parts of a request: to each server, ``(item, positions, sub-item)`` triples."""
         for dest, parts in subs.items():
-            if dest in self._abandoned_to:
-                self._abandon(pend, [i for i, _, _ in parts])
+            if dest in self._abandoned_to:  # (on_rollback)
+                if pend.kind == "get":
+                    for i, _, _ in parts:
+                        pend.values[i], pend.errors[i] = None, ROLLED_BACK
                 continue
             self._sub_rid += 1
             items = [sub for _, _, sub in parts]
@@ -457,21 +461,8 @@ class ServerNode(Node):
         abandoned and every shard reloads from the checkpoint."""
         self._abandoned_to |= set(msg["lost"])
         for rid, (pend, parts, dest, _) in list(self._subs.items()):
-            if dest in self._abandoned_to:
-                del self._subs[rid]
-                pend.outstanding -= 1
-                self._abandon(pend, [i for i, _ in parts])
-                if not pend.outstanding:
-                    self._reply(pend)
-
-    @staticmethod
-    def _abandon(pend: _Pending, items: list[int]) -> None:
-        """Items of a request that went to a server lost in a rollback: an update is dropped
-        with its timeline; a read fails (its rows are gone)."""
-        if pend.kind == "get":
-            for i in items:
-                pend.values[i] = None
-                pend.errors[i] = "its server died and the job rolls back"
+            if dest in self._abandoned_to:  # an update is dropped with its timeline; a read fails
+                self._sub_done(rid, None, [ROLLED_BACK if pend.kind == "get" else None] * len(parts), {})
 
     def on_reload_shards(self, msg: Message) -> None:
         """Full recovery: every worker has stopped and its updates have landed; start the new

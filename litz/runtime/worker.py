@@ -136,14 +136,15 @@ class Worker(Node):
         # completion barrier: update rids not yet acknowledged, and completions waiting on them
         self._unacked: set[int] = set()
         self._last_update_rid = 0
-        self._waiting_flush: list[tuple[str, list[Any]]] = []  # completions whose updates are in the log
-        self._waiting_ack: deque[tuple[int, str, list[Any]]] = deque()  # (barrier rid, kind, item)
+        # completions not yet reported, with their executor: (kind, item, eid) whose updates are
+        # still in the log, and (barrier rid, kind, item, eid) waiting for acknowledgements
+        self._waiting_flush: list[tuple[str, list[Any], int]] = []
+        self._waiting_ack: deque[tuple[int, str, list[Any], int]] = deque()
         self._oldest_unsent: float | None = None
         self.app: dict[str, Any] = {}
         self.num_executors = 0
         self.outgoing: list[Outgoing] = []
         self._ship_due = False  # a leaving executor's task ended or was reported: check after the next poll
-        self._unreported: dict[int, int] = {}  # task id -> executor, for completions not yet reported
         self.moved_to: dict[int, str] = {}  # executors shipped away: late tasks are forwarded there
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self.migrations_out = 0
@@ -265,7 +266,6 @@ class Worker(Node):
         self._fetching.clear()  # late replies are recognised as unknown and ignored
         self._waiting_flush.clear()
         self._waiting_ack.clear()
-        self._unreported.clear()
         self._oldest_unsent = None
         lost = set(msg["lost"])  # servers that died
         self._gone |= lost
@@ -459,7 +459,7 @@ class Worker(Node):
         The executors then wait for the master's ``ship``, sent once it has handled those
         reports: a source that dies just after shipping can no longer take a report with it,
         which would make the task run again on a state that already counts it."""
-        owing = set(self._unreported.values())
+        owing = {entry[-1] for entry in (*self._waiting_flush, *self._waiting_ack)}
         waiting = False
         for mig in self.outgoing:
             if mig.asked or any(self.slots[e].running for e in mig.executors):
@@ -573,13 +573,12 @@ class Worker(Node):
 
     def _record(self, kind: str, item: list[Any], eid: int) -> None:
         """Buffer a completion until the updates made before it are acknowledged."""
-        self._unreported[item[0]] = eid
         if self._oldest_unsent is None:
             self._oldest_unsent = time.monotonic()
         if self.log:
-            self._waiting_flush.append((kind, item))
+            self._waiting_flush.append((kind, item, eid))
         else:
-            self._waiting_ack.append((self._last_update_rid, kind, item))
+            self._waiting_ack.append((self._last_update_rid, kind, item, eid))
 
     # -- ps from inside a task --------------------------------------------------------
     def ps_get(self, table: Table, keys: list[Hashable]) -> list[np.ndarray]:
@@ -776,8 +775,8 @@ class Worker(Node):
         """Send the update log; completions recorded so far wait for its acknowledgement."""
         if self.log:
             self._send_updates(self.log.drain())
-        for kind, item in self._waiting_flush:
-            self._waiting_ack.append((self._last_update_rid, kind, item))
+        for kind, item, eid in self._waiting_flush:
+            self._waiting_ack.append((self._last_update_rid, kind, item, eid))
         self._waiting_flush.clear()
         self._release()
 
@@ -796,9 +795,8 @@ class Worker(Node):
         low = min(self._unacked) if self._unacked else self._rid + 1
         ready: list[tuple[str, list[Any]]] = []
         while self._waiting_ack and self._waiting_ack[0][0] < low:
-            _, kind, item = self._waiting_ack.popleft()
-            eid = self._unreported.pop(item[0], None)
-            slot = self.slots.get(eid) if eid is not None else None
+            _, kind, item, eid = self._waiting_ack.popleft()
+            slot = self.slots.get(eid)
             if slot is not None and slot.leaving:  # its executor may be ready to leave now
                 self._ship_due = True
             ready.append((kind, item))
