@@ -323,6 +323,16 @@ class HDBDriver(litz.Driver):
         if not self.config["quiet"]:
             print(line, flush=True)
 
+    def recovered(self, recovery: litz.Recovery) -> None:
+        """During NN-Descent the phase refills the lists (``NNDescentPhase.recovered``). Later stages
+        do not recover yet: their executor state and the core and component tables would have to be
+        rebuilt, so the job stops with the reason rather than cluster a damaged graph."""
+        if self.stage == "nnd":
+            self.nnd.recovered(recovery)
+            return
+        raise litz.LitzError(f"HDBSCAN cannot go on after losing {', '.join(recovery.lost)} in its {self.stage} "
+                             "stage (only the NN-Descent stage recovers); run it again")
+
     def _lap(self, name: str) -> float:
         now = time.perf_counter()
         self.times[name] = now - self._t

@@ -20,6 +20,11 @@ Two parts (each can be skipped):
     (DESIGN.md §8). With ``--fast-euclidean`` also ``metric='euclidean'`` (KD-tree Borůvka). It is
     warmed up on a small set first (Numba compilation excluded).
 
+  - **pynndescent** (``--pynndescent``): its kNN graph alone, ``NNDescent(x, n_neighbors=k + 1)`` (its
+    lists include the point itself), all cores, against Litz's NN-Descent phase (the ``knn`` phase
+    time). It tells how much of the 40x target a kNN graph as fast as the best single-machine one
+    would leave for the rest.
+
   Ratios are peer seconds / Litz seconds. The FM index of Litz's labels is against hdbscan's labels
   where hdbscan ran, else against the ground truth (noise as one label).
 - **accuracy** (``--thesis-dims``, default 1..10): the thesis set (``--thesis-points`` points, default
@@ -34,13 +39,14 @@ Two parts (each can be skipped):
   its docstring), and the library's seconds.
 
 Run: ``python bench/bench_hdbscan.py [--sizes 14 15 16] [--thesis-dims 1 2 3] [--thesis-points N]
-[--no-speed] [--no-accuracy] [--workers 2]``
+[--no-speed] [--no-accuracy] [--workers 2] [--pynndescent]``
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 import warnings
 from typing import Any
@@ -81,13 +87,21 @@ def fast_hdbscan_labels(x: np.ndarray, metric: str) -> np.ndarray:
         return fast_hdbscan.HDBSCAN(min_cluster_size=MCS, min_samples=MS, metric=metric).fit(x).labels_
 
 
-def speed(sizes: list[int], workers: int, k: int, both_msts: bool, fast_euclidean: bool, hdbscan_limit: float
-          ) -> None:
+def pynndescent_graph(x: np.ndarray, k: int) -> None:
+    from pynndescent import NNDescent
+
+    NNDescent(x, n_neighbors=k + 1, random_state=0).neighbor_graph  # noqa: B018 (built by the constructor)
+
+
+def speed(sizes: list[int], workers: int, k: int, both_msts: bool, fast_euclidean: bool, hdbscan_limit: float,
+          pynnd: bool = False) -> None:
     msts = ["boruvka", "kruskal"] if both_msts else ["boruvka"]
     metrics = ["l2", "euclidean"] if fast_euclidean else ["l2"]
     warm_x, _ = hd.gaussian_mixture(3000, 10, 10, seed=1)
     for metric in metrics:
         fast_hdbscan_labels(warm_x, metric)
+    if pynnd:
+        pynndescent_graph(warm_x, k)
     for mst in msts:
         litz_job(["--points", "3000", "--mst", mst], workers, k)
     print(f"speed: 10 blobs in 10-d, min_cluster_size {MCS}, min_samples {MS}; Litz k={k}, {workers} workers, "
@@ -113,9 +127,15 @@ def speed(sizes: list[int], workers: int, k: int, both_msts: bool, fast_euclidea
         row += f" {t_h / ours['seconds']:>9.1f}x" + "".join(f" {t_f[m] / ours['seconds']:>13.2f}x" for m in metrics)
         row += f" {fm:>6.3f}  {'hdbscan' if ref is not None else 'truth'}"
         print(row, flush=True)
-        print("          litz phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in ours["times"].items())
+        print("          litz phases: " + ", ".join(f"{name} {v:.2f} s" for name, v in ours["times"].items())
               + f"; {ours['nnd_rounds']} NN-Descent rounds, {ours.get('boruvka_rounds', '-')} Borůvka rounds, "
               f"{ours['clusters']} clusters", flush=True)
+        if pynnd:
+            t_p = timed(pynndescent_graph, x, k)[1]
+            vs_hdbscan = "hdbscan not run" if math.isnan(t_h) else f"{t_h / t_p:.1f}x"
+            print(f"          kNN graph alone: pynndescent {t_p:.2f} s, Litz NN-Descent {ours['times']['knn']:.2f} s "
+                  f"({ours['times']['knn'] / t_p:.2f}x pynndescent's time); hdbscan / pynndescent's graph alone: "
+                  f"{vs_hdbscan}", flush=True)
 
 
 def accuracy(dims: list[int], points: int, workers: int, k: int) -> None:
@@ -145,13 +165,15 @@ def main() -> None:
                    help="Litz's k on the thesis set (30 keeps the FM index below 0.95 in 6-10 dimensions)")
     p.add_argument("--both-msts", action="store_true", help="time Litz with Kruskal too")
     p.add_argument("--fast-euclidean", action="store_true", help="also fast_hdbscan with metric='euclidean'")
+    p.add_argument("--pynndescent", action="store_true", help="also time pynndescent's kNN graph alone")
     p.add_argument("--hdbscan-limit", type=float, default=600.0, help="seconds an hdbscan run may take")
     p.add_argument("--no-speed", action="store_true")
     p.add_argument("--no-accuracy", action="store_true")
     args = p.parse_args()
     logging.getLogger("litz").setLevel(logging.WARNING)
     if not args.no_speed:
-        speed(args.sizes, args.workers, args.k_speed, args.both_msts, args.fast_euclidean, args.hdbscan_limit)
+        speed(args.sizes, args.workers, args.k_speed, args.both_msts, args.fast_euclidean, args.hdbscan_limit,
+              args.pynndescent)
     if not args.no_accuracy:
         accuracy(args.thesis_dims, args.thesis_points, args.workers, args.k_accuracy)
 

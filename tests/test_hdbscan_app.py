@@ -210,3 +210,19 @@ def test_cli_help_and_option_errors() -> None:
         hd.make_app(["--k", "5", "--min-samples", "10"])
     with pytest.raises(litz.ConfigError, match="--data"):
         hd.make_app(["--data", "nowhere.npy"])
+
+
+def test_a_loss_after_the_graph_stops_the_job_with_the_reason() -> None:
+    """The core and Borůvka stages do not recover (their executor state and tables would have to be
+    rebuilt): a partial recovery there must stop the job saying so, not cluster a damaged graph.
+    During NN-Descent the phase gets the recovery (and refills the lists: tests/test_nndescent_app.py)."""
+    driver = hd.HDBDriver()
+    driver.stage = "boruvka"
+    loss = litz.Recovery(role="server", lost=("s1",), executors=(), shards=(3, 7), checkpoint=None)
+    with pytest.raises(litz.LitzError, match=r"losing s1 in its boruvka stage \(only the NN-Descent stage recovers\)"):
+        driver.recovered(loss)
+    seen = []
+    driver.stage = "nnd"
+    driver.nnd = type("Phase", (), {"recovered": lambda self, rec: seen.append(rec)})()
+    driver.recovered(loss)
+    assert seen == [loss]

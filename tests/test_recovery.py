@@ -450,3 +450,38 @@ def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, m
         else:
             assert sorted(seqs) == list(range(len(seqs))), (e, seqs)
     assert processes_mentioning(job) == []
+
+
+class DieAtTheEndDriver(litz.Driver):
+    """Runs a few tasks; at the last completion SIGKILLs worker w1 and finishes at once, so the
+    master learns of the loss while it collects the processes' statistics."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.left = 2 * self.num_executors
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {"sleep": 0.01})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.left -= 1
+        if self.left > self.num_executors - 1:
+            self.dispatch_task(result.executor_id, {"sleep": 0.01})
+        if self.left == 0:
+            os.kill(self._master.procs["w1"]["pid"], signal.SIGKILL)  # test-only access to the master
+            self.finish("done")
+
+
+@pytest.mark.parametrize("recovery", ["partial", None])
+def test_a_worker_lost_as_the_job_finishes_does_not_hold_it(tmp_path: Path, monkeypatch, recovery: str | None
+                                                            ) -> None:
+    """The driver has finished when a worker dies: the job ends at once with its result and the
+    survivors' statistics, recovery or not. (It used to wait out the 60 s statistics timeout and
+    fail, or, without recovery, fail with the loss.)"""
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    app = litz.App(DieAtTheEndDriver, testapps.SleepExecutor, num_executors=4, name="die-at-the-end")
+    job = f"die-at-the-end-{time.time_ns()}"
+    kw = {"checkpoint_dir": str(tmp_path / "ckpt"), "recovery": recovery} if recovery else {}
+    t0 = time.monotonic()
+    res = litz.run(app, workers=2, servers=1, job=job, **kw)
+    assert res.value == "done" and time.monotonic() - t0 < 30
+    assert "w0" in res.stats and "s0" in res.stats and "w1" not in res.stats
+    assert processes_mentioning(job) == []

@@ -694,14 +694,6 @@ class Master:
         self.endpoint.send(server, type_name, rid=self._rid, **fields)
         return self._rid
 
-    def _await(self, rids: list[int], what: str) -> list[Message]:
-        self._wait(lambda: all(r in self._replies for r in rids), what, 60.0, self._handle_aside)
-        replies = [self._replies.pop(r) for r in rids]
-        for r in replies:
-            if r.type == "error":
-                raise LitzError(f"{what} failed on {r.sender}: {r['reason']}")
-        return replies
-
     def read(self, table: Table, keys: list[Hashable]) -> np.ndarray:
         """Read rows of checked keys straight from the servers (used by the driver)."""
         out = np.empty((len(keys), *table.shape), table.dtype)
@@ -749,12 +741,22 @@ class Master:
                     out[idx] = reply["values"][0]
 
     def collect_stats(self) -> dict[str, dict[str, Any]]:
-        """Ask every process for its counters (benchmarks)."""
+        """Ask every process for its counters (benchmarks). A process lost before it answers is
+        left out: its counters died with it, and waiting for them held a finished job for the
+        whole timeout (a worker killed just as the driver finished)."""
         assert self.state is not None
         procs = self.state.workers + self.state.servers
         rids = {p: self._request(p, "stats_request") for p in procs}
-        replies = self._await(list(rids.values()), "statistics")
-        out = {p: r["stats"] for p, r in zip(rids, replies, strict=True)}
+        self._wait(lambda: all(r in self._replies or p in self.lost for p, r in rids.items()), "statistics", 60.0,
+                   self._handle_aside)
+        out = {}
+        for p, rid in rids.items():
+            reply = self._replies.pop(rid, None)
+            if reply is None:
+                continue
+            if reply.type == "error":
+                raise LitzError(f"statistics failed on {reply.sender}: {reply['reason']}")
+            out[p] = reply["stats"]
         out["master"] = {"role": "master", **self.endpoint.counters()}
         return out
 
@@ -774,6 +776,12 @@ class Master:
             if ident in self.lost:
                 return
             raise ProcessLost(reason, ident)
+        if self.driver is not None and self.driver._finished:
+            # the result is in: nothing it held is needed any more, so nothing is recovered and
+            # the job does not fail; it only ends without the dead one's statistics
+            log.warning("%s after the driver finished: the job ends without it", reason)
+            self._fence(ident)
+            return
         group = st.servers if ident in st.servers else st.workers if ident in st.workers else None
         role = "server" if group is st.servers else "worker"
         if group is None and (ident in self.retiring or self.elastic.joining(ident)):
