@@ -59,18 +59,31 @@ def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, dict]:
     return t, out
 
 
-def status_when(job: str, cond: Callable[[dict], Any], timeout: float = 120.0) -> dict:
-    """Poll ``litz status`` of ``job`` until ``cond(status)`` holds; the status then."""
+def status_when(job: str, cond: Callable[[dict], Any], timeout: float = 120.0, out: dict | None = None) -> dict:
+    """Poll ``litz status`` of ``job`` until ``cond(status)`` holds; the status then.
+
+    ``out`` is the dict of :func:`run_in_thread`: a job that already failed is reported at
+    once with its traceback. A time-out says what was last seen (the phase, or the error of
+    the last status read), so a job that never started is told from one that stalled."""
     from litz.cli import job_status
     from litz.errors import LitzError
 
     deadline = time.monotonic() + timeout
+    last: object = "no status read yet"
     while time.monotonic() < deadline:
+        if out is not None and "error" in out:
+            raise AssertionError(f"job {job} failed: {out['error']!r}\n{out.get('traceback', '')}")
         try:
             st = job_status(job)
+            last = st["master"]
             if cond(st):
                 return st
-        except LitzError:
-            pass
+        except LitzError as exc:
+            last = exc
         time.sleep(0.05)
-    raise AssertionError(f"job {job}: condition not met in {timeout} s")
+    raise AssertionError(f"job {job}: condition not met in {timeout} s; last seen: {last!r}")
+
+
+def wait_running(job: str, out: dict | None = None, timeout: float = 60.0) -> dict:
+    """Wait until the master of ``job`` reports the running phase; its status then."""
+    return status_when(job, lambda s: s["master"].get("phase") == "running", timeout, out)

@@ -18,7 +18,7 @@ from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, parse_every
 from tests import testapps
-from tests.conftest import processes_mentioning, run_in_thread
+from tests.conftest import processes_mentioning, run_in_thread, wait_running
 
 
 def test_shard_rows_round_trip_exactly_with_int_and_string_keys(tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -
         out[f"{name}-thread"] = t
     try:
         for job in jobs.values():
-            _wait_running(job)
+            wait_running(job)
         assert checkpoint(["--job", jobs["with"]]) == 0
         assert checkpoint(["--job", jobs["with"]]) == 0
         assert checkpoint(["--job", jobs["without"]]) == 1  # refused: no --checkpoint-dir
@@ -281,21 +281,6 @@ def test_a_failing_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: 
     assert base == records[0]["path"] and partials == []
 
 
-def _wait_running(job: str, timeout: float = 30.0) -> None:
-
-    from litz.cli import job_status
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if job_status(job)["master"].get("phase") == "running":
-                return
-        except litz.LitzError:
-            pass
-        assert time.monotonic() < deadline, f"job {job} never reached the running phase"
-        time.sleep(0.1)
-
-
 def test_litz_stop_after_a_checkpoint_then_resume_goes_on_exactly(tmp_path: Path, monkeypatch) -> None:
     import threading
 
@@ -321,8 +306,8 @@ def test_litz_stop_after_a_checkpoint_then_resume_goes_on_exactly(tmp_path: Path
     for t in runners:
         t.start()
     try:
-        _wait_running(with_dir)
-        _wait_running(without)
+        wait_running(with_dir)
+        wait_running(without)
         time.sleep(0.5)  # some training to keep
         assert stop(["--job", without, "--checkpoint"]) == 1  # refused: no --checkpoint-dir; it trains on
         assert stop(["--job", with_dir, "--checkpoint"]) == 0

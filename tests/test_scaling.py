@@ -5,25 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import litz
 from litz.cli import job_status, scale
 from tests import testapps
-from tests.conftest import processes_mentioning
+from tests.conftest import processes_mentioning, wait_running
 from tests.conftest import run_in_thread as _run_in_thread
 from tests.test_mlr_app import needs_data
-
-
-def _wait_running(job: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            st = job_status(job)
-            if st["master"].get("phase") == "running":
-                return st
-        except litz.LitzError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"job {job} did not start")
 
 
 def _workers(st: dict) -> dict[str, list[int]]:
@@ -52,7 +38,7 @@ def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path,
     app.config["stop_after"] = 14.0
     t, out = _run_in_thread(app, workers=2, servers=1, job=job)
     try:
-        _wait_running(job)
+        wait_running(job, out)
         assert scale(["--job", job, "--workers", "4", "--wait", "--timeout", "30"]) == 0
         st = job_status(job)
         ws = _workers(st)
@@ -102,7 +88,7 @@ def test_mlr_reaches_accuracy_while_scaling_2_4_1(tmp_path: Path, monkeypatch) -
     app = mlr.make_app(["--epochs", "80", "--quiet"])
     t, out = _run_in_thread(app, workers=2, servers=1, num_executors=8, job=job)
     try:
-        _wait_running(job)
+        wait_running(job, out)
         assert scale(["--job", job, "--workers", "4", "--wait"]) == 0
         assert scale(["--job", job, "--workers", "1", "--wait"]) == 0
     finally:
@@ -133,7 +119,7 @@ def test_a_worker_killed_as_it_joins_leaves_the_scale_out_which_completes(tmp_pa
     t, out = _run_in_thread(app, workers=2, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
                             checkpoint_every="1s", recovery="partial")
     try:
-        _wait_running(job)
+        wait_running(job, out)
         assert scale(["--job", job, "--workers", "3"]) == 0
         deadline = time.monotonic() + 30
         while not (new := [p for p in job_status(job)["processes"] if p["id"] == "w2" and p.get("pid")]):
