@@ -7,10 +7,12 @@ mutual-reachability graph, then the condensed tree and excess-of-mass selection.
    the PS table ``knn``). Every executor holds the whole data matrix read-only (``NNDInput``) and owns
    a contiguous range of points; this app uses the same ownership for the phases below.
 2. *Core distances* (``--mst boruvka``): one task per executor reads its own rows of ``knn``, keeps
-   them in its state, and writes its points' core distances to table ``hdb_core``. Executors share
-   blocks at the range edges, so the table's combiner is ``max`` over zero rows: each executor sends
-   zeros where it owns nothing. Core distance = distance to the ``min_samples``-th *other* neighbour,
-   the ``hdbscan`` library's convention (see apps/hdbscan_kernels.py), so ``k >= min_samples``.
+   them in its state, and returns its points' core distances; the driver writes them all to table
+   ``hdb_core`` (combiner ``assign``) before round 0. Why through the driver: executors share
+   blocks at the range edges, and a table each of them wrote a part of would need a ``max`` over
+   zero rows, which can never be lowered again when a recovery recomputes the cores from a
+   refilled graph. Core distance = distance to the ``min_samples``-th *other* neighbour, the
+   ``hdbscan`` library's convention (see apps/hdbscan_kernels.py), so ``k >= min_samples``.
 3. *Minimum spanning tree*, one of:
 
    - ``kruskal``: the driver reads the graph and runs Kruskal with a Numba union-find in the master.
@@ -36,6 +38,16 @@ mutual-reachability graph, then the condensed tree and excess-of-mass selection.
    top of the hierarchy, above every merge inside them. The infinite edges keep every merge below
    them. They only move the components' split from lambda ``1/D`` (D larger than any of their kNN
    distances) to lambda 0. fast_hdbscan's NN-Descent path does the same.
+   *Losses* (``--recovery partial``; a full recovery rolls everything back consistently). During
+   NN-Descent the phase refills the lists (``NNDescentPhase.recovered``). After it, the stages
+   start over from the core distances, as a new *attempt*: every core and Borůvka task carries
+   its attempt number, and the driver drops completions of an older one (tasks in flight on
+   survivors, and those the runtime dispatched again to the restored executors, which may hold
+   no core rows: they answer ``stale``). A lost worker costs only that restart: the graph,
+   cores and labels are on the servers. A lost server may have taken rows of the graph (back
+   from the checkpoint, or empty), so the driver first goes back to NN-Descent, which refills
+   and converges again; the restart then writes the component labels back to the identity and
+   the cores afresh. These stages are a small part of the job (1.6 of 17 s at 2^19 points).
 4. *Tree* (in the master, Numba): single-linkage dendrogram, condensed tree (``min_cluster_size``),
    stabilities, excess-of-mass selection with an optional ``max_cluster_size`` (the ``hdbscan``
    library's), labels with noise -1. Given the same spanning tree, the labels equal the
@@ -231,12 +243,23 @@ def _identity_labels(key: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray
 
 
 def hdbscan_tables(n: int, k: int) -> list[litz.Table]:
-    """The kNN graph, the core distances (max over zero rows) and the component labels (assign)."""
+    """The kNN graph, the core distances and the component labels (both written whole by the driver)."""
     nb = num_blocks(n)
     return [*nndescent_tables(n, k),
-            litz.Table(CORE_TABLE, shape=(BLOCK,), dtype="float32", combiner="max", num_rows=nb),
+            litz.Table(CORE_TABLE, shape=(BLOCK,), dtype="float32", combiner="assign", num_rows=nb),
             litz.Table(COMP_TABLE, shape=(BLOCK,), dtype="int32", init=_identity_labels, combiner="assign",
                        num_rows=nb)]
+
+
+def _write_all(ps: litz.api.ParameterServer, table: str, values: np.ndarray, dtype: Any) -> None:
+    """One value per point into every row of a block table (``assign``), in chunks of keys."""
+    nb = num_blocks(len(values))
+    padded = np.zeros(nb * BLOCK, dtype)
+    padded[:len(values)] = values
+    blocks = padded.reshape(nb, BLOCK)
+    for lo in range(0, nb, READ_CHUNK):
+        hi = min(nb, lo + READ_CHUNK)
+        ps.update_many(table, range(lo, hi), blocks[lo:hi])
 
 
 def _read_all(ps: litz.api.ParameterServer, table: str, n: int) -> np.ndarray:
@@ -277,20 +300,22 @@ class HDBExecutor(NNDescentExecutorMixin, litz.Executor):
         owned, k = self.input.owned, int(args["k"])
         if not len(owned):
             self.state = {"idx": np.empty((0, k), np.int64), "dist": np.empty((0, k), np.float32)}
-            return {"phase": "core", "owned": 0}
+            return {"phase": "core", "lo": 0, "core": np.empty(0, np.float32)}
         b0, b1 = int(owned[0]) // BLOCK, int(owned[-1]) // BLOCK + 1  # owned is a contiguous range
         rows = self.ps.get_many(args["knn"], range(b0, b1)).reshape(-1, 3 * k)[owned - b0 * BLOCK]
         idx, dist = rows[:, :k].astype(np.int64), np.sqrt(rows[:, k:2 * k])
         self.state = {"idx": idx, "dist": dist}
-        core = np.zeros((b1 - b0) * BLOCK, np.float32)  # zeros where others own: the table keeps the max
-        core[owned - b0 * BLOCK] = hk.core_distances(dist, int(args["min_samples"]))
-        self.ps.update_many(CORE_TABLE, range(b0, b1), core.reshape(-1, BLOCK))
-        return {"phase": "core", "owned": len(owned)}
+        return {"phase": "core", "lo": int(owned[0]), "core": hk.core_distances(dist, int(args["min_samples"]))}
 
     def _boruvka(self, args: dict[str, Any]) -> dict[str, Any]:
         n = len(self.input.data)
         owned = self.input.owned
-        st = self.state
+        st = self.state if isinstance(self.state, dict) else {}
+        if "nbr" not in st and "idx" not in st:
+            # an executor restored by a recovery without its core rows, running a task of the attempt
+            # that recovery abandoned (dispatched again before the driver heard of the loss): the
+            # driver drops the answer, and the new attempt's core task comes next
+            return {"phase": "boruvka", "round": args["round"], "stale": True}
         if "nbr" not in st:  # round 0: build the sorted mutual-reachability rows once
             core = _read_all(self.ps, CORE_TABLE, n)
             nbr, w = hk.mutual_reachability_rows(owned, st["idx"], st["dist"], core)
@@ -315,6 +340,8 @@ class HDBDriver(litz.Driver):
         self._t0 = self._t = time.perf_counter()
         self.perm = job_points(cfg)[1]  # timed: the executors computed it too, while loading their input
         self.stage = "nnd"
+        self.attempt = 0  # of the core and Borůvka stages: a recovery after NN-Descent starts them over
+        self.restarts = 0
         self.nnd = NNDescentPhase(self, self.n, cfg["k"], num_executors=self.num_executors, delta=cfg["delta"],
                                   max_rounds=cfg["max_rounds"], seed=cfg["seed"], report=self._say)
         self.nnd.start()
@@ -324,14 +351,22 @@ class HDBDriver(litz.Driver):
             print(line, flush=True)
 
     def recovered(self, recovery: litz.Recovery) -> None:
-        """During NN-Descent the phase refills the lists (``NNDescentPhase.recovered``). Later stages
-        do not recover yet: their executor state and the core and component tables would have to be
-        rebuilt, so the job stops with the reason rather than cluster a damaged graph."""
+        """During NN-Descent the phase refills the lists (``NNDescentPhase.recovered``). After it, the
+        core and Borůvka stages start over as a new attempt (module docstring): at once after a
+        worker's loss, after NN-Descent has refilled and converged again after a server's."""
         if self.stage == "nnd":
             self.nnd.recovered(recovery)
             return
-        raise litz.LitzError(f"HDBSCAN cannot go on after losing {', '.join(recovery.lost)} in its {self.stage} "
-                             "stage (only the NN-Descent stage recovers); run it again")
+        self.attempt += 1
+        self.restarts += 1
+        self._say(f"recovered from the loss of {', '.join(recovery.lost)} in the {self.stage} stage: "
+                  + ("NN-Descent refills the lost lists, then " if recovery.role == "server" else "")
+                  + "the spanning tree starts over")
+        if recovery.role == "server":
+            self.stage = "nnd"
+            self.nnd.recovered(recovery)
+        else:
+            self._start_mst()
 
     def _lap(self, name: str) -> float:
         now = time.perf_counter()
@@ -340,17 +375,21 @@ class HDBDriver(litz.Driver):
         return self.times[name]
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
-        if self.stage == "nnd":
-            if self.nnd.handles(result) and self.nnd.on_complete(result):
+        if self.nnd.handles(result):
+            if self.nnd.on_complete(result):
                 self._say(f"kNN graph: {self.nnd.stats['rounds']} NN-Descent rounds, {self._lap('knn'):.2f} s")
                 self._after_graph()
             return
+        if self.stage == "nnd" or result.args["attempt"] != self.attempt:
+            return  # a task of an attempt a recovery abandoned
+        if result.value.get("stale"):
+            raise RuntimeError(f"executor {result.executor_id} lost its core rows within attempt {self.attempt}")
         self._pending -= 1
-        if self.stage == "boruvka":
-            self._candidates.append(result.value)
+        self._parts.append(result.value)
         if self._pending:
             return
         if self.stage == "core":
+            self._write_cores()
             self._lap("core")
             self._round()
         else:
@@ -358,8 +397,21 @@ class HDBDriver(litz.Driver):
 
     def _dispatch_all(self, args: dict[str, Any]) -> None:
         self._pending = self.num_executors
+        self._parts: list[dict[str, Any]] = []
         for e in range(self.num_executors):
-            self.dispatch_task(e, dict(args))
+            self.dispatch_task(e, {**args, "attempt": self.attempt})
+
+    def _write_cores(self) -> None:
+        """The executors' core distances, one contiguous range each, into ``hdb_core``."""
+        core = np.zeros(self.n, np.float32)
+        covered = 0
+        for part in self._parts:
+            lo, values = part["lo"], np.asarray(part["core"], np.float32)
+            core[lo:lo + len(values)] = values
+            covered += len(values)
+        if covered != self.n:
+            raise RuntimeError(f"the executors returned core distances for {covered} of {self.n} points")
+        _write_all(self.ps, CORE_TABLE, core, np.float32)
 
     def _after_graph(self) -> None:
         cfg = self.config
@@ -370,6 +422,13 @@ class HDBDriver(litz.Driver):
             self._say(f"Kruskal MST in the master: {self._lap('mst'):.2f} s")
             self._tree(a, b, w, comps)
             return
+        self._start_mst()
+
+    def _start_mst(self) -> None:
+        """The core stage, then Borůvka from every point its own component (again, after a loss)."""
+        cfg = self.config
+        if self.attempt:  # the labels of the abandoned attempt's rounds are in the table
+            _write_all(self.ps, COMP_TABLE, np.arange(self.n), np.int32)
         self.stage = "core"
         self.parent = np.arange(self.n)
         self.size = np.ones(self.n, np.int64)
@@ -380,25 +439,17 @@ class HDBDriver(litz.Driver):
 
     def _round(self) -> None:
         self.stage = "boruvka"
-        self._candidates: list[dict[str, Any]] = []
         self._dispatch_all({"phase": "boruvka", "round": self.rounds})
 
     def _merge(self) -> None:
         (a, b, w), found = merge_candidates(self.parent, self.size,
-                                            [tuple(c[f] for f in ("comp", "a", "b", "w")) for c in self._candidates])
+                                            [tuple(c[f] for f in ("comp", "a", "b", "w")) for c in self._parts])
         self.edges.append((a, b, w))
         before, self.components = self.components, self.components - len(a)
         self.rounds += 1
         self._say(f"Borůvka round {self.rounds}: {before} -> {self.components} components, {found} candidates")
         if found and self.components > 1:
-            labels = hk.component_labels(self.parent)
-            nb = num_blocks(self.n)
-            padded = np.zeros(nb * BLOCK, np.int32)
-            padded[:self.n] = labels
-            blocks = padded.reshape(nb, BLOCK)
-            for lo in range(0, nb, READ_CHUNK):
-                hi = min(nb, lo + READ_CHUNK)
-                self.ps.update_many(COMP_TABLE, range(lo, hi), blocks[lo:hi])
+            _write_all(self.ps, COMP_TABLE, hk.component_labels(self.parent), np.int32)
             self._round()
             return
         self._say(f"Borůvka MST: {self.rounds} rounds, {self._lap('mst'):.2f} s")
@@ -417,9 +468,10 @@ class HDBDriver(litz.Driver):
         out: dict[str, Any] = {"clusters": n_clusters, "noise": int((labels < 0).sum()), "seconds": total,
                                "times": dict(self.times), "components": components,
                                "mst_weight": float(w[finite].astype(np.float64).sum()),
-                               "nnd_rounds": self.nnd.stats["rounds"]}
+                               "nnd_rounds": self.nnd.stats["rounds"], "nnd_refills": self.nnd.stats["refills"]}
         if cfg["mst"] == "boruvka":
             out["boruvka_rounds"] = self.rounds
+            out["mst_restarts"] = self.restarts
         if cfg["return_labels"]:
             out["labels"] = labels
         self._say(f"{self.n} points: {n_clusters} clusters, {out['noise']} noise points, kNN graph in "

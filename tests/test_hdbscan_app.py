@@ -3,6 +3,8 @@ EOM on a hand-built condensed tree, max_cluster_size, and a distributed run thro
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -212,17 +214,40 @@ def test_cli_help_and_option_errors() -> None:
         hd.make_app(["--data", "nowhere.npy"])
 
 
-def test_a_loss_after_the_graph_stops_the_job_with_the_reason() -> None:
-    """The core and Borůvka stages do not recover (their executor state and tables would have to be
-    rebuilt): a partial recovery there must stop the job saying so, not cluster a damaged graph.
-    During NN-Descent the phase gets the recovery (and refills the lists: tests/test_nndescent_app.py)."""
-    driver = hd.HDBDriver()
-    driver.stage = "boruvka"
-    loss = litz.Recovery(role="server", lost=("s1",), executors=(), shards=(3, 7), checkpoint=None)
-    with pytest.raises(litz.LitzError, match=r"losing s1 in its boruvka stage \(only the NN-Descent stage recovers\)"):
-        driver.recovered(loss)
-    seen = []
-    driver.stage = "nnd"
-    driver.nnd = type("Phase", (), {"recovered": lambda self, rec: seen.append(rec)})()
-    driver.recovered(loss)
-    assert seen == [loss]
+class LoseAProcessInBoruvka(hd.HDBDriver):
+    """HDBDriver that SIGKILLs ``config["victim"]`` at the first completion of Borůvka round 0, with
+    the other tasks of the round still out."""
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        strike = self.stage == "boruvka" and self.attempt == 0 and not getattr(self, "struck", False)
+        super().handle_task_completion(result)
+        if strike:
+            self.struck = True
+            os.kill(self._master.procs[self.config["victim"]]["pid"], signal.SIGKILL)  # test-only access
+
+
+@pytest.mark.parametrize("victim", ["w1", "s1"])
+def test_a_loss_in_the_spanning_tree_stage_restarts_it_and_the_labels_match(etcd, tmp_path: Path,
+                                                                             victim: str) -> None:
+    """A worker lost during Borůvka: its executors come back without their core rows, and the
+    stages start over from the core distances. A server lost there takes graph rows, cores and
+    labels with it (no checkpoint yet: they come back empty): NN-Descent refills the lists first.
+    Either way the clusters must be the reference's, which fails if the restart keeps the
+    abandoned attempt's component labels (round 0 then skips edges inside old components) or its
+    tasks' answers."""
+    argv = ["--data", "blobs", "--points", "3000", "--dims", "5", "--clusters", "8", "--min-cluster-size", "30",
+            "--reference", "none", "--return-labels", "--quiet"]
+    app = hd.make_app(argv)
+    app.driver = LoseAProcessInBoruvka
+    app.config["victim"] = victim
+    res = litz.run(app, workers=2, servers=2, num_executors=6, etcd=etcd.url, checkpoint_dir=str(tmp_path / "ck"),
+                   checkpoint_every="600s", recovery="partial")
+    (rec,) = res.stats["master"]["recoveries"]
+    assert rec["lost"] == victim
+    out = res.value
+    assert out["mst_restarts"] == 1 and out["nnd_refills"] == (victim == "s1")
+    x, _ = hd.load_points(app.config)
+    ref = hd.reference_hdbscan(x, 10, 30)
+    assert out["clusters"] == ref.max() + 1
+    assert hd.fowlkes_mallows(ref, out["labels"]) >= 0.95
+    assert 1 <= out["boruvka_rounds"] <= 12
