@@ -229,7 +229,9 @@ class Driver:
 
     num_executors: int
     config: dict[str, Any]
-    #: attributes left out of checkpoints (large reloadable data): set them again in ``resumed``
+    #: attributes left out of checkpoints (large reloadable data): set them again in ``resumed``.
+    #: Every other attribute is saved; objects in them that refer back to the driver (a helper
+    #: holding it, a bound method) are saved as that reference and come back bound to the live one.
     transient: tuple[str, ...] = ()
     _master: Master | None = None
     _finished: bool = False

@@ -216,7 +216,9 @@ def test_cli_help_and_option_errors() -> None:
 
 class LoseAProcessInBoruvka(hd.HDBDriver):
     """HDBDriver that SIGKILLs ``config["victim"]`` at the first completion of Borůvka round 0, with
-    the other tasks of the round still out."""
+    the other tasks of the round still out (once: ``struck`` survives a full recovery's rollback)."""
+
+    transient = ("struck",)
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
         strike = self.stage == "boruvka" and self.attempt == 0 and not getattr(self, "struck", False)
@@ -226,26 +228,30 @@ class LoseAProcessInBoruvka(hd.HDBDriver):
             os.kill(self._master.procs[self.config["victim"]]["pid"], signal.SIGKILL)  # test-only access
 
 
-@pytest.mark.parametrize("victim", ["w1", "s1"])
-def test_a_loss_in_the_spanning_tree_stage_restarts_it_and_the_labels_match(etcd, tmp_path: Path,
-                                                                             victim: str) -> None:
-    """A worker lost during Borůvka: its executors come back without their core rows, and the
-    stages start over from the core distances. A server lost there takes graph rows, cores and
-    labels with it (no checkpoint yet: they come back empty): NN-Descent refills the lists first.
-    Either way the clusters must be the reference's, which fails if the restart keeps the
-    abandoned attempt's component labels (round 0 then skips edges inside old components) or its
-    tasks' answers."""
+@pytest.mark.parametrize("victim, recovery", [("w1", "partial"), ("s1", "partial"), ("w1", "full")])
+def test_a_loss_in_the_spanning_tree_stage_recovers_and_the_labels_match(etcd, tmp_path: Path, victim: str,
+                                                                         recovery: str) -> None:
+    """Partial recovery: a worker lost during Borůvka comes back without its executors' core rows,
+    and the stages start over from the core distances. A server lost there takes graph rows, cores
+    and labels with it (no checkpoint yet: they come back empty): NN-Descent refills the lists first.
+    The clusters must be the reference's, which fails if the restart keeps the abandoned attempt's
+    component labels (round 0 then skips edges inside old components) or its tasks' answers.
+    Full recovery rolls the job back to a checkpoint taken every 0.2 s: the driver, whose NN-Descent
+    phase holds it, must checkpoint (it failed on the master's lock) and come back bound."""
     argv = ["--data", "blobs", "--points", "3000", "--dims", "5", "--clusters", "8", "--min-cluster-size", "30",
             "--reference", "none", "--return-labels", "--quiet"]
     app = hd.make_app(argv)
     app.driver = LoseAProcessInBoruvka
     app.config["victim"] = victim
     res = litz.run(app, workers=2, servers=2, num_executors=6, etcd=etcd.url, checkpoint_dir=str(tmp_path / "ck"),
-                   checkpoint_every="600s", recovery="partial")
+                   checkpoint_every="600s" if recovery == "partial" else "0.2s", recovery=recovery)
     (rec,) = res.stats["master"]["recoveries"]
-    assert rec["lost"] == victim
+    assert rec["lost"] == victim and rec["strategy"] == recovery
     out = res.value
-    assert out["mst_restarts"] == 1 and out["nnd_refills"] == (victim == "s1")
+    if recovery == "partial":
+        assert out["mst_restarts"] == 1 and out["nnd_refills"] == (victim == "s1")
+    else:
+        assert res.stats["master"]["checkpoints"] and out["mst_restarts"] == 0
     x, _ = hd.load_points(app.config)
     ref = hd.reference_hdbscan(x, 10, 30)
     assert out["clusters"] == ref.max() + 1

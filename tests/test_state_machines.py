@@ -548,3 +548,32 @@ def test_the_master_says_ship_only_from_its_main_loop_and_never_towards_the_lost
         assert len(sent) == 1
     finally:
         m.endpoint.close()
+
+
+def test_driver_checkpoints_keep_helpers_bound_to_the_live_driver() -> None:
+    """A driver's helper that holds the driver (NN-Descent's phase in HDBSCAN, a bound method as a
+    callback) must checkpoint without the master, and come back bound to the live driver: pickled
+    as a copy, the checkpoint failed on the master's lock, and a restored copy would dispatch
+    through a dead driver."""
+    import threading
+
+    import litz
+    from litz.runtime.master import dump_driver, load_driver
+
+    class Helper:
+        def __init__(self, driver: litz.Driver) -> None:
+            self.driver, self.report, self.rounds = driver, driver.progress, 3
+
+    class D(litz.Driver):
+        transient = ("scratch",)
+
+    d = D()
+    d._master = threading.Lock()  # stands for the master: nothing of it may be saved
+    d.helper, d.scratch, d.values = Helper(d), threading.Lock(), np.arange(4)
+    blob = dump_driver(d, version=7)
+    live = D()
+    saved = load_driver(blob, live)
+    assert saved["version"] == 7 and set(saved["driver"]) == {"helper", "values"}
+    helper = saved["driver"]["helper"]
+    assert helper.driver is live and helper.report.__self__ is live and helper.rounds == 3
+    np.testing.assert_array_equal(saved["driver"]["values"], np.arange(4))

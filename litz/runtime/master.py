@@ -13,8 +13,10 @@ parameters before the completed task's updates were applied (DESIGN.md §2).
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
+import pickle
 import queue
 import threading
 import time
@@ -42,6 +44,49 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_SHARDS = 64
 STATUS_KEY = "status"
 STATUS_PERIOD = 0.5  # seconds between status updates in etcd
+_DRIVER_REF = "litz-driver"
+
+
+class _DriverPickler(cloudpickle.Pickler):
+    """Pickles the driver's attributes with every reference back to the driver itself (a helper
+    object of the app that holds it, a bound method kept as a callback) saved as a reference, not
+    a copy. A copy would drag in the master (locks, sockets: the checkpoint failed), and once
+    restored the helper would dispatch through a dead copy instead of the live driver."""
+
+    def __init__(self, file: io.BytesIO, driver: Driver) -> None:
+        super().__init__(file)
+        self._driver = driver
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return _DRIVER_REF if obj is self._driver else None
+
+
+class _DriverUnpickler(pickle.Unpickler):
+    """Loads what :class:`_DriverPickler` wrote, binding its references to the live ``driver``."""
+
+    def __init__(self, file: io.BytesIO, driver: Driver) -> None:
+        super().__init__(file)
+        self._driver = driver
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid != _DRIVER_REF:
+            raise pickle.UnpicklingError(f"unknown persistent reference {pid!r} in a driver checkpoint")
+        return self._driver
+
+
+def dump_driver(driver: Driver, **extra: Any) -> bytes:
+    """``{"driver": its checkpointed attributes, **extra}``, pickled: every attribute but the
+    master and the class's ``transient`` ones."""
+    skip = {"_master", *type(driver).transient}
+    buf = io.BytesIO()
+    _DriverPickler(buf, driver).dump({"driver": {k: v for k, v in driver.__dict__.items() if k not in skip},
+                                      **extra})
+    return buf.getvalue()
+
+
+def load_driver(blob: bytes, driver: Driver) -> dict[str, Any]:
+    """What :func:`dump_driver` saved, its references to the driver bound to ``driver``."""
+    return _DriverUnpickler(io.BytesIO(blob), driver).load()
 
 
 @dataclass
@@ -1063,7 +1108,7 @@ class Master:
             st.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
         else:
             assert self._initial_driver is not None
-            self._set_driver_state(driver, cloudpickle.loads(self._initial_driver))
+            self._set_driver_state(driver, load_driver(self._initial_driver, driver)["driver"])
         onto = {st.shard_map[i] if role == "server" else st.placement[i] for role, i in moved}
         self.recoveries.append({"lost": ", ".join(lost), "role": rb.role, "strategy": "full",
                                 "restored": len(moved), "restored_from": where.get("path"), "onto": sorted(onto),
@@ -1088,7 +1133,7 @@ class Master:
         if ck is not None:
             try:
                 _, path, manifest = storage.find_checkpoint(ck.location)
-                saved = self._read_driver_file(ck.location, path, manifest)
+                saved = self._read_driver_file(ck.location, path, manifest, self.driver)
                 where = {"location": ck.location, "path": path, "manifest": manifest}
             except storage.CheckpointError:
                 log.error("no complete checkpoint yet: the job starts again from the beginning")
@@ -1124,12 +1169,6 @@ class Master:
                 for kind in ("shards", "executors")}
 
     @staticmethod
-    def _driver_state(driver: Driver) -> dict[str, Any]:
-        """The driver's attributes that checkpoints keep (not the master, not transient ones)."""
-        skip = {"_master", *type(driver).transient}
-        return {k: v for k, v in driver.__dict__.items() if k not in skip}
-
-    @staticmethod
     def _set_driver_state(driver: Driver, saved: dict[str, Any]) -> None:
         """Make the driver exactly as saved; transient attributes and the binding stay."""
         keep = {"_master", "config", "num_executors", *type(driver).transient}
@@ -1138,14 +1177,14 @@ class Master:
         driver.__dict__.update({k: v for k, v in saved.items() if k not in keep})
 
     @staticmethod
-    def _read_driver_file(location: str, path: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    def _read_driver_file(location: str, path: str, manifest: dict[str, Any], driver: Driver) -> dict[str, Any]:
         fs, _ = storage.filesystem(location)
-        return cloudpickle.loads(storage.read_bytes(fs, f"{path}/{manifest['driver']}"))
+        return load_driver(storage.read_bytes(fs, f"{path}/{manifest['driver']}"), driver)
 
     def _resume_driver(self, driver: Driver) -> None:
         """Give the driver back its checkpointed attributes and the tasks it had dispatched."""
         assert self.resume is not None and self.state is not None
-        saved = self._read_driver_file(self.resume.location, self.resume.path, self.resume.manifest)
+        saved = self._read_driver_file(self.resume.location, self.resume.path, self.resume.manifest, driver)
         self._set_driver_state(driver, saved["driver"])
         self.state.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
         driver.resumed()
@@ -1255,9 +1294,8 @@ class Master:
         r.version = st.version
         for ident in processes:
             self.endpoint.send(ident, "checkpoint", cid=r.cid, location=ck.location, path=path)
-        blob = cloudpickle.dumps({"driver": self._driver_state(self.driver),
-                                  "tasks": st.paused_items, "version": st.version, "completed": st.completed,
-                                  "next_id": st._next_id})
+        blob = dump_driver(self.driver, tasks=st.paused_items, version=st.version, completed=st.completed,
+                           next_id=st._next_id)
         r.waiting_written.add("master")  # the driver's file is written in the background too
 
         def write_driver(cid: int = r.cid) -> None:
@@ -1510,7 +1548,7 @@ class Master:
             self.driver = driver
             driver._bind(self, self.num_executors, self.app.config)
             if self.recovery == "full":
-                self._initial_driver = cloudpickle.dumps(self._driver_state(driver))
+                self._initial_driver = dump_driver(driver)
             try:
                 if self.resume is not None:
                     self._resume_driver(driver)
