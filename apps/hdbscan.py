@@ -545,6 +545,9 @@ def make_app(argv: list[str]) -> litz.App:
     for name in ("k", "min_samples", "dims", "max_rounds"):
         if getattr(args, name) < 1:
             raise litz.ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name in ("points", "clusters"):  # None: the data set's default
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise litz.ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.min_samples > args.k:
         raise litz.ConfigError(f"--min-samples ({args.min_samples}) must not exceed --k ({args.k}): the core "
                                "distance is read from the kNN graph")

@@ -192,8 +192,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def make_app(argv: list[str]) -> litz.App:
+    """Parse and check the options (a bad one is a ConfigError here, not a task failing later)."""
     args = parser().parse_args(argv)
     dim = 784
+    for name, least in (("epochs", 1), ("staleness", 0), ("tasks_per_epoch", 1), ("rows_per_task", 0),
+                        ("batch_size", 1), ("precondition_rank", 0), ("blocks", 1), ("train_rows", 0)):
+        if getattr(args, name) < least:
+            raise litz.ConfigError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    if not args.lr > 0 or not args.lr_decay >= 0 or not args.l2 >= 0:
+        raise litz.ConfigError(f"--lr must be > 0 and --lr-decay, --l2 >= 0, got {args.lr}, {args.lr_decay}, "
+                               f"{args.l2}")
+    if args.precondition_rank >= dim:
+        raise litz.ConfigError(f"--precondition-rank must be below {dim}, got {args.precondition_rank}")
+    if args.blocks > dim + 1:
+        raise litz.ConfigError(f"--blocks must not exceed the {dim + 1} weight rows (bias included), got {args.blocks}")
     table = litz.Table("W", shape=(_block_rows(dim, args.blocks), NUM_CLASSES), dtype="float32",
                        num_rows=args.blocks)
     config = {"epochs": args.epochs, "staleness": args.staleness, "tasks_per_epoch": args.tasks_per_epoch,

@@ -212,6 +212,10 @@ def test_cli_help_and_option_errors() -> None:
         hd.make_app(["--k", "5", "--min-samples", "10"])
     with pytest.raises(litz.ConfigError, match="--data"):
         hd.make_app(["--data", "nowhere.npy"])
+    with pytest.raises(litz.ConfigError, match="--points must be a positive integer, got -5"):
+        hd.make_app(["--points", "-5"])
+    with pytest.raises(litz.ConfigError, match="--clusters must be a positive integer, got 0"):
+        hd.make_app(["--clusters", "0"])
 
 
 class LoseAProcessInBoruvka(hd.HDBDriver):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -57,3 +58,19 @@ def test_litz_launch_app_help_and_bad_etcd() -> None:
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "cannot reach etcd" in err[0] and "127.0.0.1:9" in err[0], proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--epochs", "-2"], "--epochs must be at least 1, got -2"),
+    (["--staleness", "-1"], "--staleness must be at least 0, got -1"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--l2", "-0.1"], "--l2 >= 0"),
+    (["--blocks", "786"], "--blocks must not exceed the 785 weight rows"),
+    (["--precondition-rank", "900"], "--precondition-rank must be below 784, got 900"),
+])
+def test_bad_options_are_refused_before_the_job_starts(argv: list[str], message: str) -> None:
+    """Checked in make_app (no data is loaded): before, a batch size of 0 failed every task with a
+    traceback, a negative learning rate trained to 6% accuracy, a rank of 900 failed the workers."""
+    with pytest.raises(litz.ConfigError, match=re.escape(message)):
+        mlr.make_app(argv)
