@@ -100,6 +100,7 @@ from apps.nndescent import (
     nndescent_warmup,
     num_blocks,
 )
+from apps.options import require_at_least
 
 DEFAULTS: dict[str, Any] = {"k": 15, "min_samples": 10, "min_cluster_size": 50, "max_cluster_size": 0,
                             "reference_limit": 100_000}
@@ -542,12 +543,7 @@ def make_app(argv: list[str]) -> litz.App:
     generated = args.data in ("blobs", "thesis")
     if not generated and not Path(args.data).is_file():
         raise litz.ConfigError(f"--data must be blobs, thesis or an existing .npy file, got {args.data!r}")
-    for name in ("k", "min_samples", "dims", "max_rounds"):
-        if getattr(args, name) < 1:
-            raise litz.ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    for name in ("points", "clusters"):  # None: the data set's default
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise litz.ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    require_at_least(args, k=1, min_samples=1, dims=1, max_rounds=1, points=1, clusters=1)
     if args.min_samples > args.k:
         raise litz.ConfigError(f"--min-samples ({args.min_samples}) must not exceed --k ({args.k}): the core "
                                "distance is read from the kNN graph")

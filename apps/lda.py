@@ -92,6 +92,7 @@ import numpy as np
 import litz
 from apps import lda_kernels as lk
 from apps.datasets import Corpus, load_text_corpus, partition_rows
+from apps.options import require_at_least
 
 CORPORA = ("fortunes", "wordnet", "synthetic")
 
@@ -681,6 +682,8 @@ def make_app(argv: list[str]) -> litz.App:
             or min(args.alpha, args.beta) <= 0):
         raise litz.ConfigError("LDA needs --topics, --iterations, --ll-every, --sweeps-per-task and --pipeline >= 1, "
                                "and --alpha, --beta > 0")
+    require_at_least(args, blocks=0, chunks=1, min_count=0, top_words=0, synthetic_docs=1, synthetic_doc_len=1,
+                     synthetic_topics=1)
     config: dict[str, Any] = {
         "corpus": args.corpus, "min_count": args.min_count, "topics": args.topics, "iterations": args.iterations,
         "alpha": args.alpha, "beta": args.beta, "sampler": args.sampler, "blocks": args.blocks,

@@ -77,6 +77,7 @@ import numpy as np
 import litz
 from apps.datasets import RatingsSplit, load_movielens, partition_rows, synthetic_ratings
 from apps.mf_kernels import normal_equations, packed_width, solve_normal_equations, solve_rows, squared_error, warmup
+from apps.options import require_at_least
 
 DEFAULTS: dict[str, Any] = {"rank": 10, "iterations": 15, "l2": 0.15, "block_size": 64}
 
@@ -505,14 +506,9 @@ def parser() -> argparse.ArgumentParser:
 def make_app(argv: list[str]) -> litz.App:
     """Parse the options, check them, and declare the two normal-equation tables."""
     args = parser().parse_args(argv)
-    if args.rank < 1:
-        raise litz.ConfigError(f"--rank must be a positive integer, got {args.rank}")
-    if args.iterations < 1:
-        raise litz.ConfigError(f"--iterations must be a positive integer, got {args.iterations}")
+    require_at_least(args, rank=1, iterations=1, block_size=1)
     if not args.l2 > 0 or not math.isfinite(args.l2):
         raise litz.ConfigError(f"--l2 must be a positive number (the normal equations need it), got {args.l2}")
-    if args.block_size < 1:
-        raise litz.ConfigError(f"--block-size must be a positive integer, got {args.block_size}")
     if not 0.0 < args.test_fraction < 1.0:
         raise litz.ConfigError(f"--test-fraction must be between 0 and 1, got {args.test_fraction}")
     config: dict[str, Any] = {

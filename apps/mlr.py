@@ -22,6 +22,7 @@ import numpy as np
 import litz
 from apps.datasets import load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
 from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
+from apps.options import require_at_least
 
 NUM_CLASSES = 10
 
@@ -195,10 +196,8 @@ def make_app(argv: list[str]) -> litz.App:
     """Parse and check the options (a bad one is a ConfigError here, not a task failing later)."""
     args = parser().parse_args(argv)
     dim = 784
-    for name, least in (("epochs", 1), ("staleness", 0), ("tasks_per_epoch", 1), ("rows_per_task", 0),
-                        ("batch_size", 1), ("precondition_rank", 0), ("blocks", 1), ("train_rows", 0)):
-        if getattr(args, name) < least:
-            raise litz.ConfigError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    require_at_least(args, epochs=1, staleness=0, tasks_per_epoch=1, rows_per_task=0, batch_size=1,
+                     precondition_rank=0, blocks=1, train_rows=0)
     if not args.lr > 0 or not args.lr_decay >= 0 or not args.l2 >= 0:
         raise litz.ConfigError(f"--lr must be > 0 and --lr-decay, --l2 >= 0, got {args.lr}, {args.lr_decay}, "
                                f"{args.l2}")

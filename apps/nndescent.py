@@ -91,6 +91,7 @@ import numpy as np
 
 import litz
 from apps import nndescent_kernels as nk
+from apps.options import require_at_least
 
 #: Points per row of the ``knn`` table.
 BLOCK = 64
@@ -768,13 +769,7 @@ def parser() -> argparse.ArgumentParser:
 def make_app(argv: list[str]) -> litz.App:
     """Parse and check the options, load the data once to learn its size, declare the table."""
     args = parser().parse_args(argv)
-    for name in ("k", "max_rounds", "queries", "block", "dim", "centers"):
-        if getattr(args, name) < 1:
-            raise litz.ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    if args.points is not None and args.points < 2:
-        raise litz.ConfigError(f"--points must be at least 2, got {args.points}")
-    if args.max_candidates is not None and args.max_candidates < 1:
-        raise litz.ConfigError(f"--max-candidates must be a positive integer, got {args.max_candidates}")
+    require_at_least(args, k=1, max_rounds=1, queries=1, block=1, dim=1, centers=1, points=2, max_candidates=1)
     if not args.delta >= 0:
         raise litz.ConfigError(f"--delta must be >= 0, got {args.delta}")
     config: dict[str, Any] = {

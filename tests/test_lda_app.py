@@ -9,6 +9,7 @@ counts of the executors' final assignments, so the test compares them exactly.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -440,3 +441,15 @@ def test_vocabulary_layout_balances_chunks_and_inverts() -> None:
     per_chunk = np.bincount(pos // layout.chunk_words, weights=freq, minlength=16)
     assert per_chunk.max() / per_chunk.min() < 1.1  # the snake deals heavy and light words evenly
     assert [list(layout.chunks(b, 3)) for b in range(3)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--blocks", "-1"], "--blocks must be at least 0, got -1"),
+    (["--chunks", "0"], "--chunks must be a positive integer, got 0"),
+    (["--corpus", "synthetic", "--synthetic-docs", "0"], "--synthetic-docs must be a positive integer, got 0"),
+])
+def test_bad_options_are_refused_before_the_corpus_loads(argv: list[str], message: str) -> None:
+    """Before, --blocks -1 failed every worker's load_input with an IndexError and a synthetic corpus
+    of 0 documents failed with a numpy cast error."""
+    with pytest.raises(litz.ConfigError, match=re.escape(message)):
+        lda.make_app(argv)

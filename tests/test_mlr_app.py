@@ -61,8 +61,8 @@ def test_litz_launch_app_help_and_bad_etcd() -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
-    (["--epochs", "-2"], "--epochs must be at least 1, got -2"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--epochs", "-2"], "--epochs must be a positive integer, got -2"),
     (["--staleness", "-1"], "--staleness must be at least 0, got -1"),
     (["--lr", "-1"], "--lr must be > 0"),
     (["--l2", "-0.1"], "--l2 >= 0"),
