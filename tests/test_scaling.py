@@ -35,7 +35,8 @@ def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path,
     job = f"scale-{time.time_ns()}"
     app = testapps.migrating_app(tasks=100_000, executors=8, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
-    app.config["stop_after"] = 14.0
+    stop = tmp_path / "stop"
+    app.config.update(stop_after=60.0, stop_file=str(stop))  # it trains until the checks are done
     t, out = _run_in_thread(app, workers=2, servers=1, job=job)
     try:
         wait_running(job, out)
@@ -68,6 +69,7 @@ def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path,
         assert scale(["--job", job, "--servers", "0"]) == 1
         assert scale(["--job", job, "--servers", "65"]) == 1
     finally:
+        stop.touch()
         t.join(60)
     assert "error" not in out, out.get("error")
     res = out["res"].value
