@@ -1345,26 +1345,19 @@ class Master:
         base = ck.base() if r.kind == "partial" and not r.errors else None
         if r.kind == "partial" and base is None and not r.errors:
             r.errors.append("a partial checkpoint needs a complete full one before it")
-        if not r.errors and base is not None:
-            manifest: dict[str, Any] = {
-                "job": self.job, "created": time.time(), "reason": r.reason, "partial_of": base,
-                "policy": ck.policy, "fraction": ck.fraction, "num_shards": st.num_shards,
-                "shards_files": sorted(f for p in st.servers for f in r.files.get(p, [])),
-                "executor_rows_files": sorted(f for p in st.workers for f in r.files.get(p, [])),
-            }
-            try:
-                storage.write_manifest(storage.filesystem(ck.location)[0], r.path, manifest)
-            except Exception as exc:
-                r.errors.append(f"master: cannot write the manifest: {type(exc).__name__}: {exc}")
-        elif not r.errors:
-            manifest = {
-                "job": self.job, "created": time.time(), "reason": r.reason, "version": r.version,
-                "num_executors": st.num_executors, "num_shards": st.num_shards, "driver": "driver.pkl",
-                "tables": [{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype))}
-                           for t in self.tables.values()],
-                "shards_files": sorted(f for p in st.servers for f in r.files.get(p, [])),
-                "executors_files": sorted(f for p in st.workers for f in r.files.get(p, [])),
-            }
+        if not r.errors:
+            manifest: dict[str, Any] = {"job": self.job, "created": time.time(), "reason": r.reason,
+                                        "num_shards": st.num_shards,
+                                        "shards_files": sorted(f for p in st.servers for f in r.files.get(p, []))}
+            executor_files = sorted(f for p in st.workers for f in r.files.get(p, []))
+            if base is not None:
+                manifest.update(partial_of=base, policy=ck.policy, fraction=ck.fraction,
+                                executor_rows_files=executor_files)
+            else:
+                manifest.update(version=r.version, num_executors=st.num_executors, driver="driver.pkl",
+                                tables=[{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype))}
+                                        for t in self.tables.values()],
+                                executors_files=executor_files)
             try:
                 storage.write_manifest(storage.filesystem(ck.location)[0], r.path, manifest)
             except Exception as exc:
