@@ -586,3 +586,40 @@ def leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.n
 def rp_tree(data: np.ndarray, seed: int, tree: int, leaf_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Random-projection tree ``tree`` over all points: ``(order, bounds)`` (see :func:`_rp_leaves`)."""
     return _rp_leaves(data, np.arange(data.shape[0]), seed, tree, leaf_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the exact neighbours of a sample (recall)
+# ----------------------------------------------------------------------------------------------------
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def smallest_per_row(values: np.ndarray, m: int) -> np.ndarray:
+    """The column ids of the ``m`` smallest values of every row (unordered), ``(rows, m)`` int64.
+
+    What ``np.argpartition(values, m, axis=1)[:, :m]`` gives, in one pass per row that compares most
+    values once with the current m-th smallest, threads over rows. At 2^18 points the partition was
+    most of the recall check's 6.5 s: it streams each row through memory several times."""
+    rows, n = values.shape
+    out = np.empty((rows, m), np.int64)
+    for r in numba.prange(rows):
+        row = values[r]
+        best = np.empty(m, values.dtype)
+        ids = out[r]
+        for j in range(m):
+            best[j] = row[j]
+            ids[j] = j
+        worst = 0
+        for j in range(1, m):
+            if best[j] > best[worst]:
+                worst = j
+        for c in range(m, n):
+            v = row[c]
+            if v < best[worst]:
+                best[worst] = v
+                ids[worst] = c
+                worst = 0
+                for j in range(1, m):
+                    if best[j] > best[worst]:
+                        worst = j
+    return out

@@ -388,3 +388,16 @@ def test_bad_options_are_clear_errors() -> None:
     proc = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/nndescent.py", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--no-filter" in proc.stdout and "--points" in proc.stdout
+
+
+def test_smallest_per_row_picks_the_m_smallest_of_every_row() -> None:
+    """The recall check's selection against numpy's partition: the same values per row (ids may
+    differ only among equal values, which the integer-valued rows here are full of)."""
+    rng = np.random.default_rng(5)
+    for values in (rng.standard_normal((7, 500)).astype(np.float32), rng.integers(0, 20, (5, 300)).astype(np.float32)):
+        for m in (1, 13, 60):
+            got = nk.smallest_per_row(values, m)
+            assert got.shape == (len(values), m)
+            for row, ids in zip(values, got, strict=True):
+                assert len(set(ids.tolist())) == m and (ids >= 0).all()
+                np.testing.assert_array_equal(np.sort(row[ids]), np.sort(row)[:m])
