@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,6 +26,18 @@ from litz.errors import JobStopped, LitzError, TaskError
 
 #: ``litz launch``'s exit status when ``litz stop`` ended the job (sysexits' EX_TEMPFAIL: it may be resumed)
 EXIT_STOPPED = 75
+
+
+def _app_error(what: str, exc: Exception) -> LitzError:
+    """An application's own exception as a LitzError: its traceback from the app's frames on.
+
+    The frames of this module and of importlib say nothing about the app's bug and bury it, so
+    they are left out; the app's frames and the exception (with its causes) are kept."""
+    te = traceback.TracebackException.from_exception(exc)
+    here = Path(__file__).resolve()
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if not f.filename.startswith("<frozen") and Path(f.filename).resolve() != here])
+    return LitzError(f"{what}:\n{''.join(te.format()).rstrip()}")
 
 
 def load_app_module(path: str) -> ModuleType:
@@ -46,20 +59,29 @@ def load_app_module(path: str) -> ModuleType:
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     name = ".".join(parts)
-    if len(parts) > 1:
-        return importlib.import_module(name)
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        if len(parts) > 1:
+            return importlib.import_module(name)
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise _app_error(f"cannot load the application {path}", exc) from exc
     cloudpickle.register_pickle_by_value(module)
     return module
 
 
 def app_from_module(module: ModuleType, argv: list[str]) -> App:
     if hasattr(module, "make_app"):
-        app = module.make_app(argv)
+        try:
+            app = module.make_app(argv)
+        except LitzError:  # the app's own refusal (ConfigError: a bad option), already precise
+            raise
+        except Exception as exc:
+            raise _app_error(f"{module.__name__}.make_app failed", exc) from exc
     elif hasattr(module, "app"):
         if argv:
             raise LitzError(f"{module.__name__} takes no options (it defines `app`, not `make_app(argv)`)")

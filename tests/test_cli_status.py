@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import litz
 from tests import testapps
 
@@ -98,3 +100,27 @@ def test_an_unknown_command_is_named_and_fails(capsys) -> None:
     assert "unknown command 'frob'" in err and "checkpoint  take a checkpoint" in err
     assert main(["--help"]) == 0
     assert "launch      run an application" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source, heading, line", [
+    ('raise RuntimeError("boom at import")\n', "cannot load the application", 1),
+    ('def helper():\n    raise ValueError("bad option table")\n\n\ndef make_app(argv):\n    helper()\n',
+     "make_app failed", 2),
+])
+def test_an_application_that_raises_is_reported_with_its_own_traceback(tmp_path: Path, capsys, source: str,
+                                                                        heading: str, line: int) -> None:
+    """An app file that fails on import or in make_app: exit status 1 and its traceback from its
+    own frames on (the line that raised included), not the CLI's and importlib's frames (before,
+    an import error came out as a raw traceback through litz/cli.py). Nothing is started."""
+    from litz.cli import main
+
+    app = tmp_path / "broken_app.py"
+    app.write_text(source)
+    assert main(["launch", str(app)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("litz: ") and heading in err, err
+    assert f'File "{app}", line {line}' in err and ("boom at import" in err or "bad option table" in err), err
+    assert "litz/cli.py" not in err and "importlib" not in err, err
+    if heading.startswith("cannot load"):  # a half-imported module is not left behind
+        assert "broken_app" not in sys.modules
+    sys.modules.pop("broken_app", None)
