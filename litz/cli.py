@@ -28,15 +28,23 @@ from litz.errors import JobStopped, LitzError, TaskError
 EXIT_STOPPED = 75
 
 
-def _app_error(what: str, exc: Exception) -> LitzError:
-    """An application's own exception as a LitzError: its traceback from the app's frames on.
+def _app_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of ``exc``'s traceback that are the application's: not Litz's, not importlib's."""
+    package = Path(__file__).resolve().parent
+    return [f for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith("<frozen") and package not in Path(f.filename).parents]
 
-    The frames of this module and of importlib say nothing about the app's bug and bury it, so
-    they are left out; the app's frames and the exception (with its causes) are kept."""
+
+def _app_error(what: str, exc: Exception) -> LitzError:
+    """An application's own exception as a LitzError, with the traceback of the app's frames.
+
+    The frames of Litz and of importlib say nothing about the app's bug and bury it, so they are
+    left out; the app's frames and the exception (with its causes) are kept. An exception with
+    no frame of the app's is Litz's own: its whole traceback is kept."""
     te = traceback.TracebackException.from_exception(exc)
-    here = Path(__file__).resolve()
-    te.stack = traceback.StackSummary.from_list(
-        [f for f in te.stack if not f.filename.startswith("<frozen") and Path(f.filename).resolve() != here])
+    own = _app_frames(exc)
+    if own:
+        te.stack = traceback.StackSummary.from_list(own)
     return LitzError(f"{what}:\n{''.join(te.format()).rstrip()}")
 
 
@@ -187,6 +195,10 @@ def launch(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("litz: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # the app's driver raised in the master, or Litz has a bug (processes are shut down)
+        what = "job failed, the driver raised" if _app_frames(exc) else "job failed on an error of Litz's own"
+        print(f"litz: {_app_error(what, exc)}", file=sys.stderr)
+        return 1
     print(f"litz: job {result.job} finished in {result.elapsed:.1f} s, "
           f"{result.tasks_completed} micro-tasks", file=sys.stderr)
     return 0

@@ -106,12 +106,15 @@ def test_an_unknown_command_is_named_and_fails(capsys) -> None:
     ('raise RuntimeError("boom at import")\n', "cannot load the application", 1),
     ('def helper():\n    raise ValueError("bad option table")\n\n\ndef make_app(argv):\n    helper()\n',
      "make_app failed", 2),
+    ("import litz\n\n\nclass D(litz.Driver):\n    def dispatch_initial_tasks(self):\n"
+     "        raise KeyError('bad option table')\n\n\ndef make_app(argv):\n"
+     "    return litz.App(D, litz.Executor, num_executors=1)\n", "job failed, the driver raised", 6),
 ])
 def test_an_application_that_raises_is_reported_with_its_own_traceback(tmp_path: Path, capsys, source: str,
                                                                         heading: str, line: int) -> None:
-    """An app file that fails on import or in make_app: exit status 1 and its traceback from its
-    own frames on (the line that raised included), not the CLI's and importlib's frames (before,
-    an import error came out as a raw traceback through litz/cli.py). Nothing is started."""
+    """An app file that fails on import, in make_app or in its driver: exit status 1 and its
+    traceback from its own frames on (the line that raised included), not Litz's and importlib's
+    frames (before, each came out as a raw traceback through litz/cli.py and the master)."""
     from litz.cli import main
 
     app = tmp_path / "broken_app.py"
@@ -120,7 +123,7 @@ def test_an_application_that_raises_is_reported_with_its_own_traceback(tmp_path:
     err = capsys.readouterr().err
     assert err.startswith("litz: ") and heading in err, err
     assert f'File "{app}", line {line}' in err and ("boom at import" in err or "bad option table" in err), err
-    assert "litz/cli.py" not in err and "importlib" not in err, err
+    assert "litz/cli.py" not in err and "litz/runtime" not in err and "importlib" not in err, err
     if heading.startswith("cannot load"):  # a half-imported module is not left behind
         assert "broken_app" not in sys.modules
     sys.modules.pop("broken_app", None)
