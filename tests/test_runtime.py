@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -180,3 +181,15 @@ def test_unsendable_result_fails_only_its_task(etcd) -> None:
     assert res.value["values"] == [0, 2, 3]
     [(eid, reason)] = res.value["failures"]
     assert eid == 1 and "cannot be sent to the driver" in reason
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ({"workers": 0}, "at least one worker and one server (got 0 and 1)"),
+    ({"servers": 0}, "at least one worker and one server (got 2 and 0)"),
+    ({"num_executors": 0}, "at least one executor (--executors), got 0"),
+])
+def test_bad_job_sizes_are_refused_before_anything_starts(sizes: dict, message: str) -> None:
+    """Before, ``num_executors=0`` (``--executors 0``) silently meant the default."""
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    with pytest.raises(litz.ConfigError, match=re.escape(message)):
+        litz.run(app, **sizes)

@@ -232,6 +232,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     line for the first start and every restart after ``litz stop`` or SIGTERM.
     """
     job = job or new_job_name()
+    if num_executors is not None and num_executors < 1:  # 0 would silently mean the default
+        raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors}")
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
