@@ -558,7 +558,7 @@ def test_driver_checkpoints_keep_helpers_bound_to_the_live_driver() -> None:
     import threading
 
     import litz
-    from litz.runtime.master import dump_driver, load_driver
+    from litz.ft.driver_state import dump_driver, load_driver
 
     class Helper:
         def __init__(self, driver: litz.Driver) -> None:

@@ -13,10 +13,8 @@ parameters before the completed task's updates were applied (DESIGN.md §2).
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
-import pickle
 import queue
 import threading
 import time
@@ -32,6 +30,7 @@ from litz.api import App, Driver, JobResult, ParameterServer, Recovery, TaskFail
 from litz.errors import JobStopped, LitzError, ProcessLost, TableError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, select_top
+from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
@@ -44,49 +43,6 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_SHARDS = 64
 STATUS_KEY = "status"
 STATUS_PERIOD = 0.5  # seconds between status updates in etcd
-_DRIVER_REF = "litz-driver"
-
-
-class _DriverPickler(cloudpickle.Pickler):
-    """Pickles the driver's attributes with every reference back to the driver itself (a helper
-    object of the app that holds it, a bound method kept as a callback) saved as a reference, not
-    a copy. A copy would drag in the master (locks, sockets: the checkpoint failed), and once
-    restored the helper would dispatch through a dead copy instead of the live driver."""
-
-    def __init__(self, file: io.BytesIO, driver: Driver) -> None:
-        super().__init__(file)
-        self._driver = driver
-
-    def persistent_id(self, obj: Any) -> str | None:
-        return _DRIVER_REF if obj is self._driver else None
-
-
-class _DriverUnpickler(pickle.Unpickler):
-    """Loads what :class:`_DriverPickler` wrote, binding its references to the live ``driver``."""
-
-    def __init__(self, file: io.BytesIO, driver: Driver) -> None:
-        super().__init__(file)
-        self._driver = driver
-
-    def persistent_load(self, pid: Any) -> Any:
-        if pid != _DRIVER_REF:
-            raise pickle.UnpicklingError(f"unknown persistent reference {pid!r} in a driver checkpoint")
-        return self._driver
-
-
-def dump_driver(driver: Driver, **extra: Any) -> bytes:
-    """``{"driver": its checkpointed attributes, **extra}``, pickled: every attribute but the
-    master and the class's ``transient`` ones."""
-    skip = {"_master", *type(driver).transient}
-    buf = io.BytesIO()
-    _DriverPickler(buf, driver).dump({"driver": {k: v for k, v in driver.__dict__.items() if k not in skip},
-                                      **extra})
-    return buf.getvalue()
-
-
-def load_driver(blob: bytes, driver: Driver) -> dict[str, Any]:
-    """What :func:`dump_driver` saved, its references to the driver bound to ``driver``."""
-    return _DriverUnpickler(io.BytesIO(blob), driver).load()
 
 
 @dataclass
