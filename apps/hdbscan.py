@@ -342,7 +342,6 @@ class HDBDriver(litz.Driver):
         self.perm = job_points(cfg)[1]  # timed: the executors computed it too, while loading their input
         self.stage = "nnd"
         self.attempt = 0  # of the core and Borůvka stages: a recovery after NN-Descent starts them over
-        self.restarts = 0
         self.nnd = NNDescentPhase(self, self.n, cfg["k"], num_executors=self.num_executors, delta=cfg["delta"],
                                   max_rounds=cfg["max_rounds"], seed=cfg["seed"], report=self._say)
         self.nnd.start()
@@ -359,7 +358,6 @@ class HDBDriver(litz.Driver):
             self.nnd.recovered(recovery)
             return
         self.attempt += 1
-        self.restarts += 1
         self._say(f"recovered from the loss of {', '.join(recovery.lost)} in the {self.stage} stage: "
                   + ("NN-Descent refills the lost lists, then " if recovery.role == "server" else "")
                   + "the spanning tree starts over")
@@ -472,7 +470,7 @@ class HDBDriver(litz.Driver):
                                "nnd_rounds": self.nnd.stats["rounds"], "nnd_refills": self.nnd.stats["refills"]}
         if cfg["mst"] == "boruvka":
             out["boruvka_rounds"] = self.rounds
-            out["mst_restarts"] = self.restarts
+            out["mst_restarts"] = self.attempt  # one attempt more per restart
         if cfg["return_labels"]:
             out["labels"] = labels
         self._say(f"{self.n} points: {n_clusters} clusters, {out['noise']} noise points, kNN graph in "
