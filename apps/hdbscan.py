@@ -95,6 +95,8 @@ from apps.nndescent import (
     NNDescentExecutorMixin,
     NNDescentPhase,
     NNDInput,
+    add_device_option,
+    check_device,
     locality_order,
     nndescent_tables,
     nndescent_warmup,
@@ -343,7 +345,8 @@ class HDBDriver(litz.Driver):
         self.stage = "nnd"
         self.attempt = 0  # of the core and Borůvka stages: a recovery after NN-Descent starts them over
         self.nnd = NNDescentPhase(self, self.n, cfg["k"], num_executors=self.num_executors, delta=cfg["delta"],
-                                  max_rounds=cfg["max_rounds"], seed=cfg["seed"], report=self._say)
+                                  max_rounds=cfg["max_rounds"], seed=cfg["seed"], device=cfg.get("device", "cpu"),
+                                  report=self._say)
         self.nnd.start()
 
     def _say(self, line: str) -> None:
@@ -527,6 +530,7 @@ def parser() -> argparse.ArgumentParser:
                    help="what the FM index compares with (auto: hdbscan up to --reference-limit points, else the "
                         "ground truth; a file has no ground truth)")
     p.add_argument("--reference-limit", type=int, default=DEFAULTS["reference_limit"])
+    add_device_option(p)
     p.add_argument("--no-order", dest="order", action="store_false",
                    help="keep the input's order of points (default: renumber them in a locality order first, "
                         "which makes NN-Descent faster; labels are reported in the input's order either way)")
@@ -542,6 +546,7 @@ def make_app(argv: list[str]) -> litz.App:
     if not generated and not Path(args.data).is_file():
         raise litz.ConfigError(f"--data must be blobs, thesis or an existing .npy file, got {args.data!r}")
     require_at_least(args, k=1, min_samples=1, dims=1, max_rounds=1, points=1, clusters=1)
+    check_device(args.device)
     if args.min_samples > args.k:
         raise litz.ConfigError(f"--min-samples ({args.min_samples}) must not exceed --k ({args.k}): the core "
                                "distance is read from the kNN graph")
@@ -555,7 +560,7 @@ def make_app(argv: list[str]) -> litz.App:
         "k": args.k, "min_samples": args.min_samples, "min_cluster_size": args.min_cluster_size,
         "max_cluster_size": args.max_cluster_size, "mst": args.mst, "delta": args.delta,
         "max_rounds": args.max_rounds, "seed": args.seed, "return_labels": args.return_labels, "quiet": args.quiet,
-        "order": args.order}
+        "order": args.order, "device": args.device}
     if not 0 <= config["noise"] < 1:
         raise litz.ConfigError(f"--noise must be in [0, 1), got {config['noise']}")
     try:

@@ -90,6 +90,7 @@ from typing import Any
 import numpy as np
 
 import litz
+from apps import nndescent_cuda
 from apps import nndescent_kernels as nk
 from apps.options import require_at_least
 
@@ -231,13 +232,26 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
         nb = num_blocks(n, block)
         G = executor.ps.get_many(args["table"], range(nb), out=_graph_buffer(nb, block, 3 * k)).reshape(-1, 3 * k)[:n]
         blocks, deltas, counts = nk.nnd_round(data, G, owned, k, int(args["max_candidates"]), int(args["seed"]),
-                                              int(args["round"]), bool(args["filter"]), block)
+                                              int(args["round"]), bool(args["filter"]), block,
+                                              _join_distances(args.get("device", "cpu")))
     if len(blocks):
         executor.ps.update_many(args["table"], blocks, deltas)
-    out = {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum())}
+    out = {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum()),
+           "device": _device(args.get("device", "cpu"))}
     if args["op"] == "init":
         out["fingerprint"] = data_fingerprint(data)
     return out
+
+
+@functools.cache
+def _device(option: str) -> str:
+    """Where this process computes the join's distances for a ``--device`` value: ``cpu`` or ``cuda``
+    (``auto`` asks once per process; ``cuda`` without a GPU raises, and the task reports why)."""
+    return nndescent_cuda.resolve(option)
+
+
+def _join_distances(option: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None:
+    return nndescent_cuda.join_distances if _device(option) == "cuda" else None
 
 
 _GRAPH_BUFFER: list[np.ndarray] = []
@@ -383,11 +397,14 @@ class NNDescentPhase:
     def __init__(self, driver: litz.Driver, n_points: int, k: int, *, num_executors: int, delta: float = 0.001,
                  max_rounds: int = 30, seed: int = 0, table: str = "knn", block: int = BLOCK,
                  max_candidates: int | None = None, use_filter: bool = True, trees: int | None = None,
-                 report: Callable[[str], None] | None = None) -> None:
+                 device: str = "cpu", report: Callable[[str], None] | None = None) -> None:
         if num_executors < 1 or max_rounds < 1 or not delta >= 0:
             raise litz.ConfigError(f"NN-Descent needs executors >= 1, max_rounds >= 1 and delta >= 0, got "
                                    f"{num_executors}, {max_rounds}, {delta}")
         knn_table(n_points, k, table, block=block)  # checks n and k
+        if device not in nndescent_cuda.DEVICES:
+            raise litz.ConfigError(f"NN-Descent: unknown device {device!r} (choose from {nndescent_cuda.DEVICES})")
+        self.device = device
         self.driver = driver
         self.n, self.k, self.E = int(n_points), int(k), int(num_executors)
         self.delta, self.max_rounds, self.seed = float(delta), int(max_rounds), int(seed)
@@ -403,7 +420,7 @@ class NNDescentPhase:
         self.stats: dict[str, Any] = {"rounds": 0, "updates": [], "distances": [], "proposed": [], "sent": [],
                                       "rows_sent": [], "marked": [], "seconds": [], "candidates_proposed": 0,
                                       "candidates_sent": 0, "candidates_filtered": 0, "filter": self.use_filter,
-                                      "refills": 0}
+                                      "refills": 0, "devices": []}
         self._pending = 0
         self._counts = np.zeros(len(nk.COUNTERS), np.int64)
         self._owned = [0, 0]
@@ -417,7 +434,7 @@ class NNDescentPhase:
     def _dispatch(self, op: str) -> None:
         base = {"phase": "nnd", "op": op, "round": self.round, "n": self.n, "k": self.k, "block": self.block,
                 "table": self.table, "seed": self.seed, "max_candidates": self.max_candidates,
-                "filter": self.use_filter, "trees": self.trees}
+                "filter": self.use_filter, "trees": self.trees, "device": self.device}
         self._counts[:] = 0
         self._pending = self.E
         self._t = time.perf_counter()
@@ -465,6 +482,8 @@ class NNDescentPhase:
         """Account one completion; at the end of a round, stop or dispatch the next. True once converged."""
         v = result.value
         self._counts += np.asarray(v["counts"], np.int64)
+        if v.get("device") not in self.stats["devices"]:
+            self.stats["devices"] = sorted({*self.stats["devices"], v.get("device", "cpu")})
         if self.round < 0 and not self._refilling:
             self._owned[0] += int(v["owned"])
             self._owned[1] += int(v["owned_sum"])
@@ -681,7 +700,7 @@ class NNDDriver(litz.Driver):
         self.phase = NNDescentPhase(self, cfg["n"], cfg["k"], num_executors=self.num_executors, delta=cfg["delta"],
                                     max_rounds=cfg["max_rounds"], seed=cfg["seed"], block=cfg["block"],
                                     max_candidates=cfg["max_candidates"], use_filter=cfg["filter"],
-                                    report=None if cfg["quiet"] else self._print)
+                                    device=cfg.get("device", "cpu"), report=None if cfg["quiet"] else self._print)
         self.phase.start()
 
     @staticmethod
@@ -713,9 +732,11 @@ class NNDDriver(litz.Driver):
         if cfg["return_graph"]:
             out.update(indices=indices, distances=distances)
         if not cfg["quiet"]:
+            devices = self.phase.stats["devices"]
             print(f"{cfg['n']} points, k={cfg['k']}: {self.phase.stats['rounds']} rounds, "
                   f"{out['seconds']:.2f} s, candidates sent {self.phase.stats['candidates_sent']} of "
-                  f"{self.phase.stats['candidates_proposed']}", flush=True)
+                  f"{self.phase.stats['candidates_proposed']}"
+                  + ("" if devices == ["cpu"] else f", join distances on {' and '.join(devices)}"), flush=True)
             print(f"recall {r:.3f}", flush=True)
         self.finish(out)
 
@@ -758,6 +779,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=BLOCK, help="points per parameter-server row")
     p.add_argument("--no-filter", dest="filter", action="store_false",
                    help="send candidates without the d_max filter (for comparison)")
+    add_device_option(p)
     p.add_argument("--no-order", dest="order", action="store_false",
                    help="keep the input's numbering of the points (default: renumber them in a locality order "
                         "first, so that an executor's points are a region of space)")
@@ -770,9 +792,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_device_option(p: argparse.ArgumentParser) -> None:
+    """``--device``: where the join's distances are computed (shared with apps/hdbscan.py)."""
+    p.add_argument("--device", choices=nndescent_cuda.DEVICES, default="cpu",
+                   help="compute the join's distances on the CPU, on an NVIDIA GPU with Numba-CUDA (cuda: "
+                        "not yet run on GPU hardware, see apps/nndescent_cuda.py), or on a GPU where the worker "
+                        "process sees one (auto)")
+
+
+def check_device(option: str) -> None:
+    """Refuse ``--device cuda`` before the job starts when this host has no GPU (the workers of a
+    local cluster run here; a joined host without one fails its first task with the same reason)."""
+    try:
+        if option == "cuda":
+            nndescent_cuda.resolve(option)
+    except ValueError as exc:
+        raise litz.ConfigError(str(exc)) from None
+
+
 def make_app(argv: list[str]) -> litz.App:
     """Parse and check the options, load the data once to learn its size, declare the table."""
     args = parser().parse_args(argv)
+    check_device(args.device)
     require_at_least(args, k=1, max_rounds=1, queries=1, block=1, dim=1, centers=1, points=2, max_candidates=1)
     if not args.delta >= 0:
         raise litz.ConfigError(f"--delta must be >= 0, got {args.delta}")
@@ -780,6 +821,7 @@ def make_app(argv: list[str]) -> litz.App:
         "data": args.data, "k": args.k, "points": args.points, "dim": args.dim, "centers": args.centers,
         "delta": args.delta, "max_rounds": args.max_rounds, "max_candidates": args.max_candidates,
         "block": args.block, "filter": args.filter, "order": args.order, "queries": args.queries, "seed": args.seed,
+        "device": args.device,
         "data_seed": args.data_seed, "return_graph": args.return_graph, "quiet": args.quiet}
     try:
         n = len(load_points(config))

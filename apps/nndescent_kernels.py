@@ -27,6 +27,8 @@ packing, trees and leaf offers within the run-to-run noise).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
 import numpy as np
 
@@ -272,10 +274,19 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
 
 
 @_jit_fast
-def _offer(data: np.ndarray, G: np.ndarray, dmax: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray,
-           use_filter: bool, touched: np.ndarray, counts: np.ndarray, p: int, q: int) -> None:
-    """Compute ``d(p, q)`` once and offer each point to the other's list (both directions)."""
-    d = _sqdist(data, p, q)
+def _pair_distance(data: np.ndarray, dists: np.ndarray, a: int, x: int, y: int, p: int, q: int) -> float:
+    """``d(p, q)`` of pair ``(x, y)`` of owned point ``a``: from ``dists`` when a device computed the
+    round's distances (``dists[a, x, y]``, :mod:`apps.nndescent_cuda`), else here. The branch is the
+    same for the whole call, so it costs nothing next to a distance."""
+    if dists.shape[0] > 0:
+        return dists[a, x, y]
+    return _sqdist(data, p, q)
+
+
+@_jit
+def _offer(G: np.ndarray, dmax: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_filter: bool,
+           touched: np.ndarray, counts: np.ndarray, p: int, q: int, d: float) -> None:
+    """Offer each point of the pair ``(p, q)``, at squared distance ``d``, to the other's list."""
     counts[0] += 1
     counts[1] += 2
     _offer_one(G, dmax, box, k, pos, use_filter, touched, counts, p, q, d)
@@ -305,15 +316,24 @@ def _offer_one(G: np.ndarray, dmax: np.ndarray, box: np.ndarray, k: int, pos: np
 
 @_jit_fast
 def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, owned: np.ndarray,
-               new: np.ndarray, old: np.ndarray, use_filter: bool, touched: np.ndarray, counts: np.ndarray) -> None:
+               new: np.ndarray, old: np.ndarray, use_filter: bool, touched: np.ndarray, counts: np.ndarray,
+               dists: np.ndarray) -> None:
     """For each owned point, compare its new candidates with each other and with its old ones.
 
     Pairs of two old candidates were compared in an earlier round, which is what makes NN-Descent
     cheaper than comparing every pair. Accepted offers are merged into ``G`` (the executor's copy of
     the graph) with flag 2, so later offers in this call face the tightened ``d_max``.
+
+    Pair ``(x, y)`` of owned point ``a`` is ``new[a, x]`` with ``new[a, y]`` for ``y < mc`` and with
+    ``old[a, y - mc]`` after. ``dists`` holds their distances when a device computed them
+    (``(m, mc, 2 mc)``, see :func:`_pair_distance`), else it is empty and they are computed here.
+    Either way the offers are made in the same order, so the lists come out the same.
     """
     if use_filter:
-        _join_filtered(data, G, k, owned, new, old, touched, counts)
+        if dists.shape[0] > 0:
+            _join_filtered_precomputed(data, G, k, owned, new, old, touched, counts, dists)
+        else:
+            _join_filtered(data, G, k, owned, new, old, touched, counts, dists)
         return
     mc = new.shape[1]
     dmax = G[:, 2 * k - 1].copy()
@@ -326,53 +346,67 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
                 q = new[a, y]
                 if q < 0:
                     break
-                _offer(data, G, dmax, box, k, pos, use_filter, touched, counts, p, q)
+                _offer(G, dmax, box, k, pos, use_filter, touched, counts, p, q,
+                       _pair_distance(data, dists, a, x, y, p, q))
             for y in range(mc):
                 q = old[a, y]
                 if q < 0:
                     break
                 if q != p:
-                    _offer(data, G, dmax, box, k, pos, use_filter, touched, counts, p, q)
+                    _offer(G, dmax, box, k, pos, use_filter, touched, counts, p, q,
+                           _pair_distance(data, dists, a, x, mc + y, p, q))
 
 
-@_jit_fast
-def _join_filtered(data: np.ndarray, G: np.ndarray, k: int, owned: np.ndarray, new: np.ndarray, old: np.ndarray,
-                   touched: np.ndarray, counts: np.ndarray) -> None:
+def _filtered_join(precomputed: bool) -> Callable[..., None]:
     """:func:`local_join` with the d_max filter, the common case, kept lean: the same pairs in the
     same order with the same offers as the general loop, but counters in locals and no unfiltered
-    side list (three times faster at 2**18 points)."""
-    mc = new.shape[1]
-    dmax = G[:, 2 * k - 1].copy()  # d_max as a dense vector: most offers fail it, and it stays in cache
-    n_dist = 0
-    n_upd = 0
-    for a in range(owned.shape[0]):
-        for x in range(mc):
-            p = new[a, x]
-            if p < 0:
-                break
-            for y in range(x + 1, 2 * mc):  # the new candidates after p, then the old ones
-                q = new[a, y] if y < mc else old[a, y - mc]
-                if q < 0:
-                    if y < mc:
-                        continue
+    side list (three times faster at 2**18 points).
+
+    Two compiled copies, with the distances computed here or read from ``dists``: ``precomputed`` is a
+    constant of each copy, so neither tests it in the loop (a test there cost 17% on Fashion-MNIST,
+    as it kept LLVM from treating the distance loop as before)."""
+
+    @_jit_fast
+    def join(data: np.ndarray, G: np.ndarray, k: int, owned: np.ndarray, new: np.ndarray, old: np.ndarray,
+             touched: np.ndarray, counts: np.ndarray, dists: np.ndarray) -> None:
+        mc = new.shape[1]
+        dmax = G[:, 2 * k - 1].copy()  # d_max as a dense vector: most offers fail it, and it stays in cache
+        n_dist = 0
+        n_upd = 0
+        for a in range(owned.shape[0]):
+            for x in range(mc):
+                p = new[a, x]
+                if p < 0:
                     break
-                if q == p:
-                    continue
-                d = _sqdist(data, p, q)
-                n_dist += 1
-                if d <= dmax[p]:
-                    if _push(G[p], k, q, d, FLAG_PROPOSED):
-                        n_upd += 1
-                        touched[p] = 1
-                    dmax[p] = G[p, 2 * k - 1]
-                if d <= dmax[q]:
-                    if _push(G[q], k, p, d, FLAG_PROPOSED):
-                        n_upd += 1
-                        touched[q] = 1
-                    dmax[q] = G[q, 2 * k - 1]
-    counts[0] += n_dist
-    counts[1] += 2 * n_dist
-    counts[3] += n_upd
+                for y in range(x + 1, 2 * mc):  # the new candidates after p, then the old ones
+                    q = new[a, y] if y < mc else old[a, y - mc]
+                    if q < 0:
+                        if y < mc:
+                            continue
+                        break
+                    if q == p:
+                        continue
+                    d = dists[a, x, y] if precomputed else _sqdist(data, p, q)
+                    n_dist += 1
+                    if d <= dmax[p]:
+                        if _push(G[p], k, q, d, FLAG_PROPOSED):
+                            n_upd += 1
+                            touched[p] = 1
+                        dmax[p] = G[p, 2 * k - 1]
+                    if d <= dmax[q]:
+                        if _push(G[q], k, p, d, FLAG_PROPOSED):
+                            n_upd += 1
+                            touched[q] = 1
+                        dmax[q] = G[q, 2 * k - 1]
+        counts[0] += n_dist
+        counts[1] += 2 * n_dist
+        counts[3] += n_upd
+
+    return join
+
+
+_join_filtered = _filtered_join(False)
+_join_filtered_precomputed = _filtered_join(True)
 
 
 @_jit
@@ -429,11 +463,12 @@ def pack_updates(G: np.ndarray, box: np.ndarray, k: int, pos: np.ndarray, use_fi
 
 
 @_jit
-def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd: int,
-              use_filter: bool, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the graph (modified in place).
+def nnd_sample(G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Step 2 of a round (:func:`sample_candidates`) on the executor's copy ``G`` (marks made in place).
 
-    Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
+    Returns ``(pos, touched, new, old, counts)``: what :func:`nnd_join` takes, with ``counts`` (see
+    :data:`COUNTERS`) holding the marks so far.
     """
     n = G.shape[0]
     counts = np.zeros(len(COUNTERS), np.int64)
@@ -441,9 +476,36 @@ def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: in
     touched = np.zeros(n, np.uint8)
     new, old, marked = sample_candidates(G, k, pos, owned.shape[0], mc, seed, rnd, touched)
     counts[5] = marked
-    box = empty_lists(1 if use_filter else n, k)
-    local_join(data, G, box, k, pos, owned, new, old, use_filter, touched, counts)
-    blocks, deltas = pack_updates(G, box, k, pos, use_filter, touched, block, counts)
+    return pos, touched, new, old, counts
+
+
+@_jit
+def nnd_join(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, pos: np.ndarray, touched: np.ndarray,
+             new: np.ndarray, old: np.ndarray, counts: np.ndarray, use_filter: bool, block: int,
+             dists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 3 and 4 of a round after :func:`nnd_sample`: the local join (with the pair distances
+    ``dists`` a device computed, or empty) and the update to send, ``(blocks, deltas)``."""
+    box = empty_lists(1 if use_filter else G.shape[0], k)
+    local_join(data, G, box, k, pos, owned, new, old, use_filter, touched, counts, dists)
+    return pack_updates(G, box, k, pos, use_filter, touched, block, counts)
+
+
+#: ``dists`` of a join that computes its distances itself.
+NO_DISTANCES = np.zeros((0, 0, 0), np.float32)
+
+
+def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd: int,
+              use_filter: bool, block: int, distances: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+              | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the graph (modified in place).
+
+    ``distances(data, new, old)``, if given, computes every join pair's distance at once (a GPU:
+    :func:`apps.nndescent_cuda.join_distances`); the lists come out as without it, up to the
+    rounding of the distances. Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
+    """
+    pos, touched, new, old, counts = nnd_sample(G, owned, k, mc, seed, rnd)
+    dists = NO_DISTANCES if distances is None else distances(data, new, old)
+    blocks, deltas = nnd_join(data, G, owned, k, pos, touched, new, old, counts, use_filter, block, dists)
     return blocks, deltas, counts
 
 

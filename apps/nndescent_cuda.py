@@ -1,0 +1,156 @@
+"""NN-Descent's join distances on an NVIDIA GPU (Numba-CUDA), for ``--device cuda``.
+
+A round's work on high-dimensional data is the local join's distances: on Fashion-MNIST (784-d)
+each costs 46 ns with both rows in cache and 560-650 ns without (README, Performance), and an
+executor computes millions per round. Everything else in a round (sampling the candidates,
+merging offers into lists, packing the update) is branchy list work that stays on the CPU.
+
+So the GPU computes the distance of every pair the join will look at, in one kernel launch per
+task, and the CPU join (:func:`apps.nndescent_kernels.local_join`) then makes exactly the offers it
+would have made, in the same order, reading the distances instead of computing them. The graph
+is the same as on the CPU up to the rounding of the distances (the GPU sums in another order).
+
+**The kernel.** One block per owned point ``a``; its threads split the dimensions of each pair
+``(new[a, x], new[a, y] or old[a, y - mc])``, so a warp reads 32 consecutive floats of each row
+(coalesced), and a tree in shared memory sums the partial sums. The pairs of ``a`` share at most
+``2 mc`` distinct rows, which stay in the SM's cache. The default of one warp per block makes
+each ``syncthreads`` a warp barrier; many blocks per SM hide the memory latency. The output is
+dense, ``(m, mc, 2 mc)`` float32 (entries of invalid pairs are never read).
+
+**Data on the device.** Every executor holds the whole data set (:class:`apps.nndescent.NNDInput`);
+the executors of one worker process share one device copy, uploaded at the first task and kept
+while the host array lives (a memory map of the decoded cache, or the job's ordered points).
+
+**Status.** Written and checked without a GPU: the tests run the kernel in Numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, real thread-block semantics in Python) and require the same lists as
+the CPU join. It has not run on GPU hardware, and its speed has not been measured. Without a GPU
+``--device cuda`` is refused before the job starts, and ``--device auto`` uses the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+
+try:  # numba.cuda imports without a GPU or a CUDA toolkit; it may be missing from a numba build
+    from numba import cuda
+except ImportError:  # pragma: no cover - depends on the numba build
+    cuda = None
+
+#: Threads per block (one block per owned point): one warp. A power of two.
+THREADS = 32
+_MAX_THREADS = 1024
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def simulated() -> bool:
+    """Whether Numba's CUDA simulator stands in for a GPU (tests without hardware)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def available() -> bool:
+    """Whether this process can launch CUDA kernels (a GPU and its driver, or the simulator)."""
+    if cuda is None:
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # a broken driver installation: no GPU for us
+        return False
+
+
+def resolve(device: str) -> str:
+    """``cpu`` or ``cuda`` for an option value; ``cuda`` without a GPU raises a ``ValueError`` that says why."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+    if device == "auto":
+        return "cuda" if available() else "cpu"
+    if device == "cuda" and not available():
+        why = ("this numba has no CUDA support" if cuda is None else
+               "no CUDA GPU is visible to this process (numba.cuda.is_available() is False; "
+               "numba.cuda.detect() says why)")
+        raise ValueError(f"--device cuda: {why}; use --device cpu or auto")
+    return device
+
+
+if cuda is not None:
+    @cuda.jit(cache=not simulated())
+    def _join_distances_kernel(data: Any, new: Any, old: Any, out: Any) -> None:  # pragma: no cover - GPU
+        a = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        part = cuda.shared.array(_MAX_THREADS, numba.float32)
+        mc = new.shape[1]
+        dim = data.shape[1]
+        # every test below reads only a's candidates, the same for all threads of the block, so each
+        # syncthreads is reached by all of them or by none
+        for x in range(mc):
+            p = new[a, x]
+            if p < 0:
+                break
+            for y in range(x + 1, 2 * mc):
+                q = new[a, y] if y < mc else old[a, y - mc]
+                if q < 0:
+                    if y < mc:
+                        continue
+                    break
+                if q == p:
+                    continue
+                s = numba.float32(0.0)
+                for j in range(t, dim, nt):
+                    diff = data[p, j] - data[q, j]
+                    s += diff * diff
+                part[t] = s
+                cuda.syncthreads()
+                half = nt // 2
+                while half > 0:
+                    if t < half:
+                        part[t] += part[t + half]
+                    cuda.syncthreads()
+                    half //= 2
+                if t == 0:
+                    out[a, x, y] = part[0]
+                cuda.syncthreads()  # part is reused by the next pair
+
+
+class _DeviceData:
+    """This process's device copy of the data, for the host array it was made from."""
+
+    def __init__(self) -> None:
+        self.host: np.ndarray | None = None
+        self.device: Any = None
+        self.lock = threading.Lock()
+
+    def get(self, data: np.ndarray) -> Any:
+        with self.lock:
+            if self.host is not data:  # identity: a new job, or another data set, replaces the copy
+                self.device = cuda.to_device(np.ascontiguousarray(data, dtype=np.float32))
+                self.host = data
+            return self.device
+
+
+_DATA = _DeviceData()
+
+
+def join_distances(data: np.ndarray, new: np.ndarray, old: np.ndarray, threads: int = THREADS) -> np.ndarray:
+    """The squared distances of every join pair: ``(m, mc, 2 mc)`` float32, ``[a, x, y]`` for the pair
+    ``new[a, x]``, ``new[a, y]`` (``y < mc``) or ``old[a, y - mc]``; entries of pairs the join skips
+    (padding, ``y <= x``, a point with itself) are unspecified. ``new`` and ``old``: ``(m, mc)``
+    int64 candidate ids, -1 padded (:func:`apps.nndescent_kernels.sample_candidates`)."""
+    if cuda is None:
+        raise RuntimeError("this numba has no CUDA support")
+    if not (threads >= 1 and threads & (threads - 1) == 0 and threads <= _MAX_THREADS):
+        raise ValueError(f"threads must be a power of two up to {_MAX_THREADS}, got {threads}")
+    m, mc = new.shape
+    if old.shape != (m, mc):
+        raise ValueError(f"new and old candidates differ in shape: {new.shape} and {old.shape}")
+    if m == 0 or mc == 0:
+        return np.zeros((m, mc, 2 * mc), np.float32)
+    d_data = _DATA.get(data)
+    d_out = cuda.device_array((m, mc, 2 * mc), np.float32)
+    _join_distances_kernel[m, threads](d_data, cuda.to_device(np.ascontiguousarray(new)),
+                                       cuda.to_device(np.ascontiguousarray(old)), d_out)
+    return d_out.copy_to_host()

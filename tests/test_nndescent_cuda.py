@@ -1,0 +1,120 @@
+"""NN-Descent's GPU join (apps/nndescent_cuda.py): checked in Numba's CUDA simulator here, on a GPU
+where there is one, and the ``--device`` option's refusals and fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import litz
+from apps import nndescent as nd
+from apps import nndescent_cuda as gpu
+from apps import nndescent_kernels as nk
+
+ROOT = Path(__file__).resolve().parents[1]
+ON_GPU = gpu.available() and not gpu.simulated()
+
+# Runs in a process of its own: NUMBA_ENABLE_CUDASIM must be set before numba.cuda is imported,
+# and it replaces numba.cuda for the whole process. Integer-valued points make every distance exact
+# in any order of summation, so the simulated kernel's lists must equal the CPU join's bit for bit.
+SIMULATED_CHECK = textwrap.dedent("""
+    import numpy as np
+    from apps import nndescent_cuda as gpu, nndescent_kernels as nk
+    assert gpu.simulated() and gpu.available() and gpu.resolve("auto") == "cuda"
+    rng = np.random.default_rng(4)
+    n, dim, k = 80, 5, 4
+    x = rng.integers(0, 6, (n, dim)).astype(np.float32)
+    everyone = np.arange(n, dtype=np.int64)
+    G, pos, touched, counts = nk.init_lists(n, everyone, k)
+    nk.fill_random(x, G, everyone, k, 3, touched, counts)
+    flags = G[:, 2 * k:]
+    flags[flags == nk.FLAG_PROPOSED] = nk.FLAG_NEW
+    owned = np.arange(30, 46, dtype=np.int64)
+    # the kernel's distances, where the join reads them, are the exact ones
+    _, _, new, old, _ = nk.nnd_sample(G.copy(), owned, k, k, 9, 0)
+    dists = gpu.join_distances(x, new, old, threads=4)  # a tree of 2 levels; the rounds below use 1
+    checked = 0
+    for a in range(len(owned)):
+        for i in range(k):
+            for j in range(i + 1, 2 * k):
+                p, q = new[a, i], (new[a, j] if j < k else old[a, j - k])
+                if p >= 0 and q >= 0 and p != q:
+                    assert dists[a, i, j] == ((x[p] - x[q]) ** 2).sum(), (a, i, j)
+                    checked += 1
+    assert checked > 60, checked
+    for use_filter in (True, False):
+        cpu_G, gpu_G = G.copy(), G.copy()
+        cpu_out = nk.nnd_round(x, cpu_G, owned, k, k, 9, 0, use_filter, 8)
+        gpu_out = nk.nnd_round(x, gpu_G, owned, k, k, 9, 0, use_filter, 8,
+                               lambda d, a, b: gpu.join_distances(d, a, b, threads=2))
+        assert np.array_equal(cpu_G, gpu_G), use_filter
+        for c, g in zip(cpu_out, gpu_out):
+            assert np.array_equal(c, g), use_filter
+        assert cpu_out[2][3] > 0  # offers entered lists: the comparison compared something
+    print("simulated join ok", checked)
+""")
+
+
+def test_the_gpu_join_in_the_cuda_simulator_makes_the_cpu_joins_offers() -> None:
+    """The kernel, run with real thread-block semantics (shared memory, barriers) in the simulator:
+    every distance the join reads is exact, and a round with the GPU's distances ends with the same
+    lists, update and counters as the CPU round, with and without the d_max filter."""
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", SIMULATED_CHECK], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "simulated join ok" in proc.stdout
+
+
+def test_device_options_refuse_a_missing_gpu_and_auto_falls_back() -> None:
+    assert gpu.resolve("cpu") == "cpu"
+    assert gpu.resolve("auto") == ("cuda" if gpu.available() else "cpu")
+    with pytest.raises(ValueError, match="unknown device"):
+        gpu.resolve("tpu")
+    with pytest.raises(ValueError, match="threads must be a power of two"):
+        gpu.join_distances(np.zeros((4, 2), np.float32), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64),
+                           threads=3)
+    if not gpu.available():
+        with pytest.raises(ValueError, match="--device cuda: no CUDA GPU"):
+            gpu.resolve("cuda")
+        with pytest.raises(litz.ConfigError, match="--device cuda"):
+            nd.make_app(["--data", "blobs", "--points", "500", "--device", "cuda"])
+
+
+def test_auto_runs_where_the_worker_can_and_says_where(etcd) -> None:
+    """``--device auto`` on this machine: the phase reports the device its executors used, and the graph
+    is as good as ever (on CI, the CPU)."""
+    app = nd.make_app(["--data", "blobs", "--points", "3000", "--dim", "8", "--device", "auto", "--quiet"])
+    out = litz.run(app, workers=1, servers=1, num_executors=2, etcd=etcd.url).value
+    assert out["stats"]["devices"] == ["cuda" if gpu.available() else "cpu"]
+    assert out["recall"] >= 0.95
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (the simulator check above runs everywhere)")
+def test_on_a_gpu_a_round_makes_the_same_lists_up_to_rounding() -> None:
+    """On hardware the GPU sums in another order, so a few near-ties may go the other way; the lists
+    must still agree almost everywhere, and the distances read must match the CPU's to rounding."""
+    k = 15
+    x = nd.blobs(20_000, 32, centers=10, seed=1)
+    everyone = np.arange(len(x), dtype=np.int64)
+    G, pos, touched, counts = nk.init_lists(len(x), everyone, k)
+    nk.fill_random(x, G, everyone, k, 3, touched, counts)
+    flags = G[:, 2 * k:]
+    flags[flags == nk.FLAG_PROPOSED] = nk.FLAG_NEW
+    owned = np.arange(5000, 10000, dtype=np.int64)
+    _, _, new, old, _ = nk.nnd_sample(G.copy(), owned, k, k, 9, 0)
+    dists = gpu.join_distances(x, new, old)
+    p, q = new[:, 0], new[:, 1]
+    ok = (p >= 0) & (q >= 0)
+    exact = ((x[p[ok]].astype(np.float64) - x[q[ok]]) ** 2).sum(1)
+    np.testing.assert_allclose(dists[ok, 0, 1], exact, rtol=1e-4)
+    cpu_G, gpu_G = G.copy(), G.copy()
+    nk.nnd_round(x, cpu_G, owned, k, k, 9, 0, True, 64)
+    nk.nnd_round(x, gpu_G, owned, k, k, 9, 0, True, 64, gpu.join_distances)
+    assert (cpu_G[:, :k] == gpu_G[:, :k]).mean() >= 0.99
