@@ -88,6 +88,7 @@ from typing import Any
 import numpy as np
 
 import litz
+from apps import gpu
 from apps import hdbscan_kernels as hk
 from apps.nndescent import (
     BLOCK,
@@ -95,8 +96,6 @@ from apps.nndescent import (
     NNDescentExecutorMixin,
     NNDescentPhase,
     NNDInput,
-    add_device_option,
-    check_device,
     locality_order,
     nndescent_tables,
     nndescent_warmup,
@@ -530,7 +529,7 @@ def parser() -> argparse.ArgumentParser:
                    help="what the FM index compares with (auto: hdbscan up to --reference-limit points, else the "
                         "ground truth; a file has no ground truth)")
     p.add_argument("--reference-limit", type=int, default=DEFAULTS["reference_limit"])
-    add_device_option(p)
+    gpu.add_device_option(p, "NN-Descent's join distances", "apps/nndescent_cuda.py")
     p.add_argument("--no-order", dest="order", action="store_false",
                    help="keep the input's order of points (default: renumber them in a locality order first, "
                         "which makes NN-Descent faster; labels are reported in the input's order either way)")
@@ -546,7 +545,7 @@ def make_app(argv: list[str]) -> litz.App:
     if not generated and not Path(args.data).is_file():
         raise litz.ConfigError(f"--data must be blobs, thesis or an existing .npy file, got {args.data!r}")
     require_at_least(args, k=1, min_samples=1, dims=1, max_rounds=1, points=1, clusters=1)
-    check_device(args.device)
+    gpu.check_device(args.device)
     if args.min_samples > args.k:
         raise litz.ConfigError(f"--min-samples ({args.min_samples}) must not exceed --k ({args.k}): the core "
                                "distance is read from the kNN graph")

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import litz
+from apps import gpu, mlr_cuda
 from apps.datasets import load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
 from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
 from apps.options import require_at_least
@@ -65,11 +66,13 @@ class MLRDriver(litz.SSPDriver):
         self._epoch_rows = 0
         self._epoch_start = self._start = time.perf_counter()
         self.test_accuracy = float("nan")
+        self.devices: set[str] = set()  # where the executors ran their SGD steps
         super().dispatch_initial_tasks()
 
     def resumed(self) -> None:
         """Back from a checkpoint: this process's clock restarts, so time the epoch from now."""
         self.X_test, self.y_test = load_data(self.config["precondition_rank"])[2:]
+        self.devices = getattr(self, "devices", set())  # a checkpoint of an older Litz has none
         self.iterations = int(self.config["epochs"]) * self.T  # the new launch may ask for more epochs
         super().resumed()
         now = time.perf_counter()
@@ -91,7 +94,8 @@ class MLRDriver(litz.SSPDriver):
 
     def on_iteration_end(self, iteration: int, results: list[litz.TaskResult]) -> None:
         for r in results:
-            loss, correct, rows = r.value
+            loss, correct, rows, device = r.value
+            self.devices.add(device)
             self._epoch_loss += loss
             self._epoch_correct += correct
             self._epoch_rows += rows
@@ -123,7 +127,7 @@ class MLRDriver(litz.SSPDriver):
         if not self.config.get("quiet"):
             print(f"test accuracy {self.test_accuracy:.4f}", flush=True)
         return {"test_accuracy": self.test_accuracy, "history": self.history,
-                "seconds": time.perf_counter() - self._start}
+                "seconds": time.perf_counter() - self._start, "devices": sorted(self.devices)}
 
 
 class MLRExecutor(litz.Executor):
@@ -155,10 +159,23 @@ class MLRExecutor(litz.Executor):
         blocks = cfg["blocks"]
         full = self.ps.get_many("W", range(blocks)).reshape(-1, NUM_CLASSES)
         before = full.copy()
-        loss, correct = sgd_steps(full[: cfg["dim"] + 1], X, y, chunk, cfg["batch_size"], args["lr"], cfg["l2"])
+        W = full[: cfg["dim"] + 1]
+        device = gpu.process_device(cfg.get("device", "cpu"))
+        if device == "cuda":
+            loss, correct = mlr_cuda.sgd_steps(W, self._device_rows(), chunk, cfg["batch_size"], args["lr"], cfg["l2"])
+        else:
+            loss, correct = sgd_steps(W, X, y, chunk, cfg["batch_size"], args["lr"], cfg["l2"])
         delta = (full - before).reshape(blocks, -1, NUM_CLASSES)
         self.ps.update_many("W", range(blocks), delta)
-        return [loss, correct, len(chunk)]
+        return [loss, correct, len(chunk), device]
+
+    def _device_rows(self) -> mlr_cuda.DeviceRows:
+        """This executor's rows on the GPU, copied at its first task there (again if its input changed)."""
+        cached = getattr(self, "_gpu_rows", None)
+        if cached is None or cached[0] is not self.input:
+            X, y, _ = self.input
+            cached = self._gpu_rows = (self.input, mlr_cuda.DeviceRows(X, y))
+        return cached[1]
 
     def _order(self, epoch: int) -> np.ndarray:
         """This epoch's visiting order of the executor's rows (deterministic: seed, executor, epoch)."""
@@ -188,6 +205,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=8, help="row blocks of the weight table")
     p.add_argument("--train-rows", type=int, default=0, help="use only the first N training rows (0 = all)")
     p.add_argument("--seed", type=int, default=0)
+    gpu.add_device_option(p, "the SGD steps", "apps/mlr_cuda.py")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -201,6 +219,7 @@ def make_app(argv: list[str]) -> litz.App:
     if not args.lr > 0 or not args.lr_decay >= 0 or not args.l2 >= 0:
         raise litz.ConfigError(f"--lr must be > 0 and --lr-decay, --l2 >= 0, got {args.lr}, {args.lr_decay}, "
                                f"{args.l2}")
+    gpu.check_device(args.device)
     if args.precondition_rank >= dim:
         raise litz.ConfigError(f"--precondition-rank must be below {dim}, got {args.precondition_rank}")
     if args.blocks > dim + 1:
@@ -211,7 +230,7 @@ def make_app(argv: list[str]) -> litz.App:
               "rows_per_task": args.rows_per_task,
               "batch_size": args.batch_size, "lr0": args.lr, "lr_decay": args.lr_decay, "l2": args.l2,
               "blocks": args.blocks, "dim": dim, "precondition_rank": args.precondition_rank,
-              "train_rows": args.train_rows, "seed": args.seed,
+              "train_rows": args.train_rows, "seed": args.seed, "device": args.device,
               "quiet": args.quiet}
     return litz.App(MLRDriver, MLRExecutor, tables=[table], config=config, name="mlr")
 

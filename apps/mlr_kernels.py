@@ -34,7 +34,7 @@ import math
 import numba as nb
 import numpy as np
 
-__all__ = ["DEFAULTS", "evaluate", "lr_at", "sgd_steps", "warmup"]
+__all__ = ["DEFAULTS", "check_sgd_inputs", "evaluate", "lr_at", "sgd_steps", "warmup"]
 
 # Recommended training defaults for Fashion-MNIST (d=784, K=10) on the parameter server, chosen with
 # bench/mlr_tune.py: a one-process simulation of E executors whose deltas are *summed* into W, with the
@@ -326,6 +326,22 @@ def _check_xy(W: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
         raise TypeError("y must be an int64 array of shape (n,)")
 
 
+def check_sgd_inputs(W: np.ndarray, d: int, n: int, rows: np.ndarray, batch_size: int) -> None:
+    """What an SGD call needs of ``W``, ``rows`` and ``batch_size`` on any device (``d`` features,
+    ``n`` data rows): raises on a mismatch instead of converting, for the reason in :func:`_check_xy`.
+    Row indices are bounds-checked by the kernels themselves, except on a GPU (see apps/mlr_cuda.py)."""
+    if not (isinstance(W, np.ndarray) and W.ndim == 2 and W.dtype == np.float32 and W.flags.c_contiguous):
+        raise TypeError("W must be a C-contiguous float32 array of shape (d + 1, K)")
+    if W.shape[0] != d + 1 or W.shape[1] < 1:
+        raise ValueError(f"W shape {W.shape} does not match X with d={d} (expected (d + 1, K))")
+    if not W.flags.writeable:
+        raise ValueError("W must be writable (it is updated in place)")
+    if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int64):
+        raise TypeError("rows must be a 1-d int64 array")
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+
 def sgd_steps(
     W: np.ndarray, X: np.ndarray, y: np.ndarray, rows: np.ndarray, batch_size: int, lr: float, l2: float
 ) -> tuple[float, int]:
@@ -341,12 +357,7 @@ def sgd_steps(
     running training-loss estimate without an extra pass.
     """
     _check_xy(W, X, y)
-    if not W.flags.writeable:
-        raise ValueError("W must be writable (it is updated in place)")
-    if not (isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype == np.int64):
-        raise TypeError("rows must be a 1-d int64 array")
-    if int(batch_size) < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_sgd_inputs(W, X.shape[1], X.shape[0], rows, batch_size)
     if rows.shape[0] == 0:
         return 0.0, 0
     rows_ro = _readonly(np.ascontiguousarray(rows))

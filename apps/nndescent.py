@@ -90,7 +90,7 @@ from typing import Any
 import numpy as np
 
 import litz
-from apps import nndescent_cuda
+from apps import gpu, nndescent_cuda
 from apps import nndescent_kernels as nk
 from apps.options import require_at_least
 
@@ -237,21 +237,14 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     if len(blocks):
         executor.ps.update_many(args["table"], blocks, deltas)
     out = {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum()),
-           "device": _device(args.get("device", "cpu"))}
+           "device": gpu.process_device(args.get("device", "cpu"))}
     if args["op"] == "init":
         out["fingerprint"] = data_fingerprint(data)
     return out
 
 
-@functools.cache
-def _device(option: str) -> str:
-    """Where this process computes the join's distances for a ``--device`` value: ``cpu`` or ``cuda``
-    (``auto`` asks once per process; ``cuda`` without a GPU raises, and the task reports why)."""
-    return nndescent_cuda.resolve(option)
-
-
 def _join_distances(option: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None:
-    return nndescent_cuda.join_distances if _device(option) == "cuda" else None
+    return nndescent_cuda.join_distances if gpu.process_device(option) == "cuda" else None
 
 
 _GRAPH_BUFFER: list[np.ndarray] = []
@@ -402,8 +395,8 @@ class NNDescentPhase:
             raise litz.ConfigError(f"NN-Descent needs executors >= 1, max_rounds >= 1 and delta >= 0, got "
                                    f"{num_executors}, {max_rounds}, {delta}")
         knn_table(n_points, k, table, block=block)  # checks n and k
-        if device not in nndescent_cuda.DEVICES:
-            raise litz.ConfigError(f"NN-Descent: unknown device {device!r} (choose from {nndescent_cuda.DEVICES})")
+        if device not in gpu.DEVICES:
+            raise litz.ConfigError(f"NN-Descent: unknown device {device!r} (choose from {gpu.DEVICES})")
         self.device = device
         self.driver = driver
         self.n, self.k, self.E = int(n_points), int(k), int(num_executors)
@@ -779,7 +772,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=BLOCK, help="points per parameter-server row")
     p.add_argument("--no-filter", dest="filter", action="store_false",
                    help="send candidates without the d_max filter (for comparison)")
-    add_device_option(p)
+    gpu.add_device_option(p, "the join's distances", "apps/nndescent_cuda.py")
     p.add_argument("--no-order", dest="order", action="store_false",
                    help="keep the input's numbering of the points (default: renumber them in a locality order "
                         "first, so that an executor's points are a region of space)")
@@ -792,28 +785,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_device_option(p: argparse.ArgumentParser) -> None:
-    """``--device``: where the join's distances are computed (shared with apps/hdbscan.py)."""
-    p.add_argument("--device", choices=nndescent_cuda.DEVICES, default="cpu",
-                   help="compute the join's distances on the CPU, on an NVIDIA GPU with Numba-CUDA (cuda: "
-                        "not yet run on GPU hardware, see apps/nndescent_cuda.py), or on a GPU where the worker "
-                        "process sees one (auto)")
-
-
-def check_device(option: str) -> None:
-    """Refuse ``--device cuda`` before the job starts when this host has no GPU (the workers of a
-    local cluster run here; a joined host without one fails its first task with the same reason)."""
-    try:
-        if option == "cuda":
-            nndescent_cuda.resolve(option)
-    except ValueError as exc:
-        raise litz.ConfigError(str(exc)) from None
-
-
 def make_app(argv: list[str]) -> litz.App:
     """Parse and check the options, load the data once to learn its size, declare the table."""
     args = parser().parse_args(argv)
-    check_device(args.device)
+    gpu.check_device(args.device)
     require_at_least(args, k=1, max_rounds=1, queries=1, block=1, dim=1, centers=1, points=2, max_candidates=1)
     if not args.delta >= 0:
         raise litz.ConfigError(f"--delta must be >= 0, got {args.delta}")

@@ -29,51 +29,17 @@ the CPU join. It has not run on GPU hardware, and its speed has not been measure
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import numba
 import numpy as np
 
-try:  # numba.cuda imports without a GPU or a CUDA toolkit; it may be missing from a numba build
-    from numba import cuda
-except ImportError:  # pragma: no cover - depends on the numba build
-    cuda = None
+from apps.gpu import cuda, simulated
 
 #: Threads per block (one block per owned point): one warp. A power of two.
 THREADS = 32
 _MAX_THREADS = 1024
-DEVICES = ("cpu", "cuda", "auto")
-
-
-def simulated() -> bool:
-    """Whether Numba's CUDA simulator stands in for a GPU (tests without hardware)."""
-    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-
-
-def available() -> bool:
-    """Whether this process can launch CUDA kernels (a GPU and its driver, or the simulator)."""
-    if cuda is None:
-        return False
-    try:
-        return bool(cuda.is_available())
-    except Exception:  # a broken driver installation: no GPU for us
-        return False
-
-
-def resolve(device: str) -> str:
-    """``cpu`` or ``cuda`` for an option value; ``cuda`` without a GPU raises a ``ValueError`` that says why."""
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
-    if device == "auto":
-        return "cuda" if available() else "cpu"
-    if device == "cuda" and not available():
-        why = ("this numba has no CUDA support" if cuda is None else
-               "no CUDA GPU is visible to this process (numba.cuda.is_available() is False; "
-               "numba.cuda.detect() says why)")
-        raise ValueError(f"--device cuda: {why}; use --device cpu or auto")
-    return device
 
 
 if cuda is not None:

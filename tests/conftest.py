@@ -87,3 +87,20 @@ def status_when(job: str, cond: Callable[[dict], Any], timeout: float = 120.0, o
 def wait_running(job: str, out: dict | None = None, timeout: float = 60.0) -> dict:
     """Wait until the master of ``job`` reports the running phase; its status then."""
     return status_when(job, lambda s: s["master"].get("phase") == "running", timeout, out)
+
+
+def run_in_cuda_simulator(script: str, done: str, timeout: float = 300) -> str:
+    """Run ``script`` in a Python process of its own under Numba's CUDA simulator and require that it
+    prints ``done``; returns its output. A process of its own because ``NUMBA_ENABLE_CUDASIM`` must be
+    set before ``numba.cuda`` is imported, and then replaces it for the whole process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert done in proc.stdout, proc.stdout[-2000:]
+    return proc.stdout

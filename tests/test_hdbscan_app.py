@@ -15,9 +15,9 @@ from sklearn.datasets import make_blobs
 from sklearn.neighbors import NearestNeighbors
 
 import litz
+from apps import gpu
 from apps import hdbscan as hd
 from apps import hdbscan_kernels as hk
-from apps import nndescent_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,7 +218,7 @@ def test_cli_help_and_option_errors() -> None:
     with pytest.raises(litz.ConfigError, match="--clusters must be a positive integer, got 0"):
         hd.make_app(["--clusters", "0"])
     assert "--device" in out.stdout
-    if not nndescent_cuda.available():  # the GPU join (apps/nndescent_cuda.py) is refused before anything starts
+    if not gpu.available():  # the GPU join (apps/nndescent_cuda.py) is refused before anything starts
         with pytest.raises(litz.ConfigError, match="--device cuda: no CUDA GPU"):
             hd.make_app(["--device", "cuda"])
 

@@ -3,29 +3,25 @@ where there is one, and the ``--device`` option's refusals and fallback."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import litz
+from apps import gpu, nndescent_cuda
 from apps import nndescent as nd
-from apps import nndescent_cuda as gpu
 from apps import nndescent_kernels as nk
+from tests.conftest import run_in_cuda_simulator
 
-ROOT = Path(__file__).resolve().parents[1]
 ON_GPU = gpu.available() and not gpu.simulated()
 
-# Runs in a process of its own: NUMBA_ENABLE_CUDASIM must be set before numba.cuda is imported,
-# and it replaces numba.cuda for the whole process. Integer-valued points make every distance exact
+# Runs in a process of its own (run_in_cuda_simulator). Integer-valued points make every distance exact
 # in any order of summation, so the simulated kernel's lists must equal the CPU join's bit for bit.
 SIMULATED_CHECK = textwrap.dedent("""
     import numpy as np
-    from apps import nndescent_cuda as gpu, nndescent_kernels as nk
+    from apps import gpu, nndescent_kernels as nk
+    from apps.nndescent_cuda import join_distances
     assert gpu.simulated() and gpu.available() and gpu.resolve("auto") == "cuda"
     rng = np.random.default_rng(4)
     n, dim, k = 80, 5, 4
@@ -38,7 +34,7 @@ SIMULATED_CHECK = textwrap.dedent("""
     owned = np.arange(30, 46, dtype=np.int64)
     # the kernel's distances, where the join reads them, are the exact ones
     _, _, new, old, _ = nk.nnd_sample(G.copy(), owned, k, k, 9, 0)
-    dists = gpu.join_distances(x, new, old, threads=4)  # a tree of 2 levels; the rounds below use 1
+    dists = join_distances(x, new, old, threads=4)  # a tree of 2 levels; the rounds below use 1
     checked = 0
     for a in range(len(owned)):
         for i in range(k):
@@ -52,7 +48,7 @@ SIMULATED_CHECK = textwrap.dedent("""
         cpu_G, gpu_G = G.copy(), G.copy()
         cpu_out = nk.nnd_round(x, cpu_G, owned, k, k, 9, 0, use_filter, 8)
         gpu_out = nk.nnd_round(x, gpu_G, owned, k, k, 9, 0, use_filter, 8,
-                               lambda d, a, b: gpu.join_distances(d, a, b, threads=2))
+                               lambda d, a, b: join_distances(d, a, b, threads=2))
         assert np.array_equal(cpu_G, gpu_G), use_filter
         for c, g in zip(cpu_out, gpu_out):
             assert np.array_equal(c, g), use_filter
@@ -65,11 +61,7 @@ def test_the_gpu_join_in_the_cuda_simulator_makes_the_cpu_joins_offers() -> None
     """The kernel, run with real thread-block semantics (shared memory, barriers) in the simulator:
     every distance the join reads is exact, and a round with the GPU's distances ends with the same
     lists, update and counters as the CPU round, with and without the d_max filter."""
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SIMULATED_CHECK], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "simulated join ok" in proc.stdout
+    run_in_cuda_simulator(SIMULATED_CHECK, "simulated join ok")
 
 
 def test_device_options_refuse_a_missing_gpu_and_auto_falls_back() -> None:
@@ -78,8 +70,8 @@ def test_device_options_refuse_a_missing_gpu_and_auto_falls_back() -> None:
     with pytest.raises(ValueError, match="unknown device"):
         gpu.resolve("tpu")
     with pytest.raises(ValueError, match="threads must be a power of two"):
-        gpu.join_distances(np.zeros((4, 2), np.float32), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64),
-                           threads=3)
+        ids = np.zeros((1, 1), np.int64)
+        nndescent_cuda.join_distances(np.zeros((4, 2), np.float32), ids, ids, threads=3)
     if not gpu.available():
         with pytest.raises(ValueError, match="--device cuda: no CUDA GPU"):
             gpu.resolve("cuda")
@@ -109,12 +101,12 @@ def test_on_a_gpu_a_round_makes_the_same_lists_up_to_rounding() -> None:
     flags[flags == nk.FLAG_PROPOSED] = nk.FLAG_NEW
     owned = np.arange(5000, 10000, dtype=np.int64)
     _, _, new, old, _ = nk.nnd_sample(G.copy(), owned, k, k, 9, 0)
-    dists = gpu.join_distances(x, new, old)
+    dists = nndescent_cuda.join_distances(x, new, old)
     p, q = new[:, 0], new[:, 1]
     ok = (p >= 0) & (q >= 0)
     exact = ((x[p[ok]].astype(np.float64) - x[q[ok]]) ** 2).sum(1)
     np.testing.assert_allclose(dists[ok, 0, 1], exact, rtol=1e-4)
     cpu_G, gpu_G = G.copy(), G.copy()
     nk.nnd_round(x, cpu_G, owned, k, k, 9, 0, True, 64)
-    nk.nnd_round(x, gpu_G, owned, k, k, 9, 0, True, 64, gpu.join_distances)
+    nk.nnd_round(x, gpu_G, owned, k, k, 9, 0, True, 64, nndescent_cuda.join_distances)
     assert (cpu_G[:, :k] == gpu_G[:, :k]).mean() >= 0.99
