@@ -244,6 +244,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
 
 
 def _join_distances(option: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None:
+    """What computes a round's join distances in this process for ``--device option``: None is the CPU join."""
     return nndescent_cuda.join_distances if gpu.process_device(option) == "cuda" else None
 
 
@@ -475,8 +476,9 @@ class NNDescentPhase:
         """Account one completion; at the end of a round, stop or dispatch the next. True once converged."""
         v = result.value
         self._counts += np.asarray(v["counts"], np.int64)
-        if v.get("device") not in self.stats["devices"]:
-            self.stats["devices"] = sorted({*self.stats["devices"], v.get("device", "cpu")})
+        device = v.get("device", "cpu")
+        if device not in self.stats["devices"]:
+            self.stats["devices"] = sorted({*self.stats["devices"], device})
         if self.round < 0 and not self._refilling:
             self._owned[0] += int(v["owned"])
             self._owned[1] += int(v["owned_sum"])

@@ -467,8 +467,8 @@ def nnd_sample(G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Step 2 of a round (:func:`sample_candidates`) on the executor's copy ``G`` (marks made in place).
 
-    Returns ``(pos, touched, new, old, counts)``: what :func:`nnd_join` takes, with ``counts`` (see
-    :data:`COUNTERS`) holding the marks so far.
+    Returns ``(pos, touched, new, old, counts)``: what the join and the packing take (see
+    :func:`nnd_round`), with ``counts`` (:data:`COUNTERS`) holding the marks so far.
     """
     n = G.shape[0]
     counts = np.zeros(len(COUNTERS), np.int64)
@@ -479,33 +479,34 @@ def nnd_sample(G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd
     return pos, touched, new, old, counts
 
 
-@_jit
-def nnd_join(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, pos: np.ndarray, touched: np.ndarray,
-             new: np.ndarray, old: np.ndarray, counts: np.ndarray, use_filter: bool, block: int,
-             dists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 3 and 4 of a round after :func:`nnd_sample`: the local join (with the pair distances
-    ``dists`` a device computed, or empty) and the update to send, ``(blocks, deltas)``."""
-    box = empty_lists(1 if use_filter else G.shape[0], k)
-    local_join(data, G, box, k, pos, owned, new, old, use_filter, touched, counts, dists)
-    return pack_updates(G, box, k, pos, use_filter, touched, block, counts)
-
-
 #: ``dists`` of a join that computes its distances itself.
 NO_DISTANCES = np.zeros((0, 0, 0), np.float32)
 
 
 def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd: int,
               use_filter: bool, block: int, distances: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-              | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the graph (modified in place).
+              | None = None, chunk_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the graph (modified in place):
+    sample (:func:`nnd_sample`), join (:func:`local_join`), pack the update (:func:`pack_updates`).
 
-    ``distances(data, new, old)``, if given, computes every join pair's distance at once (a GPU:
-    :func:`apps.nndescent_cuda.join_distances`); the lists come out as without it, up to the
-    rounding of the distances. Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
+    ``distances(data, new, old)``, if given, computes the join pairs' distances of a run of owned
+    points at once (a GPU: :func:`apps.nndescent_cuda.join_distances`); the lists come out as
+    without it, up to the rounding of the distances. It is called on runs of owned points whose
+    distances fit in ``chunk_bytes`` (``8 mc^2`` bytes a point: 115 KB at ``mc`` = 120, HDBSCAN's
+    k = 60), joined in order, so the offers are the same as in one call.
+    Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
     """
     pos, touched, new, old, counts = nnd_sample(G, owned, k, mc, seed, rnd)
-    dists = NO_DISTANCES if distances is None else distances(data, new, old)
-    blocks, deltas = nnd_join(data, G, owned, k, pos, touched, new, old, counts, use_filter, block, dists)
+    box = empty_lists(1 if use_filter else G.shape[0], k)
+    if distances is None:
+        local_join(data, G, box, k, pos, owned, new, old, use_filter, touched, counts, NO_DISTANCES)
+    else:
+        run = max(1, int(chunk_bytes) // (8 * mc * mc))
+        for lo in range(0, len(owned), run):
+            part = slice(lo, lo + run)
+            local_join(data, G, box, k, pos, owned[part], new[part], old[part], use_filter, touched, counts,
+                       distances(data, new[part], old[part]))
+    blocks, deltas = pack_updates(G, box, k, pos, use_filter, touched, block, counts)
     return blocks, deltas, counts
 
 

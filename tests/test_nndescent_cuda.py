@@ -44,11 +44,11 @@ SIMULATED_CHECK = textwrap.dedent("""
                     assert dists[a, i, j] == ((x[p] - x[q]) ** 2).sum(), (a, i, j)
                     checked += 1
     assert checked > 60, checked
-    for use_filter in (True, False):
+    for use_filter, chunk in ((True, 64 << 20), (False, 64 << 20), (True, 5 * 8 * k * k)):  # last: runs of 5
         cpu_G, gpu_G = G.copy(), G.copy()
         cpu_out = nk.nnd_round(x, cpu_G, owned, k, k, 9, 0, use_filter, 8)
         gpu_out = nk.nnd_round(x, gpu_G, owned, k, k, 9, 0, use_filter, 8,
-                               lambda d, a, b: join_distances(d, a, b, threads=2))
+                               lambda d, a, b: join_distances(d, a, b, threads=2), chunk_bytes=chunk)
         assert np.array_equal(cpu_G, gpu_G), use_filter
         for c, g in zip(cpu_out, gpu_out):
             assert np.array_equal(c, g), use_filter
