@@ -12,15 +12,23 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+from typing import Any
 
 import litz
 
-try:  # numba.cuda imports without a GPU or a CUDA toolkit; it may be missing from a numba build
-    from numba import cuda
-except ImportError:  # pragma: no cover - depends on the numba build
-    cuda = None
-
 DEVICES = ("cpu", "cuda", "auto")
+
+
+@functools.cache
+def cuda_module() -> Any:
+    """``numba.cuda``, or None if this numba build has none. Imported on first use, not with the apps:
+    it costs about 60 ms, which every worker process would pay for nothing on the CPU. It imports
+    without a GPU or a CUDA toolkit."""
+    try:
+        from numba import cuda
+    except ImportError:  # pragma: no cover - depends on the numba build
+        return None
+    return cuda
 
 
 def simulated() -> bool:
@@ -30,6 +38,7 @@ def simulated() -> bool:
 
 def available() -> bool:
     """Whether this process can launch CUDA kernels (a GPU and its driver, or the simulator)."""
+    cuda = cuda_module()
     if cuda is None:
         return False
     try:
@@ -45,7 +54,7 @@ def resolve(device: str) -> str:
     if device == "auto":
         return "cuda" if available() else "cpu"
     if device == "cuda" and not available():
-        why = ("this numba has no CUDA support" if cuda is None else
+        why = ("this numba has no CUDA support" if cuda_module() is None else
                "no CUDA GPU is visible to this process (numba.cuda.is_available() is False; "
                "numba.cuda.detect() says why)")
         raise ValueError(f"--device cuda: {why}; use --device cpu or auto")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import litz
-from apps import gpu, mlr_cuda
+from apps import gpu
 from apps.datasets import load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
 from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
 from apps.options import require_at_least
@@ -162,6 +162,8 @@ class MLRExecutor(litz.Executor):
         W = full[: cfg["dim"] + 1]
         device = gpu.process_device(cfg.get("device", "cpu"))
         if device == "cuda":
+            from apps import mlr_cuda  # imported only where a GPU is wanted (apps/gpu.py)
+
             loss, correct = mlr_cuda.sgd_steps(W, self._device_rows(), chunk, cfg["batch_size"], args["lr"], cfg["l2"])
         else:
             loss, correct = sgd_steps(W, X, y, chunk, cfg["batch_size"], args["lr"], cfg["l2"])
@@ -169,8 +171,11 @@ class MLRExecutor(litz.Executor):
         self.ps.update_many("W", range(blocks), delta)
         return [loss, correct, len(chunk), device]
 
-    def _device_rows(self) -> mlr_cuda.DeviceRows:
-        """This executor's rows on the GPU, copied at its first task there (again if its input changed)."""
+    def _device_rows(self) -> Any:
+        """This executor's rows on the GPU (``apps.mlr_cuda.DeviceRows``), copied at its first task there
+        (again if its input changed)."""
+        from apps import mlr_cuda
+
         cached = getattr(self, "_gpu_rows", None)
         if cached is None or cached[0] is not self.input:
             X, y, _ = self.input

@@ -32,8 +32,10 @@ from typing import Any
 import numba
 import numpy as np
 
-from apps.gpu import cuda, simulated
+from apps.gpu import cuda_module, simulated
 from apps.mlr_kernels import _LOGIT_FLOOR, check_sgd_inputs
+
+cuda = cuda_module()  # the apps import this module only where a GPU is wanted
 
 #: Threads of the one block per task. A multiple of 32.
 THREADS = 256

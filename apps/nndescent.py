@@ -90,7 +90,7 @@ from typing import Any
 import numpy as np
 
 import litz
-from apps import gpu, nndescent_cuda
+from apps import gpu
 from apps import nndescent_kernels as nk
 from apps.options import require_at_least
 
@@ -245,7 +245,11 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
 
 def _join_distances(option: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None:
     """What computes a round's join distances in this process for ``--device option``: None is the CPU join."""
-    return nndescent_cuda.join_distances if gpu.process_device(option) == "cuda" else None
+    if gpu.process_device(option) != "cuda":
+        return None
+    from apps import nndescent_cuda  # imported only where a GPU is wanted (apps/gpu.py)
+
+    return nndescent_cuda.join_distances
 
 
 _GRAPH_BUFFER: list[np.ndarray] = []

@@ -35,7 +35,9 @@ from typing import Any
 import numba
 import numpy as np
 
-from apps.gpu import cuda, simulated
+from apps.gpu import cuda_module, simulated
+
+cuda = cuda_module()  # the apps import this module only where a GPU is wanted
 
 #: Threads per block (one block per owned point): one warp. A power of two.
 THREADS = 32
