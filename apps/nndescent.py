@@ -142,6 +142,9 @@ class KeepKNearest(litz.Combiner):
             acc[...] = work
         return acc
 
+    def warm_up(self) -> None:
+        nk.merge_lists(nk.empty_lists(1, self.k), nk.empty_lists(1, self.k), self.k)
+
     def merge_many(self, accs: list[np.ndarray], upds: np.ndarray) -> None:
         """All rows in one kernel call (a server merges thousands of blocks per round; a call per
         block costs about twice the kernel's time). Rows listed twice merge one at a time."""

@@ -119,6 +119,18 @@ def test_unknown_table_is_a_precise_task_error(etcd) -> None:
     assert "unknown table 'no_such_table'" in info.value.traceback
 
 
+def test_a_combiner_that_cannot_warm_up_stops_the_job_before_it_starts_and_names_the_table(etcd) -> None:
+    """Servers and workers warm every table's combiner when they receive the tables (its kernel is
+    then not loaded on the first update's path); a failure there is a start-up error naming the table."""
+    app = litz.App(testapps.CrashDriver, testapps.SumExecutor, num_executors=1, config={"crash_on": -1},
+                   tables=[litz.Table("ok", (1,)), litz.Table("fragile", (3,), combiner=testapps.BrokenWarmUp())])
+    with pytest.raises(litz.LitzError) as info:
+        litz.run(app, workers=1, servers=1, etcd=etcd.url)
+    message = str(info.value)
+    assert "table 'fragile'" in message and "failed to warm up" in message and "kernel library missing" in message
+    assert processes_mentioning(f"--etcd {etcd.url}") == []  # the job's processes are gone
+
+
 def test_embedded_cluster_starts_and_stops_its_own_etcd() -> None:
     job = f"embedded-{time.time_ns()}"
     res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, job=job)

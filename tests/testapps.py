@@ -664,3 +664,16 @@ class UnrestorableRowsExecutor(RowsExecutor):
 
     def restore_rows(self, rows: dict[int, np.ndarray]) -> None:
         raise RuntimeError("no restore today")
+
+
+class BrokenWarmUp(litz.Combiner):
+    """A combiner whose kernel cannot be prepared (``warm_up`` raises): the job must not start."""
+
+    name = "broken"
+
+    def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        acc += upd
+        return acc
+
+    def warm_up(self) -> None:
+        raise RuntimeError("kernel library missing")

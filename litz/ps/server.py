@@ -260,6 +260,8 @@ class ServerNode(Node):
     def on_init_server(self, msg: Message) -> None:
         try:
             tables = table_index(cloudpickle.loads(msg["tables"]))
+            for table in tables.values():
+                table.warm_up()
             self.store = ShardStore(tables, list(msg["shards"]), msg["num_shards"])
             if msg.get("restore"):
                 self.store.restore(msg["restore"])

@@ -55,6 +55,14 @@ class Combiner:
         """``apply_into`` for every row, in place (default: :meth:`merge_many`)."""
         self.merge_many(values, upds)
 
+    def warm_up(self) -> None:
+        """Prepare what the first merge would otherwise pay for (compile or load a kernel).
+
+        Servers and workers call it when they receive the tables, while the workers still load
+        their input, so the cost leaves the first round's path: a Numba kernel loaded from the
+        disk cache at the first update held NN-Descent's first completions back by 0.3 s. Default: nothing.
+        """
+
     @staticmethod
     def of(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str = "custom") -> Combiner:
         """A combiner from an associative function ``fn(a, b) -> combined`` (used to merge and to apply)."""
@@ -202,6 +210,14 @@ class Table:
         if not d >= 0:  # NaN or negative would corrupt the global ranking
             raise TableError(f"table {self.name!r}: distance function returned {d!r}, expected a number >= 0")
         return d
+
+    def warm_up(self) -> None:
+        """The combiner's :meth:`Combiner.warm_up`; a failure names the table."""
+        try:
+            self._combiner.warm_up()
+        except Exception as exc:
+            raise TableError(f"table {self.name!r}: combiner {self._combiner.name!r} failed to warm up: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
     @property
     def comb(self) -> Combiner:

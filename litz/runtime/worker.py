@@ -171,6 +171,8 @@ class Worker(Node):
             self.options.update(msg["options"])
             self.cache = ProcessCache(enabled=bool(self.options["cache"]))
             self.tables = table_index(cloudpickle.loads(msg["tables"]))
+            for table in self.tables.values():  # the update log merges with the combiners too
+                table.warm_up()
             self.num_shards = msg["num_shards"]
             self.shard_map = list(msg["shard_map"])
             self.app = cloudpickle.loads(msg["app"])
