@@ -6,7 +6,8 @@ executor computes millions per round. Everything else in a round (sampling the c
 merging offers into lists, packing the update) is branchy list work that stays on the CPU.
 
 So the GPU computes the distance of every pair the join will look at, in one kernel launch per
-task, and the CPU join (:func:`apps.nndescent_kernels.local_join`) then makes exactly the offers it
+run of owned points (as many as fit 64 MB of distances, :func:`apps.nndescent_kernels.nnd_round`),
+and the CPU join (:func:`apps.nndescent_kernels.local_join`) then makes exactly the offers it
 would have made, in the same order, reading the distances instead of computing them. The graph
 is the same as on the CPU up to the rounding of the distances (the GPU sums in another order).
 
@@ -19,7 +20,7 @@ dense, ``(m, mc, 2 mc)`` float32 (entries of invalid pairs are never read).
 
 **Data on the device.** Every executor holds the whole data set (:class:`apps.nndescent.NNDInput`);
 the executors of one worker process share one device copy, uploaded at the first task and kept
-while the host array lives (a memory map of the decoded cache, or the job's ordered points).
+until a task brings another host array (a new job's, or another data set).
 
 **Status.** Written and checked without a GPU: the tests run the kernel in Numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, real thread-block semantics in Python) and require the same lists as
