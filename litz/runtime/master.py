@@ -324,6 +324,13 @@ class MasterState:
         return out
 
 
+def _id_order(ident: str) -> tuple[str, int, str]:
+    """Process ids in a stable, human order: ``s2`` before ``s10`` (reports list several losses so)."""
+    stem = ident.rstrip("0123456789")
+    digits = ident[len(stem):]
+    return stem, int(digits) if digits else -1, ident
+
+
 def even_moves(where: dict[int, str], targets: list[str]) -> dict[str, list[int]]:
     """Moves (target -> items) that make the items' spread over ``targets`` even, moving few.
 
@@ -984,10 +991,11 @@ class Master:
                         [task.task_id, task.executor_id, task.version, task.args])
         self._restoring = None
         restored = tuple(sorted(i for part in rec.assign.values() for i in part))
-        self._recovered.append(Recovery(rec.role, tuple(rec.losts),
+        losts = tuple(sorted(rec.losts, key=_id_order))  # in id order, not the order the losses were noticed in
+        self._recovered.append(Recovery(rec.role, losts,
                                         restored if rec.role == "worker" else (),
                                         restored if rec.role == "server" else (), rec.source))
-        lost = ", ".join(rec.losts)
+        lost = ", ".join(losts)
         self.recoveries.append({"lost": lost, "role": rec.role, "strategy": "partial",
                                 "restored": len(restored), "restored_from": rec.source, "partials": rec.partials,
                                 "onto": sorted(rec.assign), "settled": rec.settled,
@@ -1066,7 +1074,7 @@ class Master:
             assert self._initial_driver is not None
             self._set_driver_state(driver, load_driver(self._initial_driver, driver)["driver"])
         onto = {st.shard_map[i] if role == "server" else st.placement[i] for role, i in moved}
-        self.recoveries.append({"lost": ", ".join(lost), "role": rb.role, "strategy": "full",
+        self.recoveries.append({"lost": ", ".join(sorted(lost, key=_id_order)), "role": rb.role, "strategy": "full",
                                 "restored": len(moved), "restored_from": where.get("path"), "onto": sorted(onto),
                                 "rolled_back_from_version": version_before, "rolled_back_to_version": st.version,
                                 "seconds": time.monotonic() - started, "time": time.time()})
