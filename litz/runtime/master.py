@@ -545,7 +545,7 @@ class Master:
         if self.recoveries:
             status["recoveries"] = self.recoveries[-5:]
         if self.lost:
-            status["lost"] = sorted(self.lost)
+            status["lost"] = sorted(self.lost, key=_id_order)
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = self.checkpoints.completed[-5:]
