@@ -577,3 +577,11 @@ def test_driver_checkpoints_keep_helpers_bound_to_the_live_driver() -> None:
     helper = saved["driver"]["helper"]
     assert helper.driver is live and helper.report.__self__ is live and helper.rounds == 3
     np.testing.assert_array_equal(saved["driver"]["values"], np.arange(4))
+
+
+def test_lost_processes_are_reported_in_id_order() -> None:
+    """Several processes lost at once are listed by id, whatever order their losses were noticed in
+    (a test compared 's2, s1' with 's1, s2' and failed in CI); numbers compare as numbers."""
+    from litz.runtime.master import _id_order
+
+    assert sorted(["s10", "w1", "s2", "s1"], key=_id_order) == ["s1", "s2", "s10", "w1"]
