@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,10 +96,6 @@ def run_in_cuda_simulator(script: str, done: str, timeout: float = 300) -> str:
     """Run ``script`` in a Python process of its own under Numba's CUDA simulator and require that it
     prints ``done``; returns its output. A process of its own because ``NUMBA_ENABLE_CUDASIM`` must be
     set before ``numba.cuda`` is imported, and then replaces it for the whole process."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
