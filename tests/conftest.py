@@ -110,7 +110,7 @@ def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, dict]:
             out["error"] = exc
             out["traceback"] = traceback.format_exc()
 
-    t = threading.Thread(target=body)
+    t = threading.Thread(target=body, daemon=True)  # a stalled job must not hold the interpreter at exit
     t.start()
     return t, out
 

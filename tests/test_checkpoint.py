@@ -139,7 +139,7 @@ def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -
         app.config.update(stop_after=60.0, stop_file=str(stop))
         job = jobs[name] = f"ckcmd-{name}-{time.time_ns()}"
         t = threading.Thread(target=lambda a=app, j=job, c=ckpt, n=name: out.update(
-            {n: litz.run(a, workers=1, servers=1, job=j, checkpoint_dir=c)}))
+            {n: litz.run(a, workers=1, servers=1, job=j, checkpoint_dir=c)}), daemon=True)
         t.start()
         out[f"{name}-thread"] = t
     try:
@@ -301,8 +301,8 @@ def test_litz_stop_after_a_checkpoint_then_resume_goes_on_exactly(tmp_path: Path
     app.driver = testapps.TimedMigratingDriver
     app.config.update(stop_after=60.0, stop_file=str(done_file))
     with_dir, without = f"stop-ck-{time.time_ns()}", f"stop-plain-{time.time_ns()}"
-    runners = [threading.Thread(target=run, args=(app, with_dir), kwargs={"checkpoint_dir": ckpt}),
-               threading.Thread(target=run, args=(app, without))]
+    runners = [threading.Thread(target=run, args=(app, with_dir), kwargs={"checkpoint_dir": ckpt}, daemon=True),
+               threading.Thread(target=run, args=(app, without), daemon=True)]
     for t in runners:
         t.start()
     try:

@@ -24,7 +24,8 @@ def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
     app = litz.App(testapps.SlowDriver, testapps.SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=5,
                    config={"stop_after": 6.0})
     out: dict = {}
-    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=2, servers=2, job=job)))
+    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=2, servers=2, job=job)),
+                              daemon=True)
     runner.start()
     env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path))
     try:

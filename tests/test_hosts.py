@@ -90,7 +90,7 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
             except BaseException as exc:  # reported below
                 out["error"] = exc
 
-        t = threading.Thread(target=body)
+        t = threading.Thread(target=body, daemon=True)
         t.start()
         try:
             _until(lambda: job_status(job, etcd.url)["master"].get("phase") == "running", "the job to start")
