@@ -96,12 +96,40 @@ def etcd() -> Iterator[LocalEtcd]:
         server.stop()
 
 
-def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, dict]:
-    """Run ``litz.run(app, **kw)`` on a thread (while the test scales, kills, ...); the dict
-    gets ``res`` (the JobResult) or ``error`` (the exception)."""
+class JobOutcome(dict):
+    """What :func:`run_in_thread` fills in: ``res`` (the JobResult) or ``error`` and ``traceback``.
+
+    Reading ``res`` before it exists says why instead of a bare KeyError: the job failed (with
+    its traceback), or it is still running after the test stopped waiting (with its last status),
+    which is what a stalled recovery looks like on a slow machine."""
+
+    def __init__(self, job: object) -> None:
+        super().__init__()
+        self.job = job
+        self.thread: threading.Thread | None = None
+
+    def __missing__(self, key: str) -> object:
+        if key != "res":
+            raise KeyError(key)
+        if "error" in self:
+            raise AssertionError(f"job {self.job} failed: {self['error']!r}\n{self.get('traceback', '')}")
+        if self.thread is not None and self.thread.is_alive():
+            from litz.cli import job_status
+
+            try:
+                seen: object = job_status(str(self.job))["master"] if self.job else "no job name"
+            except Exception as exc:  # the status itself may be what is broken
+                seen = exc
+            raise AssertionError(f"job {self.job} is still running; its master reports {seen!r}")
+        raise AssertionError(f"job {self.job} ended without a result or an error")
+
+
+def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, JobOutcome]:
+    """Run ``litz.run(app, **kw)`` on a thread (while the test scales, kills, ...); the
+    :class:`JobOutcome` gets ``res`` (the JobResult) or ``error`` (the exception)."""
     import litz
 
-    out: dict = {}
+    out = JobOutcome(kw.get("job"))
 
     def body() -> None:
         try:
@@ -110,9 +138,9 @@ def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, dict]:
             out["error"] = exc
             out["traceback"] = traceback.format_exc()
 
-    t = threading.Thread(target=body, daemon=True)  # a stalled job must not hold the interpreter at exit
-    t.start()
-    return t, out
+    out.thread = threading.Thread(target=body, daemon=True)  # a stalled job must not hold the interpreter at exit
+    out.thread.start()
+    return out.thread, out
 
 
 def status_when(job: str, cond: Callable[[dict], Any], timeout: float = 120.0, out: dict | None = None) -> dict:
