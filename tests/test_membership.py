@@ -324,7 +324,7 @@ def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
               "e = LocalEtcd(); e.start(); print(e.pid, e.data_dir.parent, flush=True)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
+                          env={**os.environ, "LITZ_ETCD_TMPDIR": str(tmp_path)})
     assert proc.returncode == -9, proc.stderr
     pid, left = int(proc.stdout.split()[0]), Path(proc.stdout.split()[1])
     assert left.parent == tmp_path and (left / "data").is_dir()
@@ -344,6 +344,26 @@ def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert remove_orphaned_dirs(str(tmp_path)) == [str(left)]  # its owner is dead; the live ones stay
     assert not left.exists() and all(d.is_dir() for d in live)
+
+
+def test_local_etcd_data_goes_to_memory_when_it_fits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A throw-away etcd needs no disk, and fsyncs on a busy one delay lease renewals: its data goes
+    to /dev/shm when that has a gigabyte free, else to the temporary directory; an explicit
+    LITZ_ETCD_TMPDIR wins."""
+    import tempfile
+
+    from litz.runtime import etcd_server
+
+    monkeypatch.delenv("LITZ_ETCD_TMPDIR", raising=False)
+    monkeypatch.setattr(etcd_server, "_SHM", str(tmp_path))
+    assert etcd_server.data_parent() == str(tmp_path)
+    monkeypatch.setattr(etcd_server, "_SHM_MIN_FREE", 1 << 62)  # too small to hold it
+    assert etcd_server.data_parent() == tempfile.gettempdir()
+    monkeypatch.setattr(etcd_server, "_SHM", str(tmp_path / "missing"))
+    monkeypatch.setattr(etcd_server, "_SHM_MIN_FREE", 1)
+    assert etcd_server.data_parent() == tempfile.gettempdir()
+    monkeypatch.setenv("LITZ_ETCD_TMPDIR", str(tmp_path / "chosen"))
+    assert etcd_server.data_parent() == str(tmp_path / "chosen")
 
 
 def test_lease_ttl_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

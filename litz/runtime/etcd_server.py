@@ -1,10 +1,11 @@
 """A private, throw-away etcd server for tests, examples and single-machine jobs.
 
 Litz detects failures through etcd lease expiry, so every test of membership and fault tolerance needs a
-real etcd.  ``LocalEtcd`` starts one on free loopback ports in a fresh temporary data directory, with short
-Raft timeouts so that it elects itself leader (and therefore answers) within a fraction of a second, and
-removes everything again on ``stop()``.  ``restart()`` keeps the data directory and the ports, so tests can
-check that a job survives its etcd going away for a moment.
+real etcd.  ``LocalEtcd`` starts one on free loopback ports in a fresh temporary data directory (in
+memory where it can: :func:`data_parent`), with short Raft timeouts so that it elects itself leader (and
+therefore answers) within a fraction of a second, and removes everything again on ``stop()``.
+``restart()`` keeps the data directory and the ports, so tests can check that a job survives its etcd
+going away for a moment.
 """
 
 from __future__ import annotations
@@ -150,6 +151,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_SHM = "/dev/shm"
+_SHM_MIN_FREE = 1 << 30  # etcd preallocates 64 MB of WAL; leave room for several servers and the job
+
+
+def data_parent() -> str:
+    """Where a local etcd keeps its data: ``$LITZ_ETCD_TMPDIR``, else memory (``/dev/shm``) when it has
+    a gigabyte free, else the temporary directory.
+
+    A private etcd is thrown away when its job ends, so it gains nothing from a disk, and etcd waits
+    for an fsync on every write: on a slow or busy disk, lease renewals then miss their deadlines
+    and live processes are declared lost. tmpfs makes fsync free. A small ``/dev/shm`` (a container
+    default is 64 MB) would not hold the write-ahead log, hence the check.
+    """
+    chosen = os.environ.get("LITZ_ETCD_TMPDIR")
+    if chosen:
+        return chosen
+    try:
+        st = os.statvfs(_SHM)
+        if st.f_bavail * st.f_frsize >= _SHM_MIN_FREE and os.access(_SHM, os.W_OK | os.X_OK):
+            return _SHM
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
 def remove_orphaned_dirs(parent: str | None = None) -> list[str]:
     """Delete the data directories of local etcds whose owning process is gone; the paths removed.
 
@@ -158,7 +184,7 @@ def remove_orphaned_dirs(parent: str | None = None) -> list[str]:
     PID in ``owner.pid``; one whose owner no longer exists is left over and goes. Directories without
     that file (another version's, or one being created) are left alone.
     """
-    parent = parent or tempfile.gettempdir()
+    parent = parent or data_parent()
     removed = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(_DIR_PREFIX)]
@@ -259,8 +285,9 @@ class LocalEtcd:
         if self.pid is not None:
             return
         if self._tmpdir is None:
-            remove_orphaned_dirs()
-            self._tmpdir = tempfile.mkdtemp(prefix=_DIR_PREFIX)
+            parent = data_parent()
+            remove_orphaned_dirs(parent)
+            self._tmpdir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=parent)
             Path(self._tmpdir, _OWNER_FILE).write_text(f"{os.getpid()}\n")
             self._client_port, self._peer_port = _free_loopback_ports(2, self._host)
             self._finalizer = weakref.finalize(self, _finalize, self._proc_box, self._tmpdir)
