@@ -358,19 +358,43 @@ def _list_jobs(as_json: bool) -> int:
     return 0
 
 
-def _command(mem: Any, key: str, command: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+class JobEnded(LitzError):
+    """The job ended after a command was written, before its answer could be read."""
+
+
+def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: float) -> dict[str, Any] | None:
     """Write a command for the master (``command["id"]`` names it) and wait for its answer
-    under ``commands/result/<id>``; None if none came before ``deadline``."""
+    under ``commands/result/<id>``; None if none came before ``deadline``.
+
+    The answer is watched, not polled: a job that stops on the command takes its private etcd
+    with it a few milliseconds after answering. Should the answer still be missed, a local
+    job's etcd gone and its record removed (the launcher removes it before stopping etcd) mean
+    the job ended: JobEnded, so ``litz stop`` can tell that from a job that does not answer."""
     import time
 
+    from litz.errors import EtcdUnreachable
+    from litz.runtime import jobs
     from litz.runtime.elastic import RESULTS
 
+    answer = f"{RESULTS}{command['id']}"
+    mem.watch_prefix(answer)
     mem.put(key, {**command, "time": time.time()})
-    while (result := mem.get(f"{RESULTS}{command['id']}")) is None:
+    while True:
+        for ev in mem.wait_events(max(0.0, min(0.5, deadline - time.monotonic()))):
+            if ev.key == answer and ev.kind == "put" and ev.value:
+                return ev.value
+        try:
+            if (result := mem.get(answer)) is not None:  # a missed event, or a watch that lost its etcd
+                return result
+        except EtcdUnreachable:
+            try:
+                jobs.lookup(job)
+            except LitzError:
+                raise JobEnded(f"job {job} ended before its answer to command {command['id']} could be read "
+                               "(its etcd is gone)") from None
+            raise
         if time.monotonic() > deadline:
             return None
-        time.sleep(0.05)
-    return result
 
 
 def scale(argv: list[str]) -> int:
@@ -401,7 +425,7 @@ def scale(argv: list[str]) -> int:
             kind, want = next((k, v) for k, v in (("workers", args.workers), ("servers", args.servers),
                                                    ("drain_host", args.drain_host)) if v is not None)
             deadline = time.monotonic() + args.timeout
-            result = _command(mem, SCALE_KEY, {"id": cid, kind: want}, deadline)
+            result = _command(mem, args.job, SCALE_KEY, {"id": cid, kind: want}, deadline)
             if result is None or not result["ok"]:
                 print(f"litz: scale refused: {result['reason']}" if result else
                       f"litz: the master did not answer scale command {cid} in {args.timeout:.0f} s", file=sys.stderr)
@@ -436,7 +460,7 @@ def _ask_master(job: str, etcd: str | None, key: str, fields: dict[str, Any],
     cid = _secrets.token_hex(4)
     url = etcd or jobs.lookup(job)["etcd"]
     with Membership(url, job) as mem:
-        return cid, _command(mem, key, {"id": cid, **fields}, time.monotonic() + timeout)
+        return cid, _command(mem, job, key, {"id": cid, **fields}, time.monotonic() + timeout)
 
 
 def _answered(result: dict[str, Any] | None, *, late: str, refused: str, done: str) -> int:
@@ -490,6 +514,9 @@ def stop(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         cid, result = _ask_master(args.job, args.etcd, STOP_KEY, {"checkpoint": args.checkpoint}, args.timeout)
+    except JobEnded as exc:  # what was asked for: the job no longer runs (its own answer was lost with its etcd)
+        print(f"litz: {exc}")
+        return 0
     except LitzError as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return 1

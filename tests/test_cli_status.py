@@ -128,3 +128,47 @@ def test_an_application_that_raises_is_reported_with_its_own_traceback(tmp_path:
     if heading.startswith("cannot load"):  # a half-imported module is not left behind
         assert "broken_app" not in sys.modules
     sys.modules.pop("broken_app", None)
+
+
+def test_a_command_whose_job_ends_with_its_etcd_is_told_from_an_unreachable_etcd(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """The CLI watches for the master's answer (a job stopping on it takes its private etcd along
+    milliseconds later). If the etcd is gone before an answer was read: a job whose local record
+    was removed has ended (JobEnded, which `litz stop` counts as done); one still recorded is an
+    unreachable etcd, an error."""
+    from litz.cli import JobEnded, _command
+    from litz.errors import EtcdUnreachable
+    from litz.runtime import jobs
+    from litz.runtime.etcd_server import LocalEtcd
+    from litz.runtime.membership import Membership
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+
+    def master(url: str) -> None:  # answers the command once it appears, as the job's master does
+        with Membership(url, "cmd") as m:
+            while (cmd := m.get("commands/stop")) is None:
+                time.sleep(0.01)
+            m.put(f"commands/result/{cmd['id']}", {"ok": True, "reason": "stopped on request"})
+
+    with LocalEtcd() as etcd, Membership(etcd.url, "cmd") as cli:
+        answering = threading.Thread(target=master, args=(etcd.url,), daemon=True)
+        answering.start()
+        answer = _command(cli, "cmd", "commands/stop", {"id": "a1"}, time.monotonic() + 20)
+        assert answer is not None and answer["ok"] and answer["reason"] == "stopped on request"
+        answering.join(10)
+
+    for recorded, expected in ((False, JobEnded), (True, EtcdUnreachable)):
+        etcd = LocalEtcd()
+        etcd.start()
+        try:
+            jobs.record("cmd", etcd.url)
+            with Membership(etcd.url, "cmd") as cli:
+                if not recorded:
+                    jobs.forget("cmd")
+                threading.Timer(0.3, etcd.stop).start()  # nobody answers; the etcd goes away
+                with pytest.raises(expected) as info:
+                    _command(cli, "cmd", "commands/stop", {"id": "a2"}, time.monotonic() + 60)
+                assert expected is not JobEnded or "job cmd ended before its answer to command a2" in str(info.value)
+        finally:
+            etcd.stop()
+            jobs.forget("cmd")

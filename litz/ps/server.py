@@ -9,7 +9,6 @@ the message is affected (an item is applied whole or not at all).
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Hashable
 from typing import Any
 
@@ -19,7 +18,7 @@ import numpy as np
 from litz.errors import LitzError, TableError
 from litz.ft import storage
 from litz.ps.tables import Table, lookup, shard_of, table_index
-from litz.runtime.node import Node, main
+from litz.runtime.node import Node, exit_process, main
 from litz.runtime.protocol import Message
 
 log = logging.getLogger(__name__)
@@ -527,4 +526,4 @@ class ServerNode(Node):
 
 
 if __name__ == "__main__":
-    sys.exit(main(ServerNode))
+    exit_process(main(ServerNode))

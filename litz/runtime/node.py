@@ -267,6 +267,33 @@ def kill_job_process(pid: int, ident: str, job: str) -> bool:
     return True
 
 
+def exit_process(code: int, flush_timeout: float = 2.0) -> None:
+    """End a worker or server process that has closed its node, skipping the interpreter's teardown.
+
+    Python's own exit took about 120 ms more per process (unloading gRPC, NumPy, Numba and
+    friends), and the launcher waits for every process before a job returns. What that teardown
+    did which matters is done here first: ZeroMQ delivers what is still queued (the context is
+    terminated, bounded by the sockets' linger, and by ``flush_timeout`` should a socket have been
+    left open), logging and the standard streams are flushed. The node already left etcd in
+    ``close()``.
+    """
+    done = threading.Event()
+
+    def term() -> None:
+        zmq.Context.instance().term()
+        done.set()
+
+    threading.Thread(target=term, name="litz-zmq-term", daemon=True).start()
+    done.wait(flush_timeout)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing left to save
+            pass
+    os._exit(code)
+
+
 def die_with_parent() -> None:
     """Ask Linux to kill this process when the launcher that started it dies (no orphans)."""
     parent = os.environ.get("LITZ_PARENT_PID")

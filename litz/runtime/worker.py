@@ -14,7 +14,6 @@ has waited longer than the flush interval.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import traceback
 from collections import deque
@@ -33,7 +32,7 @@ from litz.ft.checkpoint import RowSaves, RowScoring
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
-from litz.runtime.node import Node, main, proc_key
+from litz.runtime.node import Node, exit_process, main, proc_key
 from litz.runtime.protocol import Message, pack_object, unpack_object
 
 log = logging.getLogger(__name__)
@@ -901,4 +900,4 @@ class Worker(Node):
 
 
 if __name__ == "__main__":
-    sys.exit(main(Worker))
+    exit_process(main(Worker))
