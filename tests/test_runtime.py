@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -135,6 +136,22 @@ def test_embedded_cluster_starts_and_stops_its_own_etcd() -> None:
     job = f"embedded-{time.time_ns()}"
     res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, job=job)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    assert processes_mentioning(job) == []
+
+
+def test_an_embedded_etcd_that_cannot_start_is_reported_and_nothing_is_left(tmp_path, monkeypatch) -> None:
+    """The job's processes start while its private etcd comes up; if etcd then fails, the error
+    quotes etcd's log and the processes already started are stopped at once."""
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\nsleep 0.3\necho 'etcdmain: listen tcp: address already in use' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    job = f"no-etcd-{time.time_ns()}"
+    started = time.monotonic()
+    with pytest.raises(litz.ConfigError) as info:
+        litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=2, servers=1, job=job)
+    assert "exited with code 3" in str(info.value) and "address already in use" in str(info.value)
+    assert time.monotonic() - started < 4.5  # not the processes' own 5 s wait for etcd
     assert processes_mentioning(job) == []
 
 

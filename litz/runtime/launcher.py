@@ -84,7 +84,7 @@ class LocalCluster:
         try:
             self.start()
         except BaseException:
-            self.stop()
+            self.stop(timeout=0.0)  # nothing started to finish: the children are terminated at once
             raise
         return self
 
@@ -93,17 +93,22 @@ class LocalCluster:
 
     def start(self) -> None:
         if self.etcd_url is None:
+            # The processes start while etcd comes up: they retry their first connection for a few
+            # seconds, and their imports take about as long as etcd's start, so neither waits for the other.
             self._etcd = LocalEtcd()
-            self._etcd.start()
+            self._etcd.start(wait=False)
             self.etcd_url = self._etcd.url
-        self._agent = Membership(self.etcd_url, self.job)
-        self._agent.start()
         if not self.join:  # a joining host's agent must not overwrite the job's own record
-            jobs.record(self.job, self.etcd_url)
             for i in range(self.servers):
                 self._spawn("litz.ps.server", f"s{i}")
             for i in range(self.workers):
                 self._spawn("litz.runtime.worker", f"w{i}")
+        if self._etcd is not None:
+            self._etcd.wait_ready()
+        self._agent = Membership(self.etcd_url, self.job)
+        self._agent.start()
+        if not self.join:
+            jobs.record(self.job, self.etcd_url)
         self._agent.watch_prefix(f"{AGENTS}{self.node}/")
         self._agent.register(proc_key("agent", self.node), {
             "role": "agent", "id": f"agent-{self.node}", "host": self.node,
