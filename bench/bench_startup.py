@@ -1,0 +1,112 @@
+"""How long a job takes to start and to end, phase by phase (``python bench/bench_startup.py``).
+
+A job of 20 empty tasks on 2 workers and 1 server, run repeatedly, with its private etcd
+(``litz launch`` without ``--etcd``) and with an etcd already running (``--etcd URL``). Each
+phase is timed from the start of ``litz.run``:
+
+- ``cluster``: the launcher spawned the processes (and, embedded, started etcd);
+- ``registered``: every process registered in etcd (its Python imports are most of this);
+- ``ready``: the servers and workers received the tables and the application;
+- ``finished``: the driver finished;
+- ``returned``: the processes exited and ``litz.run`` returned.
+
+``--compare PATH`` runs the same measurement with the Litz checkout at PATH, alternating with
+this one in separate processes, and prints the ratio of the medians (this machine is shared:
+only side-by-side numbers compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
+    """Run the trivial job ``repeats`` times (after one warm-up run); each phase's times in seconds."""
+    import litz
+    from litz.runtime import launcher, master
+    from litz.runtime.etcd_server import LocalEtcd
+    from tests import testapps
+
+    marks: dict[str, float] = {}
+    t0 = [0.0]
+
+    def mark_after(cls: type, name: str, label: str) -> None:
+        original = getattr(cls, name)
+
+        def timed(self: object, *args: object, **kwargs: object) -> object:
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                marks[label] = time.perf_counter() - t0[0]
+
+        setattr(cls, name, timed)
+
+    mark_after(launcher.LocalCluster, "start", "cluster")
+    mark_after(master.Master, "_wait_for_processes", "registered")
+    mark_after(master.Master, "_initialise", "ready")
+    mark_after(master.Master, "run", "finished")
+    phases: dict[str, list[float]] = {k: [] for k in ("cluster", "registered", "ready", "finished", "returned")}
+    etcd = None if embedded else LocalEtcd()
+    try:
+        if etcd is not None:
+            etcd.start()
+        kw = {} if etcd is None else {"etcd": etcd.url}
+        for i in range(repeats + 1):
+            marks.clear()
+            t0[0] = time.perf_counter()
+            litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=2, servers=1, **kw)
+            marks["returned"] = time.perf_counter() - t0[0]
+            if i:  # the first run warms the caches
+                for k in phases:
+                    phases[k].append(marks[k])
+    finally:
+        if etcd is not None:
+            etcd.stop()
+    return phases
+
+
+def child(root: str, repeats: int, embedded: bool) -> dict[str, list[float]]:
+    """``measure`` in a fresh Python process importing Litz from ``root``."""
+    env = {**os.environ, "PYTHONPATH": root}
+    code = (f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); "
+            f"import bench_startup; print(json.dumps(bench_startup.measure({repeats}, {embedded})))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(label: str, phases: dict[str, list[float]]) -> None:
+    cells = "  ".join(f"{k} {statistics.median(v) * 1e3:4.0f}" for k, v in phases.items())
+    print(f"{label:<28} median ms: {cells}  (min returned {min(phases['returned']) * 1e3:.0f})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3, help="alternations with --compare")
+    p.add_argument("--compare", metavar="PATH", help="another Litz checkout to run side by side")
+    args = p.parse_args()
+    for embedded in (True, False):
+        kind = "private etcd" if embedded else "etcd already running"
+        if not args.compare:
+            report(kind, child(str(ROOT), args.repeats, embedded))
+            continue
+        for _ in range(args.rounds):
+            this = child(str(ROOT), args.repeats, embedded)
+            other = child(args.compare, args.repeats, embedded)
+            report(f"{kind}, this", this)
+            report(f"{kind}, {Path(args.compare).name}", other)
+            ratio = statistics.median(other["returned"]) / statistics.median(this["returned"])
+            print(f"  {Path(args.compare).name} / this = {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
