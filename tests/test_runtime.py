@@ -132,6 +132,22 @@ def test_a_combiner_that_cannot_warm_up_stops_the_job_before_it_starts_and_names
     assert processes_mentioning(f"--etcd {etcd.url}") == []  # the job's processes are gone
 
 
+def test_a_process_stuck_in_its_initialisation_is_named_with_its_stack(etcd) -> None:
+    """A process that registered but never answers the initialisation is not waited for for ever:
+    the error names it and shows where it is stuck (its stack, printed into its log on SIGUSR1)."""
+    from litz.runtime.master import StartupTimeout
+
+    app = litz.App(testapps.CrashDriver, testapps.SumExecutor, num_executors=1, config={"crash_on": -1},
+                   tables=[litz.Table("slow", (3,), combiner=testapps.StuckWarmUp())])
+    job = f"stuck-{time.time_ns()}"
+    with pytest.raises(StartupTimeout) as info:
+        litz.run(app, workers=1, servers=1, etcd=etcd.url, job=job, startup_timeout=3)
+    message = str(info.value)
+    assert info.value.silent == ["s0"] and "no answer from s0)" in message
+    assert "the log of s0 ends with" in message and "in warm_up" in message  # its stack, down to the sleep
+    assert processes_mentioning(job) == []
+
+
 def test_embedded_cluster_starts_and_stops_its_own_etcd() -> None:
     job = f"embedded-{time.time_ns()}"
     res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, job=job)

@@ -6,6 +6,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from typing import Any
 
@@ -677,3 +678,13 @@ class BrokenWarmUp(litz.Combiner):
 
     def warm_up(self) -> None:
         raise RuntimeError("kernel library missing")
+
+
+class StuckWarmUp(BrokenWarmUp):
+    """A combiner whose preparation never ends on server s0 (the job must not wait for ever)."""
+
+    name = "stuck"
+
+    def warm_up(self) -> None:
+        if "s0" in sys.argv:  # the launcher starts it with ``--id s0``
+            time.sleep(600)

@@ -33,7 +33,7 @@ from litz.ft.checkpoint import CheckpointCoordinator
 from litz.runtime import jobs, security
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
-from litz.runtime.master import Master, Resume
+from litz.runtime.master import Master, Resume, StartupTimeout
 from litz.runtime.membership import Membership, lease_ttl
 from litz.runtime.node import proc_key
 from litz.runtime.transport import check_bind_host, host_name
@@ -133,6 +133,24 @@ class LocalCluster:
         self.children[ident] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=errlog,
                                                 start_new_session=True)
         errlog.close()
+
+    def stacks(self, idents: list[str], settle: float = 0.5) -> str:
+        """Have the running children among ``idents`` print every thread's stack into their logs
+        (SIGUSR1; see node.main) and return the logs' ends: why processes that did not answer were stuck."""
+        asked = [i for i in idents if i in self.children and self.children[i].poll() is None]
+        for ident in asked:
+            self.children[ident].send_signal(signal.SIGUSR1)
+        if asked:
+            time.sleep(settle)  # faulthandler writes from a signal handler: give it a moment
+        return "\n".join(f"--- the log of {ident} ends with:\n{self.log_tail(ident, 60)}"
+                         for ident in idents if ident in self.children)
+
+    def kill(self, idents: list[str]) -> None:
+        """SIGKILL the children among ``idents`` (processes known to be stuck)."""
+        for ident in idents:
+            proc = self.children.get(ident)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
 
     def log_tail(self, ident: str, lines: int = 15) -> str:
         try:
@@ -284,6 +302,10 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                 # the job as `litz stop` does: after a checkpoint if it has a checkpoint directory
                 with _on_sigterm(master.request_stop):
                     return master.run(driver)
+        except StartupTimeout as exc:  # what were they doing? their stacks, from their logs
+            stacks = cluster.stacks(exc.silent)
+            cluster.kill(exc.silent)  # stuck: waiting for them to leave would only add seconds
+            raise StartupTimeout(f"{exc}\n{stacks}", exc.silent) from None
         finally:
             cluster._stopping = True
             membership.close()

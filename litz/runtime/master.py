@@ -388,6 +388,19 @@ class _Restoring:
     partials: list[str] = field(default_factory=list)  # partial checkpoints applied after it
 
 
+class WaitTimeout(LitzError):
+    """The master waited longer than allowed for processes to answer."""
+
+
+class StartupTimeout(WaitTimeout):
+    """Some processes registered but never answered the initialisation; ``silent`` names them, so the
+    launcher can add what they were doing (their stacks, from their logs) to the report."""
+
+    def __init__(self, message: str, silent: list[str]) -> None:
+        super().__init__(message)
+        self.silent = silent
+
+
 class _Rollback(BaseException):  # noqa: N818 - a control-flow signal, not an error
     """A process died and the job recovers by rolling everything back (``--recovery full``).
 
@@ -452,6 +465,7 @@ class Master:
         self._replies: dict[int, Message] = {}
         self._deferred: list[Message] = []
         self._byes: dict[str, dict[str, Any]] = {}
+        self._unresponsive: set[str] = set()  # never answered the initialisation: not waited for again
         self._stats: dict[int, dict[str, Any]] = {}
         self._last_health = 0.0
         self._last_status = 0.0
@@ -588,7 +602,7 @@ class Master:
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise LitzError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
+                raise WaitTimeout(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
             for msg in self._poll(100):
                 handle(msg)
 
@@ -692,10 +706,16 @@ class Master:
             else:
                 self._handle_aside(msg)
 
-        self._wait(lambda: len(ready) == len(workers) + len(servers),
-                   lambda: "workers and servers to initialise (no answer from "
-                           + ", ".join(sorted({*workers, *servers} - ready.keys(), key=_id_order)) + ")",
-                   self.startup_timeout, on_msg)
+        def silent() -> list[str]:
+            return sorted({*workers, *servers} - ready.keys(), key=_id_order)
+
+        try:
+            self._wait(lambda: len(ready) == len(workers) + len(servers),
+                       lambda: f"workers and servers to initialise (no answer from {', '.join(silent())})",
+                       self.startup_timeout, on_msg)
+        except WaitTimeout as exc:
+            self._unresponsive.update(silent())  # the shutdown does not wait for their goodbyes
+            raise StartupTimeout(str(exc), silent()) from None
         failures = [m.get("error") for m in ready.values() if m.get("error")]
         if failures:
             raise LitzError("initialisation failed:\n" + "\n".join(failures))
@@ -1574,7 +1594,7 @@ class Master:
 
     def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
         """Tell every process to leave and wait (briefly) for their goodbyes."""
-        targets = [p for p in self.procs if p != "master" and p not in self._byes
+        targets = [p for p in self.procs if p != "master" and p not in self._byes and p not in self._unresponsive
                    and self.procs[p].get("role") in ("worker", "server")]
         for p in targets:
             try:

@@ -9,6 +9,7 @@ membership thread and wake the loop through a pipe; nothing here blocks on etcd.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import queue
@@ -326,6 +327,9 @@ def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("LITZ_LOG_LEVEL", "WARNING"))
     args = parser.parse_args(argv)
     die_with_parent()
+    # SIGUSR1 prints every thread's stack to stderr (the process's log): how the launcher shows
+    # where a process that stopped answering is stuck
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.id} %(levelname)s %(name)s: %(message)s")
     try:
