@@ -176,9 +176,10 @@ class Worker(Node):
             self.shard_map = list(msg["shard_map"])
             self.app = cloudpickle.loads(msg["app"])
             self.num_executors = msg["num_executors"]
-            if self.options.get("checkpoint_dir"):  # the first checkpoint must not wait for Arrow's set-up
-                self.in_background(storage.warm_up, lambda _r, _e: None)
             saved = self._saved_states(msg["restore"], msg["executors"]) if msg.get("restore") else {}
+            if self.options.get("checkpoint_dir"):  # the first checkpoint must not wait for Arrow's set-up
+                # after the restore's reads, not beside them: Arrow's first use is not made from two threads
+                self.in_background(storage.warm_up, lambda _r, _e: None)
             for eid in msg["executors"]:
                 self.slots[eid] = Slot(self._make_executor(eid, saved[eid]) if eid in saved
                                        else self._make_executor(eid))
