@@ -148,6 +148,37 @@ def test_a_process_stuck_in_its_initialisation_is_named_with_its_stack(etcd) -> 
     assert processes_mentioning(job) == []
 
 
+def test_an_init_that_overtakes_the_masters_registration_event_is_answered(etcd) -> None:
+    """ZeroMQ can deliver the master's init before etcd's watch delivers the master's registration
+    (the process took its snapshot of the registrations before the master registered, as when the
+    processes start while etcd comes up): the process reads the registrations then, and its answer
+    reaches the master instead of failing for want of an address."""
+    import cloudpickle
+
+    from litz.ps.server import ServerNode
+    from litz.runtime.membership import Membership
+    from litz.runtime.node import proc_key
+    from litz.runtime.protocol import Message
+    from litz.runtime.transport import Endpoint
+
+    job = f"overtake-{time.time_ns()}"
+    node = ServerNode("s0", job, etcd.url)
+    node.start()  # its snapshot of the registrations holds no master
+    master = Endpoint("master")
+    try:
+        with Membership(etcd.url, job) as mem:
+            mem.register(proc_key("master", "master"), {"id": "master", "addr": master.address, "role": "master"})
+            assert "master" not in node.endpoint.peers  # the loop is not running: the watch event waits
+            node.dispatch(Message("init_server", {"tables": cloudpickle.dumps([litz.Table("t", (2,))]),
+                                                  "shards": [0, 1], "num_shards": 2, "master": "master"}, "master"))
+            assert master.router.poll(5000), "the answer never came"
+            reply = master.recv()
+            assert reply is not None and reply.type == "ready" and reply.get("error") is None
+    finally:
+        master.close()
+        node.close()
+
+
 def test_embedded_cluster_starts_and_stops_its_own_etcd() -> None:
     job = f"embedded-{time.time_ns()}"
     res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, job=job)

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import zmq
 
-from litz.errors import ConfigError
+from litz.errors import ConfigError, LitzError
 from litz.ft import storage
 from litz.runtime import security
 from litz.runtime.membership import Event, Membership
@@ -60,6 +60,7 @@ class Node:
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
         self.fenced: set[str] = set()  # processes declared lost: their messages are dropped
+        self._looked_up: set[str] = set()  # unknown senders already looked up in etcd (see dispatch)
         self.stopping = False
         self.exit_code = 0
         self.poller = zmq.Poller()
@@ -81,6 +82,22 @@ class Node:
             "role": self.role, "id": self.ident, "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
         })
+
+    def _look_up_peers(self, sender: str) -> None:
+        """Read every registration now: a message came from a process whose registration event
+        has not reached us yet, and the answer needs its address.
+
+        The master registers and then sends ``init_*``; a process that took its snapshot of the
+        registrations before that learns the master from the watch, and ZeroMQ can deliver the
+        init before etcd delivers the event. etcd's reads are linearizable, so a registration
+        made before the message was sent is seen. Once per unknown sender: a stranger's
+        messages do not cost a read each."""
+        self._looked_up.add(sender)
+        try:
+            for key, value in self.membership.get_prefix(PROCS).items():
+                self._learn(key, value)
+        except LitzError as exc:  # the handler's answer will fail and say so; the process goes on
+            log.warning("%s: cannot look up the address of %s: %s", self.ident, sender, exc)
 
     def _learn(self, key: str, value: dict | None) -> None:
         if value and "addr" in value and "id" in value:
@@ -158,6 +175,8 @@ class Node:
                 self.dispatch(msg)
 
     def dispatch(self, msg: Message) -> None:
+        if msg.sender not in self.endpoint.peers and msg.sender not in self._looked_up:
+            self._look_up_peers(msg.sender)
         if msg.sender in self.fenced:
             log.debug("%s: dropped %r from %s, which was declared lost", self.ident, msg.type, msg.sender)
             return
