@@ -22,20 +22,11 @@ from pathlib import Path
 import pytest
 
 from litz.errors import ConfigError, EtcdUnreachable, LitzError
-from litz.runtime.etcd_server import LocalEtcd, find_etcd_binary
+from litz.runtime.etcd_server import LocalEtcd, find_etcd_binary, pid_alive
 from litz.runtime.membership import Event, Membership
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "testjob"
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (LocalEtcd reaps its child, so no zombie remains)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _free_port() -> int:
@@ -78,7 +69,7 @@ def etcd() -> Iterator[LocalEtcd]:
         server.stop()
         server.stop()  # idempotent
         assert server.pid is None
-        assert pid is None or not _pid_alive(pid), f"etcd pid {pid} still running"
+        assert pid is None or not pid_alive(pid), f"etcd pid {pid} still running"
         assert not tmp.exists()
 
 

@@ -30,7 +30,7 @@ from typing import IO
 
 from litz.errors import ConfigError
 
-__all__ = ["LocalEtcd", "find_etcd_binary"]
+__all__ = ["LocalEtcd", "data_parent", "find_etcd_binary", "pid_alive", "remove_orphaned_dirs"]
 
 _log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ _DIR_PREFIX = "litz-etcd-"
 _OWNER_FILE = "owner.pid"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` exists (it may belong to another user: then it exists too)."""
     try:
         os.kill(pid, 0)
@@ -223,7 +223,7 @@ def remove_orphaned_dirs(parent: str | None = None) -> list[str]:
             owner = int(Path(path, _OWNER_FILE).read_text().strip())
         except (OSError, ValueError):
             continue
-        if owner != os.getpid() and not _pid_alive(owner):
+        if owner != os.getpid() and not pid_alive(owner):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:
