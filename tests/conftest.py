@@ -19,20 +19,19 @@ import pytest
 from litz.runtime.etcd_server import LocalEtcd
 
 
+def _cmdline(pid: int | str) -> str | None:
+    """The command line of process ``pid`` as one string, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
 def processes_mentioning(text: str) -> list[int]:
     """PIDs whose command line contains ``text`` (to find leftovers of a job)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            out.append(int(pid))
-    return out
+    return [int(pid) for pid in os.listdir("/proc")
+            if pid.isdigit() and int(pid) != os.getpid() and text in (_cmdline(pid) or "")]
 
 
 def descendants(root: int | None = None) -> dict[int, str]:
@@ -53,11 +52,10 @@ def descendants(root: int | None = None) -> dict[int, str]:
     todo = list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                found[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
+        cmd = _cmdline(pid)
+        if cmd is None:
             continue
+        found[pid] = cmd
         todo.extend(children.get(pid, []))
     return found
 

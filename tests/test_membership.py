@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from litz.errors import ConfigError, EtcdUnreachable, LitzError
-from litz.runtime.etcd_server import LocalEtcd, find_etcd_binary, pid_alive
+from litz.runtime.etcd_server import LocalEtcd, find_etcd_binary
+from litz.runtime.jobs import pid_alive
 from litz.runtime.membership import Event, Membership
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,8 +29,9 @@ from types import TracebackType
 from typing import IO
 
 from litz.errors import ConfigError
+from litz.runtime.jobs import pid_alive
 
-__all__ = ["LocalEtcd", "data_parent", "find_etcd_binary", "pid_alive", "remove_orphaned_dirs"]
+__all__ = ["LocalEtcd", "data_parent", "find_etcd_binary", "remove_orphaned_dirs"]
 
 _log = logging.getLogger(__name__)
 
@@ -165,17 +166,6 @@ def _finalize(proc_box: list[subprocess.Popen[bytes] | None], tmpdir: str) -> No
 
 _DIR_PREFIX = "litz-etcd-"
 _OWNER_FILE = "owner.pid"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (it may belong to another user: then it exists too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _SHM = "/dev/shm"

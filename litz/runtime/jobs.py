@@ -53,14 +53,15 @@ def local_jobs() -> list[dict[str, Any]]:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(int(rec.get("pid", 0))):
+        if pid_alive(int(rec.get("pid", 0))):
             out.append(rec)
         else:
             path.unlink(missing_ok=True)
     return out
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (someone else's counts: it exists)."""
     if pid <= 0:
         return False
     try:

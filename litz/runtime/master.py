@@ -714,8 +714,9 @@ class Master:
                        lambda: f"workers and servers to initialise (no answer from {', '.join(silent())})",
                        self.startup_timeout, on_msg)
         except WaitTimeout as exc:
-            self._unresponsive.update(silent())  # the shutdown does not wait for their goodbyes
-            raise StartupTimeout(str(exc), silent()) from None
+            stuck = silent()
+            self._unresponsive.update(stuck)  # the shutdown does not wait for their goodbyes
+            raise StartupTimeout(str(exc), stuck) from None
         failures = [m.get("error") for m in ready.values() if m.get("error")]
         if failures:
             raise LitzError("initialisation failed:\n" + "\n".join(failures))
