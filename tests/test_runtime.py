@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -269,3 +271,11 @@ def test_bad_job_sizes_are_refused_before_anything_starts(sizes: dict, message: 
     app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
     with pytest.raises(litz.ConfigError, match=re.escape(message)):
         litz.run(app, **sizes)
+
+
+def test_workers_and_servers_load_pyarrow_only_for_checkpoints() -> None:
+    # pyarrow costs every process 35-60 ms at start; only checkpoints and restores need it
+    code = ("import sys, litz.runtime.worker, litz.ps.server; "
+            "print(sorted(m for m in sys.modules if m.startswith('pyarrow')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

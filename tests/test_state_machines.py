@@ -78,6 +78,26 @@ def test_table_checks_keys_shapes_and_dtypes() -> None:
         table_index([t, Table("W", (1,))])
 
 
+@pytest.mark.parametrize("keys, error", [
+    ([3, 0, 2], None), (np.array([1, 3]), None), ([np.int64(2), 1], None), ([], None),
+    ([0, 4, 1], "key 4 out of range"), ([1, -1], "key -1 out of range"),
+    (np.array([0, 9]), "key 9 out of range"), ([0, True], "key True is a bool"),
+    ([1, "a"], "bad key 'a'"), ([1, 2.0], "bad key 2.0"),
+])
+def test_check_keys_of_many_keys_is_check_key_of_each(keys: object, error: str | None) -> None:
+    # lists of plain ints take a one-test path; every other list, and a bad one, goes key by key
+    t = Table("W", (2,), num_rows=4)
+    if error is None:
+        got = t.check_keys(keys)
+        assert got == [t.check_key(k) for k in keys] and all(type(k) is int for k in got)
+        assert got is not keys  # a new list: the caller's may change later
+    else:
+        with pytest.raises(TableError, match=error):
+            t.check_keys(keys)
+    free = Table("F", (2,))  # no num_rows: any int, and strings
+    assert free.check_keys([5, -3, 10**12]) == [5, -3, 10**12] and free.check_keys(["x", 1]) == ["x", 1]
+
+
 def test_initializers_are_pure_functions_of_the_key() -> None:
     t = Table("E", (5,), init=("normal", 0.1), seed=3)
     np.testing.assert_array_equal(t.initial_row(7), t.initial_row(7))
@@ -176,6 +196,29 @@ def test_update_log_add_many_equals_one_add_at_a_time() -> None:
         assert one.updates_in == many.updates_in == 140
 
 
+def test_update_log_add_many_of_new_keys_then_merges() -> None:
+    # a call whose keys are all new and distinct is stored as one copy (each row a view of it):
+    # later merges into some rows must change those rows alone, and the caller's array never
+    rng = np.random.default_rng(5)
+    for combiner in ("add", "assign", "max"):
+        t = Table("t", (2, 3), "float32", combiner=combiner)
+        one, many = UpdateLog(), UpdateLog()
+        for step in range(12):
+            n = 10 if step % 3 == 0 else 4
+            keys = rng.permutation(16)[:n].tolist()  # distinct; new ones only right after a drain
+            deltas = rng.normal(size=(n, 2, 3))
+            before = deltas.copy()
+            for key, d in zip(keys, deltas, strict=True):
+                one.add(t, key, d)
+            many.add_many(t, keys, deltas)
+            np.testing.assert_array_equal(deltas, before)
+            assert one.nbytes == many.nbytes
+            if step % 4 == 3:
+                a, b = one.drain()["t"], many.drain()["t"]
+                assert a[0] == b[0]
+                np.testing.assert_array_equal(np.stack(a[1]), np.stack(b[1]))
+
+
 def test_update_log_copies_the_callers_array() -> None:
     t = Table("a", (2,))
     log = UpdateLog()
@@ -206,6 +249,9 @@ def test_shard_store_refuses_bad_items_and_keeps_the_rest() -> None:
     values, errs = store.handle_get([["s", [0, 1, 4]], ["s", [3]]])
     assert errs[0] is None and values[0].tolist() == [[3, 3], [1, 1], [2, 2]]
     assert "shard 3" in errs[1]
+    values, errs = store.handle_get([["s", [5, 9, 2]]])  # 5 and 9 are new here, 2 is elsewhere
+    assert "key 2: shard 2 is not on this server" in errs[0]
+    assert 5 not in store.shards[1]["s"] and 9 not in store.shards[1]["s"]  # a refused read creates no row
 
 
 # -- master bookkeeping ---------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import cloudpickle
 import numpy as np
 
 from litz.errors import LitzError, TableError
-from litz.ft import storage
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.runtime.node import Node, exit_process, main
 from litz.runtime.protocol import Message
@@ -42,8 +41,11 @@ class ShardStore:
         self.saved: dict[tuple[str, Hashable], np.ndarray] = {}
         self.saved_round: dict[tuple[str, Hashable], int] = {}
 
-    def split(self, keys: list[Hashable]) -> tuple[list[int], dict[str, list[int]]]:
-        """Positions of keys served here, and of keys whose shard moved (grouped by new server)."""
+    def split(self, keys: list[Hashable]) -> tuple[list[int] | None, dict[str, list[int]]]:
+        """Positions of keys served here (None: all of them), and of keys whose shard moved
+        (grouped by new server)."""
+        if not self.forward:  # nothing ever moved away: the common case needs no look at the keys
+            return None, {}
         local: list[int] = []
         remote: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
@@ -52,7 +54,7 @@ class ShardStore:
                 local.append(i)
             else:
                 remote.setdefault(dest, []).append(i)
-        return local, remote
+        return (None if len(local) == len(keys) else local), remote
 
     def extract(self, shards: list[int], dest: str) -> list[list[Any]]:
         """Remove shards for migration: ``[table, shard, keys, stacked rows]`` per non-empty table.
@@ -106,6 +108,8 @@ class ShardStore:
     def restore(self, where: dict[str, Any], only: set[int] | None = None) -> None:
         """Load this server's shards' rows from a checkpoint: the base, then each partial one
         after it (SCAR), in order. Every file is read; rows of shards hosted elsewhere are skipped."""
+        from litz.ft import storage  # only here and where checkpoints are written (see litz.runtime.node)
+
         fs, _ = storage.filesystem(where["location"])
         restored = []
         for path, files in [(where["path"], where["files"]), *where.get("partials", [])]:
@@ -145,27 +149,36 @@ class ShardStore:
                 out[i] = round_ - self.saved_round[(name, key)]
         return entries, out
 
-    def _rows(self, table: Table, key: Hashable) -> dict[Hashable, np.ndarray]:
-        shard = shard_of(key, self.num_shards)
-        tables = self.shards.get(shard)
-        if tables is None:
-            raise TableError(f"table {table.name!r} key {key!r}: shard {shard} is not on this server")
-        return tables[table.name]
-
-    def _row(self, table: Table, key: Hashable) -> np.ndarray:
-        rows = self._rows(table, key)
-        row = rows.get(key)
-        if row is None:
-            row = rows[key] = table.initial_row(key)
-        return row
+    def _stored(self, table: Table, keys: list[Hashable]) -> list[np.ndarray]:
+        """The stored rows of checked keys (created on first touch), in order; raises, before
+        anything is created, if a key's shard is not here. One loop with nothing called per
+        key but dict lookups: a request's keys all pass through it."""
+        n, shards, name = self.num_shards, self.shards, table.name
+        per_key = []
+        for key in keys:
+            shard = key % n if type(key) is int else shard_of(key, n)
+            tables = shards.get(shard)
+            if tables is None:
+                raise TableError(f"table {name!r} key {key!r}: shard {shard} is not on this server")
+            per_key.append(tables[name])
+        out = []
+        for key, rows in zip(keys, per_key, strict=True):
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = table.initial_row(key)
+            out.append(row)
+        return out
 
     def get(self, table_name: Any, keys: list[Any]) -> np.ndarray:
         """The rows for ``keys`` stacked into one array (n, *row_shape)."""
         table = lookup(self.tables, table_name)
-        keys = table.check_keys(keys)
+        return self.get_checked(table, table.check_keys(keys))
+
+    def get_checked(self, table: Table, keys: list[Hashable]) -> np.ndarray:
+        """``get`` of keys already checked by ``table.check_keys``."""
         out = np.empty((len(keys), *table.shape), table.dtype)
-        for i, key in enumerate(keys):
-            out[i] = self._row(table, key)
+        for i, row in enumerate(self._stored(table, keys)):
+            out[i] = row
         self.gets += len(keys)
         return out
 
@@ -175,9 +188,11 @@ class ShardStore:
         keys = table.check_keys(keys)
         if not isinstance(deltas, np.ndarray):
             raise TableError(f"table {table.name!r}: deltas must be an array, got {type(deltas).__name__}")
-        deltas = table.check_delta(deltas, n=len(keys), what="update")
-        rows = [self._row(table, key) for key in keys]  # raises before anything is applied
-        table.comb.apply_many(rows, deltas)
+        self.update_checked(table, keys, table.check_delta(deltas, n=len(keys), what="update"))
+
+    def update_checked(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
+        """``update`` of keys and deltas already checked by the table."""
+        table.comb.apply_many(self._stored(table, keys), deltas)  # raises before anything is applied
         self.updates += len(keys)
 
     def handle_get(self, items: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -266,6 +281,8 @@ class ServerNode(Node):
                 self.store.restore(msg["restore"])
             self.master = msg["master"]
             if msg.get("checkpoints"):
+                from litz.ft import storage
+
                 self.in_background(storage.warm_up, lambda _r, _e: None)
             self.endpoint.send(msg.sender, "ready", role=self.role)
         except Exception as exc:
@@ -295,20 +312,22 @@ class ServerNode(Node):
                 keys = table.check_keys(keys)
                 local, remote = store.split(keys)
                 if kind == "get":
-                    if len(local) == len(keys):  # the common case: no second copy of a big read
-                        pend.values[i] = store.get(table.name, keys)
+                    if local is None:  # the common case: no second copy of a big read
+                        pend.values[i] = store.get_checked(table, keys)
                     else:
                         out = np.empty((len(keys), *table.shape), table.dtype)
                         if local:
-                            out[local] = store.get(table.name, [keys[j] for j in local])
+                            out[local] = store.get_checked(table, [keys[j] for j in local])
                         pend.values[i] = out
                 else:
                     deltas = item[2]
                     if not isinstance(deltas, np.ndarray):
                         raise TableError(f"table {table.name!r}: deltas must be an array")
                     deltas = table.check_delta(deltas, n=len(keys), what="update")
-                    if local:
-                        store.update(table.name, [keys[j] for j in local], deltas[local])
+                    if local is None:
+                        store.update_checked(table, keys, deltas)
+                    elif local:
+                        store.update_checked(table, [keys[j] for j in local], deltas[local])
                 for dest, idx in remote.items():
                     sub = [table.name, [keys[j] for j in idx]]
                     if kind == "update":
@@ -444,6 +463,8 @@ class ServerNode(Node):
         rows = [(name, shard, key, store.shards[shard][name][key].copy())
                 for name, shard, key in (entries[i] for i in msg["rows"]) if shard in store.shards]
         store.remember(rows, msg["cid"])
+        from litz.ft import storage
+
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow", lambda fs, path: storage.write_shards(fs, path, rows))
 
     # -- SCAR partial recovery --------------------------------------------------------------------
@@ -504,6 +525,8 @@ class ServerNode(Node):
         """Copy every row now (training resumes at once), write the copy in the background."""
         rows = self._store().rows_snapshot()
         self._store().remember(rows, msg["cid"])
+        from litz.ft import storage
+
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow",
                              lambda fs, path: storage.write_shards(fs, path, rows))
 

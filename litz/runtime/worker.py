@@ -27,7 +27,6 @@ import numpy as np
 
 from litz.api import Executor, ParameterServer, StateRows
 from litz.errors import LitzError, TableError
-from litz.ft import storage
 from litz.ft.checkpoint import RowSaves, RowScoring
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
@@ -179,6 +178,8 @@ class Worker(Node):
             saved = self._saved_states(msg["restore"], msg["executors"]) if msg.get("restore") else {}
             if self.options.get("checkpoint_dir"):  # the first checkpoint must not wait for Arrow's set-up
                 # after the restore's reads, not beside them: Arrow's first use is not made from two threads
+                from litz.ft import storage
+
                 self.in_background(storage.warm_up, lambda _r, _e: None)
             for eid in msg["executors"]:
                 self.slots[eid] = Slot(self._make_executor(eid, saved[eid]) if eid in saved
@@ -193,6 +194,8 @@ class Worker(Node):
     @staticmethod
     def _saved_states(where: dict[str, Any], executors: list[int]) -> dict[int, list[Any]]:
         """States of ``executors`` from a checkpoint, as [state, None] (their input is reloaded)."""
+        from litz.ft import storage
+
         fs, _ = storage.filesystem(where["location"])
         out: dict[int, list[Any]] = {}
         for name in where["files"]:
@@ -208,6 +211,8 @@ class Worker(Node):
     def _saved_rows(where: dict[str, Any], executors: list[int]) -> dict[int, dict[int, np.ndarray]]:
         """Rows of ``executors``' states saved by the partial checkpoints after the base
         (``where["partials"]``, oldest first: a later copy of a row replaces an earlier one)."""
+        from litz.ft import storage
+
         fs, _ = storage.filesystem(where["location"])
         out: dict[int, dict[int, np.ndarray]] = {}
         for path, files in where.get("partials", []):
@@ -305,6 +310,8 @@ class Worker(Node):
         states = {eid: cloudpickle.dumps(slot.executor.get_state()) for eid, slot in self.slots.items()}
         for eid in self.slots:
             self._remember_rows(eid, msg["cid"])
+        from litz.ft import storage
+
         self.checkpoint_part(msg, f"executors-{self.ident}.arrow",
                              lambda fs, path: storage.write_executors(fs, path, states))
 
@@ -380,6 +387,8 @@ class Worker(Node):
             out.append((eid, mine, rows))
             if len(mine) and eid in self.slots and eid in self.row_saves:
                 self.row_saves[eid].remember(rows, mine, msg["cid"])
+        from litz.ft import storage
+
         self.checkpoint_part(msg, f"executor-rows-{self.ident}.arrow",
                              lambda fs, path: storage.write_executor_rows(fs, path, out))
 
@@ -434,10 +443,8 @@ class Worker(Node):
         try:
             for name, keys in slot.executor.prefetch(task.args) or ():
                 table = self.table(name)
-                for key in table.check_keys(keys):
-                    if self.cache.prefetch(table.name, key, task.version):
-                        server = self.shard_map[shard_of(key, self.num_shards)]
-                        self._to_fetch.setdefault(server, {}).setdefault(table.name, []).append((key, task.version))
+                self._queue_fetches(table.name, [key for key in table.check_keys(keys)
+                                                 if self.cache.prefetch(table.name, key, task.version)], task.version)
         except Exception as exc:  # a hint must never cost the task anything: it fetches as usual
             log.warning("%s: executor %d's prefetch hint for task %d was ignored: %s: %s", self.ident,
                         task.executor_id, task.task_id, type(exc).__name__, exc)
@@ -588,23 +595,19 @@ class Worker(Node):
         task = self.current
         if task is None:
             raise LitzError("ps.get called outside a micro-task")
-        version = task.version
-        out: list[Any] = [None] * len(keys)
-        wait: _Wait | None = None
-        for i, key in enumerate(keys):
-            value = self.cache.lookup(table.name, key, version)
-            if value is not None:
-                out[i] = value
-                continue
-            if wait is None:
-                wait = _Wait(greenlet.getcurrent(), task)
+        version, name, lookup = task.version, table.name, self.cache.lookup
+        out: list[Any] = [lookup(name, key, version) for key in keys]
+        missing = [key for key, value in zip(keys, out, strict=True) if value is None]
+        if not missing:
+            return out
+        wait = _Wait(greenlet.getcurrent(), task)
+        request, fetch = self.cache.request, []
+        for key in missing:
             if key not in wait.pending:
                 wait.pending.add(key)
-                if self.cache.request(table.name, key, version, wait):
-                    server = self.shard_map[shard_of(key, self.num_shards)]
-                    self._to_fetch.setdefault(server, {}).setdefault(table.name, []).append((key, version))
-        if wait is None:
-            return out
+                if request(name, key, version, wait):
+                    fetch.append(key)
+        self._queue_fetches(name, fetch, version)
         self.hub.switch()  # the hub resumes us once every key arrived or a fetch failed
         if wait.error is not None:
             raise TableError(wait.error)
@@ -622,6 +625,16 @@ class Worker(Node):
             self._send_updates({table.name: (keys, list(deltas))})
 
     # -- hub: fetches ---------------------------------------------------------------------
+    def _owners(self, keys: list[Hashable]) -> list[str]:
+        """The server of each key's shard, in one pass (every key fetched or updated goes through it)."""
+        smap, n = self.shard_map, self.num_shards
+        return [smap[k % n] if type(k) is int else smap[shard_of(k, n)] for k in keys]
+
+    def _queue_fetches(self, name: str, keys: list[Hashable], version: int) -> None:
+        """Fetch these keys of table ``name`` at ``version`` with the next ``_send_fetches``."""
+        for key, server in zip(keys, self._owners(keys), strict=True):
+            self._to_fetch.setdefault(server, {}).setdefault(name, []).append((key, version))
+
     def _send_fetches(self) -> None:
         for server, by_table in self._to_fetch.items():
             self._rid += 1
@@ -677,6 +690,7 @@ class Worker(Node):
         if record is None:
             log.warning("%s: get_reply for unknown request %r", self.ident, msg["rid"])
             return
+        fill = self.cache.fill
         for (name, keys, versions), values, error in zip(record, msg["values"], msg["errors"], strict=True):
             for j, key in enumerate(keys):
                 if error is not None:
@@ -684,7 +698,7 @@ class Worker(Node):
                         wait.error = f"fetch of table {name!r} key {key!r} failed: {error}"
                         self._resume(wait)
                     continue
-                for wait, value in self.cache.fill(name, key, values[j], versions[j]):
+                for wait, value in fill(name, key, values[j], versions[j]):
                     wait.values[key] = value
                     wait.pending.discard(key)
                     if not wait.pending:
@@ -707,11 +721,15 @@ class Worker(Node):
         """Split update items ``[table, keys, rows]`` by the server that owns each key's shard."""
         by_server: dict[str, list[Any]] = {}
         for name, keys, rows in items:
+            owners = self._owners(keys)
             groups: dict[str, tuple[list[Hashable], list[np.ndarray]]] = {}
-            for key, row in zip(keys, rows, strict=True):
-                g = groups.setdefault(self.shard_map[shard_of(key, self.num_shards)], ([], []))
-                g[0].append(key)
-                g[1].append(row)
+            if owners and owners.count(owners[0]) == len(owners):  # one server (always, with one)
+                groups[owners[0]] = (keys, rows)
+            else:
+                for key, row, owner in zip(keys, rows, owners, strict=True):
+                    g = groups.setdefault(owner, ([], []))
+                    g[0].append(key)
+                    g[1].append(row)
             step = self._rows_per_frame(name)
             for server, (gkeys, grows) in groups.items():
                 for lo in range(0, len(gkeys), step):
@@ -759,8 +777,7 @@ class Worker(Node):
             del self._sent_to[rid]
             if rid in self._fetching:
                 for name, keys, versions in self._fetching.pop(rid):
-                    for key, version in zip(keys, versions, strict=True):
-                        owner = self.shard_map[shard_of(key, self.num_shards)]
+                    for key, version, owner in zip(keys, versions, self._owners(keys), strict=True):
                         self._to_fetch.setdefault(owner, {}).setdefault(name, []).append((key, version))
             elif rid in self._update_items:
                 orig = self._replaces.pop(rid, rid)
