@@ -1,0 +1,66 @@
+"""The scripts in examples/ run as documented and compute what they say they compute."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import litz
+from litz.cli import load_app_module
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_sum_adds_every_partition_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    module = load_app_module(str(EXAMPLES / "sum.py"))
+    res = litz.run(module.app, workers=2, servers=1)
+    assert res.value.tolist() == [499500.0]  # every update counted once, none lost
+    assert res.tasks_completed == 8
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "sum 499500"
+
+
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_ssp_regression_recovers_the_true_weights(staleness: int) -> None:
+    module = load_app_module(str(EXAMPLES / "ssp_regression.py"))
+    app = module.make_app(["--iterations", "60", "--staleness", str(staleness), "--quiet"])
+    res = litz.run(app, workers=2, servers=1, num_executors=4)
+    truth = module.true_weights(app.config)
+    assert res.tasks_completed == 60 * 4
+    # noise 0.1 over 40,000 rows: least squares itself is about 0.001 away; untrained weights are 1.0 away
+    assert res.value["error"] < 0.01, res.value["error"]
+    np.testing.assert_allclose(res.value["weights"], truth, atol=0.02)
+
+
+@pytest.mark.parametrize("workers, argv", [
+    (2, ["--points", "3000", "--queries", "30", "--k", "6"]),
+    (1, ["--points", "12", "--queries", "4", "--k", "5"]),  # fewer points per executor than k
+])
+def test_nearest_merges_partial_answers_into_the_exact_neighbours(workers: int, argv: list[str]) -> None:
+    module = load_app_module(str(EXAMPLES / "nearest.py"))
+    app = module.make_app([*argv, "--quiet"])
+    res = litz.run(app, workers=workers, servers=2)
+    assert res.value["agree"] == app.config["queries"]
+
+
+def test_the_combiner_keeps_the_k_nearest_distinct_ids_in_any_order() -> None:
+    module = load_app_module(str(EXAMPLES / "nearest.py"))
+    k = 3
+    empty = module.empty_row(None, (2 * k,), np.float64)
+    a = np.array([1.0, 4.0, np.inf, 7, 9, -1])
+    b = np.array([1.0, 2.0, 3.0, 7, 8, 5])  # offers 7 again, at the same distance
+    ab, ba = module.keep_k_nearest(a, b), module.keep_k_nearest(b, a)
+    np.testing.assert_array_equal(ab, [1.0, 2.0, 3.0, 7, 8, 5])
+    np.testing.assert_array_equal(ab, ba)
+    np.testing.assert_array_equal(module.keep_k_nearest(ab, ab), ab)  # idempotent
+    np.testing.assert_array_equal(module.keep_k_nearest(empty, a), a)  # the empty row is the identity
+
+
+def test_examples_run_from_the_command_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "litz.cli", "launch", str(EXAMPLES / "sum.py"), "--workers", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "sum 499500"
