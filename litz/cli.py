@@ -147,6 +147,25 @@ def _launch_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _split_launch_args(argv: list[str]) -> tuple[str, argparse.Namespace, list[str]] | str:
+    """``(APP.py, litz options, app options)`` of ``litz launch`` arguments, or what is wrong.
+
+    Litz options may come before the application file as well as after it (``litz launch --job
+    x app.py --epochs 3``); after it, what Litz does not know is the application's."""
+    parser = _launch_parser()
+    at = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
+    if at is None:
+        if argv[0].startswith("-"):
+            return f"name the application file (APP.py) to run; got only options {' '.join(argv)}"
+        at = 0  # not a .py name: loading it will say what it is
+    before, unknown = parser.parse_known_args(argv[:at])
+    if unknown:
+        return (f"unknown option(s) before {argv[at]}: {' '.join(unknown)} (the application's own options "
+                "go after its file)")
+    opts, app_argv = parser.parse_known_args(argv[at + 1:], namespace=before)
+    return argv[at], opts, app_argv
+
+
 def _process_env(opts: argparse.Namespace) -> None:
     """Settings every process of this host reads from its environment (they inherit it)."""
     import os
@@ -165,8 +184,11 @@ def launch(argv: list[str]) -> int:
         return 0
     if "--join" in argv:
         return _join(argv)
-    path, rest = argv[0], argv[1:]
-    opts, app_argv = _launch_parser().parse_known_args(rest)
+    parsed = _split_launch_args(argv)
+    if isinstance(parsed, str):
+        print(f"litz launch: {parsed}", file=sys.stderr)
+        return 2
+    path, opts, app_argv = parsed
     opts.workers = 2 if opts.workers is None else opts.workers
     opts.servers = 1 if opts.servers is None else opts.servers
     _process_env(opts)

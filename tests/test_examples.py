@@ -59,8 +59,19 @@ def test_the_combiner_keeps_the_k_nearest_distinct_ids_in_any_order() -> None:
     np.testing.assert_array_equal(module.keep_k_nearest(empty, a), a)  # the empty row is the identity
 
 
-def test_examples_run_from_the_command_line() -> None:
-    out = subprocess.run([sys.executable, "-m", "litz.cli", "launch", str(EXAMPLES / "sum.py"), "--workers", "1"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "sum 499500"
+def _litz(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "litz.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_examples_run_from_the_command_line_with_litz_options_before_or_after_the_file() -> None:
+    script = str(EXAMPLES / "ssp_regression.py")
+    for argv in (["launch", script, "--workers", "1", "--iterations", "4"],
+                 ["launch", "--workers", "1", "--executors", "3", script, "--iterations", "4", "--servers", "2"]):
+        out = _litz(*argv)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1].startswith("weight error")
+        assert f"{4 * (3 if '--executors' in argv else 8)} micro-tasks" in out.stderr  # litz options were applied
+    wrong = _litz("launch", "--iterations", "4", script)  # the app's options go after its file
+    assert wrong.returncode == 2 and "unknown option(s) before" in wrong.stderr and "--iterations 4" in wrong.stderr
+    bare = _litz("launch", "--workers", "1")
+    assert bare.returncode == 2 and "name the application file" in bare.stderr
