@@ -122,12 +122,17 @@ class JobOutcome(dict):
         raise AssertionError(f"job {self.job} ended without a result or an error")
 
 
+_OUTCOMES: dict[str, JobOutcome] = {}  # job name -> its run_in_thread outcome, for status_when
+
+
 def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, JobOutcome]:
     """Run ``litz.run(app, **kw)`` on a thread (while the test scales, kills, ...); the
     :class:`JobOutcome` gets ``res`` (the JobResult) or ``error`` (the exception)."""
     import litz
 
     out = JobOutcome(kw.get("job"))
+    if isinstance(kw.get("job"), str):
+        _OUTCOMES[str(kw["job"])] = out
 
     def body() -> None:
         try:
@@ -144,17 +149,22 @@ def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, JobOutco
 def status_when(job: str, cond: Callable[[dict], Any], timeout: float = 120.0, out: dict | None = None) -> dict:
     """Poll ``litz status`` of ``job`` until ``cond(status)`` holds; the status then.
 
-    ``out`` is the dict of :func:`run_in_thread`: a job that already failed is reported at
-    once with its traceback. A time-out says what was last seen (the phase, or the error of
-    the last status read), so a job that never started is told from one that stalled."""
+    ``out`` is the dict of :func:`run_in_thread` (found by the job's name when not given): a job
+    that already failed is reported at once with its traceback, and one that ended without
+    meeting the condition at once too. A time-out says what was last seen (the phase, or the
+    error of the last status read), so a job that never started is told from one that stalled."""
     from litz.cli import job_status
     from litz.errors import LitzError
 
+    out = out if out is not None else _OUTCOMES.get(job)
     deadline = time.monotonic() + timeout
     last: object = "no status read yet"
     while time.monotonic() < deadline:
         if out is not None and "error" in out:
             raise AssertionError(f"job {job} failed: {out['error']!r}\n{out.get('traceback', '')}")
+        if out is not None and "res" in out:
+            raise AssertionError(f"job {job} ended (with a result) before the condition was met; "
+                                 f"last seen: {last!r}")
         try:
             st = job_status(job)
             last = st["master"]
