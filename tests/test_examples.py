@@ -75,3 +75,17 @@ def test_examples_run_from_the_command_line_with_litz_options_before_or_after_th
     assert wrong.returncode == 2 and "unknown option(s) before" in wrong.stderr and "--iterations 4" in wrong.stderr
     bare = _litz("launch", "--workers", "1")
     assert bare.returncode == 2 and "name the application file" in bare.stderr
+
+
+@pytest.mark.parametrize("recovery", ["partial", "full"])
+def test_survive_kills_a_server_and_the_job_recovers_by_itself(tmp_path: Path, recovery: str) -> None:
+    survive = load_app_module(str(EXAMPLES / "survive.py"))
+    regression = load_app_module(str(EXAMPLES / "ssp_regression.py"))
+    app = regression.make_app(["--iterations", "1000", "--quiet"])
+    run = survive.run_with_a_kill(app, recovery, 20, str(tmp_path / "ckpt"))
+    assert run["victim"] is not None, "the job ended before its first checkpoint"
+    [rec] = run["recoveries"]
+    assert (rec["lost"], rec["role"], rec["strategy"]) == (run["victim"]["id"], "server", recovery)
+    if recovery == "partial":
+        assert rec["restored"] == len(run["victim"]["shards"]) and rec["onto"] != [rec["lost"]]
+    assert run["error"] < 0.01  # as good as without the failure (about 0.001)
