@@ -564,14 +564,30 @@ def secret(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``litz`` command; returns the exit code."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # ``litz status | head``: the reader left, and nothing more can be said
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # as a shell reports a command killed by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"launch": launch, "status": status, "scale": scale, "checkpoint": checkpoint, "stop": stop,
                 "secret": secret}
+    if argv and argv[0] in ("-V", "--version"):
+        from litz import __version__
+
+        print(f"litz {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         helpful = not argv or argv[0] in ("-h", "--help")
         if not helpful:
             print(f"litz: unknown command {argv[0]!r}", file=sys.stderr)
-        print("usage: litz COMMAND ...\n\ncommands:\n"
+        print("usage: litz COMMAND ...   (litz --version: the installed version)\n\ncommands:\n"
               "  launch      run an application (litz launch --help)\n"
               "  status      show a running job, or list the local ones (litz status --help)\n"
               "  scale       resize a running job (litz scale --help)\n"

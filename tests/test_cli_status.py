@@ -101,6 +101,26 @@ def test_an_unknown_command_is_named_and_fails(capsys) -> None:
     assert "unknown command 'frob'" in err and "checkpoint  take a checkpoint" in err
     assert main(["--help"]) == 0
     assert "launch      run an application" in capsys.readouterr().out
+    import litz
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"litz {litz.__version__}\n"
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(monkeypatch, capsys) -> None:
+    # `litz status | head -1`: the pipe closes under the command; no traceback, the shell's SIGPIPE status
+    import litz.cli
+
+    def leave(argv: list[str]) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setitem(litz.cli.__dict__, "status", leave)
+    with capsys.disabled():
+        saved = os.dup(1)
+        try:
+            assert litz.cli.main(["status"]) == 141
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 @pytest.mark.parametrize("source, heading, line", [
