@@ -17,15 +17,24 @@ loopback TCP): its round trip, and its CPU per one-way message. A Litz task make
 adds per message.
 
 Run: ``python bench/bench_rounds.py [--rounds 2000] [--keys 16] [--repeats 2]`` (Linux: reads /proc).
+
+``--compare PATH`` measures this checkout and the Litz checkout at PATH (a ``git worktree`` of an
+older commit, say) alternately, each run in a fresh process, and prints the mean CPU per task of
+each process kind for both: on a shared host, only numbers taken side by side compare.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import multiprocessing as mp
 import os
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,12 +170,49 @@ def ping_pong(n: int) -> tuple[float, float]:
     return wall / n, cpu / (2 * n)
 
 
+def per_task(rounds: int, keys: int) -> dict[str, float]:
+    """One Litz run: milliseconds per round and µs of CPU per task by "process thread-kind" (and "total")."""
+    out = litz_rounds(rounds, keys)
+    tasks = 2 * rounds
+    cpu: collections.Counter[str] = collections.Counter()
+    for (label, kind), v in out["cpu"].items():
+        cpu[f"{label} {kind}"] += v / tasks * 1e6
+    return {"round ms": out["wall"] / rounds * 1e3, **cpu, "total": sum(cpu.values())}
+
+
+def compare(other: str, rounds: int, keys: int, repeats: int) -> None:
+    """Alternate runs of this checkout and ``other`` in fresh processes; print the means side by side."""
+    here = str(Path(__file__).resolve().parent.parent)
+    bench = str(Path(here) / "bench")  # this file, with the other checkout's litz
+    runs: dict[str, list[dict[str, float]]] = {here: [], other: []}
+    for rep in range(repeats):
+        for root in (other, here) if rep % 2 else (here, other):
+            code = (f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {bench!r}); "
+                    f"import bench_rounds; print(json.dumps(bench_rounds.per_task({rounds}, {keys})))")
+            proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root}, cwd=root,
+                                  capture_output=True, text=True, check=True)
+            runs[root].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    names = sorted({k for r in runs.values() for x in r for k in x}, key=lambda k: (k != "round ms", k == "total", k))
+    print(f"{repeats} alternating runs each, {rounds} rounds of 2 tasks, {keys} rows per task; medians "
+          f"(CPU in µs per task), and the ratio of the medians and of the means")
+    print(f"  {'':<18} {'this':>9} {Path(other).name:>12} {'this/other':>11} {'(means)':>8}")
+    for name in names:
+        a, b = ([x.get(name, 0.0) for x in runs[root]] for root in (here, other))
+        ma, mb = statistics.median(a), statistics.median(b)
+        ratio_means = statistics.mean(a) / statistics.mean(b) if statistics.mean(b) else float("nan")
+        print(f"  {name:<18} {ma:9.2f} {mb:12.2f} {ma / mb if mb else float('nan'):11.2f} {ratio_means:8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--keys", type=int, default=16, help="rows per block (fortunes at 32 chunks: 16)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--compare", metavar="PATH", help="another Litz checkout, run alternately with this one")
     args = ap.parse_args()
+    if args.compare:
+        compare(str(Path(args.compare).resolve()), args.rounds, args.keys, args.repeats)
+        return
     for rep in range(args.repeats):
         out = litz_rounds(args.rounds, args.keys)
         rtt, per_msg = ping_pong(args.rounds)

@@ -54,12 +54,6 @@ class UpdateLog:
         """``add`` for every key; the rows already in the log merge in one ``merge_many`` call."""
         rows = self._table_rows(table)
         self.updates_in += len(keys)
-        if rows.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
-            # all new and distinct (a task's first update since the last flush): one copy for
-            # all of them, each row a view of it, instead of an array per row
-            rows.update(zip(keys, np.array(deltas, dtype=table.dtype, copy=True), strict=True))
-            self.nbytes += table.row_nbytes * len(keys)
-            return
         accs: list[np.ndarray] = []
         idx: list[int] = []
         for i, key in enumerate(keys):
