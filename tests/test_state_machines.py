@@ -197,8 +197,8 @@ def test_update_log_add_many_equals_one_add_at_a_time() -> None:
 
 
 def test_update_log_add_many_of_new_keys_then_merges() -> None:
-    # a call whose keys are all new and distinct is stored as one copy (each row a view of it):
-    # later merges into some rows must change those rows alone, and the caller's array never
+    # calls whose keys are all new and distinct, then merges into some of those rows: each merge
+    # changes its own row alone, the byte count follows, and the caller's array never changes
     rng = np.random.default_rng(5)
     for combiner in ("add", "assign", "max"):
         t = Table("t", (2, 3), "float32", combiner=combiner)
