@@ -5,9 +5,10 @@ The points are split over the executors; each one finds, for every query, the ``
 ``[k distances | k ids]``, and its combiner keeps the ``k`` nearest distinct ids of the two lists it
 merges. That merge is associative and commutative (and sending a list twice changes nothing), so
 partial answers may meet in any order: in a worker's update log when two executors share a
-process, or on the server. No executor ever sees another's points, and the driver reads one row
-per query at the end. NN-Descent (apps/nndescent.py) builds a whole kNN graph with the same kind
-of combiner, compiled with Numba.
+process, or on the server. An executor keeps only its own share of the points (here it draws the
+whole set from the seed and slices it, as a loader reads its part of a shared file), and the
+driver reads one row per query at the end. NN-Descent (apps/nndescent.py) builds a whole kNN
+graph with the same kind of combiner, compiled with Numba.
 
     python examples/nearest.py [--points 20000] [--queries 50] [--k 5]
 
