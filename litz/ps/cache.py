@@ -87,12 +87,6 @@ class ProcessCache:
         waiting = self._waiters.get(ck)
         if not waiting:
             return []
-        if len(waiting) == 1:  # the common case, without the general case's two list passes
-            v, tok = waiting[0]
-            if v > version:
-                return []
-            del self._waiters[ck]
-            return [(tok, value)]
         if self.enabled:
             woken = [(tok, value) for v, tok in waiting if v <= version]
             rest = [(v, tok) for v, tok in waiting if v > version]

@@ -151,12 +151,11 @@ class ShardStore:
 
     def _stored(self, table: Table, keys: list[Hashable]) -> list[np.ndarray]:
         """The stored rows of checked keys (created on first touch), in order; raises, before
-        anything is created, if a key's shard is not here. One loop with nothing called per
-        key but dict lookups: a request's keys all pass through it."""
+        anything is created, if a key's shard is not here."""
         n, shards, name = self.num_shards, self.shards, table.name
         per_key = []
         for key in keys:
-            shard = key % n if type(key) is int else shard_of(key, n)
+            shard = shard_of(key, n)
             tables = shards.get(shard)
             if tables is None:
                 raise TableError(f"table {name!r} key {key!r}: shard {shard} is not on this server")

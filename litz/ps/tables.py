@@ -90,11 +90,6 @@ class _Ufunc(Combiner):
         self.ufunc(acc, upd, out=acc, casting="same_kind")
         return acc
 
-    def merge_many(self, accs: list[np.ndarray], upds: np.ndarray) -> None:
-        ufunc = self.ufunc  # one ufunc call per row, without a method call around each
-        for acc, upd in zip(accs, upds, strict=True):
-            ufunc(acc, upd, out=acc, casting="same_kind")
-
 
 class _Assign(Combiner):
     name = "assign"
@@ -251,9 +246,8 @@ class Table:
         """``check_key`` for each key, as a new list.
 
         Lists of plain ints (what a message carries, and what ``tolist`` gives) are checked with
-        one range test: a server checks every key of every request, and a Python call per key
-        cost more than the request's other work. Anything else, or a key out of range, goes key
-        by key, so the error names the first bad key as before."""
+        one range test instead of a call per key. Anything else, or a key out of range, goes key
+        by key, so the error names the first bad key."""
         if isinstance(keys, range) and self.num_rows is not None:
             if len(keys) and not (0 <= keys[0] < self.num_rows and 0 <= keys[-1] < self.num_rows):
                 raise TableError(f"table {self.name!r}: keys {keys} out of range [0, {self.num_rows})")

@@ -628,7 +628,7 @@ class Worker(Node):
     def _owners(self, keys: list[Hashable]) -> list[str]:
         """The server of each key's shard, in one pass (every key fetched or updated goes through it)."""
         smap, n = self.shard_map, self.num_shards
-        return [smap[k % n] if type(k) is int else smap[shard_of(k, n)] for k in keys]
+        return [smap[shard_of(k, n)] for k in keys]
 
     def _queue_fetches(self, name: str, keys: list[Hashable], version: int) -> None:
         """Fetch these keys of table ``name`` at ``version`` with the next ``_send_fetches``."""
@@ -690,7 +690,6 @@ class Worker(Node):
         if record is None:
             log.warning("%s: get_reply for unknown request %r", self.ident, msg["rid"])
             return
-        fill = self.cache.fill
         for (name, keys, versions), values, error in zip(record, msg["values"], msg["errors"], strict=True):
             for j, key in enumerate(keys):
                 if error is not None:
@@ -698,7 +697,7 @@ class Worker(Node):
                         wait.error = f"fetch of table {name!r} key {key!r} failed: {error}"
                         self._resume(wait)
                     continue
-                for wait, value in fill(name, key, values[j], versions[j]):
+                for wait, value in self.cache.fill(name, key, values[j], versions[j]):
                     wait.values[key] = value
                     wait.pending.discard(key)
                     if not wait.pending:
