@@ -96,10 +96,10 @@ from apps.nndescent import (
     NNDescentExecutorMixin,
     NNDescentPhase,
     NNDInput,
-    locality_order,
     nndescent_tables,
     nndescent_warmup,
     num_blocks,
+    renumbered,
 )
 from apps.options import require_at_least
 
@@ -155,8 +155,7 @@ def load_points(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
 def _ordered(data: str, points: int, dims: int, clusters: int, noise: float, seed: int, order: bool
              ) -> tuple[np.ndarray, np.ndarray]:
     x, _ = _load(data, points, dims, clusters, noise, seed)
-    perm = locality_order(x) if order else np.arange(len(x), dtype=np.int64)
-    return (np.ascontiguousarray(x[perm]) if order else x), perm
+    return renumbered(x) if order else (x, np.arange(len(x), dtype=np.int64))
 
 
 def job_points(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

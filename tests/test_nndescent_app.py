@@ -186,6 +186,67 @@ def test_a_round_sends_only_what_changed_and_the_servers_end_where_the_executor_
     np.testing.assert_array_equal(merged.reshape(-1, 3 * k), expected)
 
 
+@pytest.mark.parametrize("dim", [3, 17, 784])
+def test_a_pairs_distance_is_the_same_in_every_lane_and_either_order(dim: int) -> None:
+    """The kernels compute distances four at a time (``_sqdist4``); a pair's distance must not depend
+    on its lane, on the other lanes or on which of the two points comes first, bit for bit. A second
+    rounding of one pair would look like an improvement to the list holding the first."""
+    rng = np.random.default_rng(dim)
+    x = rng.standard_normal((300, dim)).astype(np.float32)
+    quads = rng.integers(0, len(x), (400, 5))
+    for p, a, b, c, d in quads:
+        lanes = nk._sqdist4(x, p, a, b, c, d)
+        assert lanes == nk._sqdist4(x, p, d, c, b, a)[::-1]
+        assert lanes[0] == nk._sqdist(x, p, a) == nk._sqdist(x, a, p) == nk._sqdist4(x, a, d, p, c, b)[1]
+        np.testing.assert_allclose(lanes, [((x[p] - x[q]).astype(np.float64) ** 2).sum() for q in (a, b, c, d)],
+                                   rtol=1e-5)
+
+
+def test_every_distance_in_the_graph_is_the_pairs_one_distance() -> None:
+    """After the trees, the random fill and three rounds (each executor's offers merged as the servers
+    do), every entry's distance equals ``_sqdist`` of its pair exactly, whichever kernel found it."""
+    k, block, n = 8, 16, 600
+    x = np.random.default_rng(4).standard_normal((n, 24)).astype(np.float32)  # no integer coordinates: rounding shows
+    graph = nk.empty_lists(nd.num_blocks(n, block) * block, k).reshape(-1, block, 3 * k)
+    parts = [nd.NNDInput.partition(n, 3, e) for e in range(3)]
+    trees = nd._trees(x, 1, 3, 2 * k)
+
+    def merge(blocks: np.ndarray, deltas: np.ndarray) -> None:
+        nd.KeepKNearest(k).merge_many([graph[b] for b in blocks], deltas)
+
+    for owned in parts:
+        merge(*nd._initial_lists(x, owned, k, 1, trees, block)[:2])
+    for rnd in range(3):
+        updates = [nk.nnd_round(x, graph.reshape(-1, 3 * k)[:n].copy(), owned, k, k, 1, rnd, True, block)
+                   for owned in parts]
+        for blocks, deltas, _ in updates:
+            merge(blocks, deltas)
+    G = graph.reshape(-1, 3 * k)[:n]
+    checked = 0
+    for i in range(n):
+        for s in range(k):
+            j = int(G[i, s])
+            if j >= 0:
+                assert G[i, k + s] == nk._sqdist(x, i, j), (i, j)
+                checked += 1
+    assert checked == n * k
+
+
+def test_renumbered_points_come_with_their_trees_projection() -> None:
+    """``renumbered`` gives the points in locality order and leaves this process the projection the
+    initial lists' trees split: the same as projecting the renumbered points afresh."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((300, 2 * nd.TREE_DIMS)).astype(np.float32)
+    out, perm = nd.renumbered(x, 5)
+    np.testing.assert_array_equal(perm, nd.locality_order(x, 5))
+    np.testing.assert_array_equal(out, x[perm])
+    assert nd._TREE_DATA[0] is out
+    np.testing.assert_allclose(nd._TREE_SPACE[5], nd.tree_space(out, 5), rtol=1e-5, atol=1e-4)
+    low = nd.blobs(200, DIM)
+    out, perm = nd.renumbered(low, 5)
+    np.testing.assert_array_equal(out, low[perm])
+
+
 # ----------------------------------------------------------------------------------------------------
 # a driver that embeds the phase (as the HDBSCAN app does) and the app itself
 # ----------------------------------------------------------------------------------------------------
