@@ -315,14 +315,39 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     return new, old, marked
 
 
+@_jit
+def _partners(new: np.ndarray, old: np.ndarray, a: int, x: int, qs: np.ndarray, ys: np.ndarray) -> int:
+    """The points that ``p = new[a, x]`` is compared with, in the order of the offers: the new
+    candidates after it, then the old ones (never itself). Writes their ids to ``qs`` and their
+    places (``y``: ``< mc`` new, else old) to ``ys``; returns how many."""
+    mc = new.shape[1]
+    p = new[a, x]
+    m = 0
+    for y in range(x + 1, 2 * mc):
+        q = new[a, y] if y < mc else old[a, y - mc]
+        if q < 0:
+            if y < mc:
+                continue
+            break
+        if q == p:
+            continue
+        qs[m] = q
+        ys[m] = y
+        m += 1
+    return m
+
+
 @_jit_fast
-def _pair_distance(data: np.ndarray, dists: np.ndarray, a: int, x: int, y: int, p: int, q: int) -> float:
-    """``d(p, q)`` of pair ``(x, y)`` of owned point ``a``: from ``dists`` when a device computed the
-    round's distances (``dists[a, x, y]``, :mod:`apps.nndescent_cuda`), else here. The branch is the
-    same for the whole call, so it costs nothing next to a distance."""
+def _partner_distances(data: np.ndarray, dists: np.ndarray, a: int, x: int, p: int, qs: np.ndarray, ys: np.ndarray,
+                       m: int, out: np.ndarray) -> None:
+    """``d(p, qs[j])`` for the ``m`` partners of pair row ``(a, x)``: from ``dists[a, x, ys[j]]`` when a
+    device computed the round's distances (:mod:`apps.nndescent_cuda`), else here, four at a time.
+    They do not depend on the lists, so they can all be computed before the first offer."""
     if dists.shape[0] > 0:
-        return dists[a, x, y]
-    return _sqdist(data, p, q)
+        for j in range(m):
+            out[j] = dists[a, x, ys[j]]
+    else:
+        _sqdists(data, p, qs, m, out)
 
 
 @_jit
@@ -368,7 +393,7 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
 
     Pair ``(x, y)`` of owned point ``a`` is ``new[a, x]`` with ``new[a, y]`` for ``y < mc`` and with
     ``old[a, y - mc]`` after. ``dists`` holds their distances when a device computed them
-    (``(m, mc, 2 mc)``, see :func:`_pair_distance`), else it is empty and they are computed here.
+    (``(m, mc, 2 mc)``, see :func:`_partner_distances`), else it is empty and they are computed here.
     Either way the offers are made in the same order, so the lists come out the same.
     """
     if use_filter:
@@ -379,24 +404,18 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
         return
     mc = new.shape[1]
     dmax = G[:, 2 * k - 1].copy()
+    qs = np.empty(2 * mc, np.int64)
+    ys = np.empty(2 * mc, np.int64)
+    ds = np.empty(2 * mc, np.float32)
     for a in range(owned.shape[0]):
         for x in range(mc):
             p = new[a, x]
             if p < 0:
                 break
-            for y in range(x + 1, mc):
-                q = new[a, y]
-                if q < 0:
-                    break
-                _offer(G, dmax, box, k, pos, use_filter, touched, counts, p, q,
-                       _pair_distance(data, dists, a, x, y, p, q))
-            for y in range(mc):
-                q = old[a, y]
-                if q < 0:
-                    break
-                if q != p:
-                    _offer(G, dmax, box, k, pos, use_filter, touched, counts, p, q,
-                           _pair_distance(data, dists, a, x, mc + y, p, q))
+            m = _partners(new, old, a, x, qs, ys)
+            _partner_distances(data, dists, a, x, p, qs, ys, m, ds)
+            for j in range(m):
+                _offer(G, dmax, box, k, pos, use_filter, touched, counts, p, qs[j], ds[j])
 
 
 def _filtered_join(precomputed: bool) -> Callable[..., None]:
@@ -423,18 +442,7 @@ def _filtered_join(precomputed: bool) -> Callable[..., None]:
                 p = new[a, x]
                 if p < 0:
                     break
-                m = 0
-                for y in range(x + 1, 2 * mc):  # the new candidates after p, then the old ones
-                    q = new[a, y] if y < mc else old[a, y - mc]
-                    if q < 0:
-                        if y < mc:
-                            continue
-                        break
-                    if q == p:
-                        continue
-                    qs[m] = q
-                    ys[m] = y
-                    m += 1
+                m = _partners(new, old, a, x, qs, ys)
                 if m == 0:
                     continue
                 if not precomputed:  # all of p's distances first, four at a time: they do not depend on G
