@@ -186,27 +186,35 @@ def test_a_round_sends_only_what_changed_and_the_servers_end_where_the_executor_
     np.testing.assert_array_equal(merged.reshape(-1, 3 * k), expected)
 
 
-@pytest.mark.parametrize("dim", [3, 17, 784])
+@pytest.mark.parametrize("dim", [3, 17, 40, 784])
 def test_a_pairs_distance_is_the_same_in_every_lane_and_either_order(dim: int) -> None:
-    """The kernels compute distances four at a time (``_sqdist4``); a pair's distance must not depend
-    on its lane, on the other lanes or on which of the two points comes first, bit for bit. A second
+    """The kernels compute distances four at a time (``_sqdists``, from ``BLOCKED_DIMS`` on); a pair's
+    distance must not depend on its place among the four, on the other three or on which of the two
+    points comes first, bit for bit, and a single ``_sqdist`` must round it the same. A second
     rounding of one pair would look like an improvement to the list holding the first."""
     rng = np.random.default_rng(dim)
     x = rng.standard_normal((300, dim)).astype(np.float32)
     quads = rng.integers(0, len(x), (400, 5))
+    out = np.empty(5, np.float32)
     for p, a, b, c, d in quads:
         lanes = nk._sqdist4(x, p, a, b, c, d)
         assert lanes == nk._sqdist4(x, p, d, c, b, a)[::-1]
-        assert lanes[0] == nk._sqdist(x, p, a) == nk._sqdist(x, a, p) == nk._sqdist4(x, a, d, p, c, b)[1]
+        assert lanes[0] == nk._sqdist4(x, a, d, p, c, b)[1]
+        nk._sqdists(x, p, np.array([b, a, c, d, a]), 5, out)
+        assert out[1] == out[4] == nk._sqdist(x, p, a) == nk._sqdist(x, a, p)
+        if dim >= nk.BLOCKED_DIMS:
+            assert out[1] == lanes[0]
         np.testing.assert_allclose(lanes, [((x[p] - x[q]).astype(np.float64) ** 2).sum() for q in (a, b, c, d)],
                                    rtol=1e-5)
 
 
-def test_every_distance_in_the_graph_is_the_pairs_one_distance() -> None:
+@pytest.mark.parametrize("dim", [24, 40])
+def test_every_distance_in_the_graph_is_the_pairs_one_distance(dim: int) -> None:
     """After the trees, the random fill and three rounds (each executor's offers merged as the servers
-    do), every entry's distance equals ``_sqdist`` of its pair exactly, whichever kernel found it."""
+    do), every entry's distance equals ``_sqdist`` of its pair exactly, whichever kernel found it,
+    below and above ``BLOCKED_DIMS``."""
     k, block, n = 8, 16, 600
-    x = np.random.default_rng(4).standard_normal((n, 24)).astype(np.float32)  # no integer coordinates: rounding shows
+    x = np.random.default_rng(4).standard_normal((n, dim)).astype(np.float32)  # not integers: rounding shows
     graph = nk.empty_lists(nd.num_blocks(n, block) * block, k).reshape(-1, block, 3 * k)
     parts = [nd.NNDInput.partition(n, 3, e) for e in range(3)]
     trees = nd._trees(x, 1, 3, 2 * k)
