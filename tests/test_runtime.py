@@ -279,3 +279,50 @@ def test_workers_and_servers_load_pyarrow_only_for_checkpoints() -> None:
             "print(sorted(m for m in sys.modules if m.startswith('pyarrow')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+_FAULTS = """
+import resource, sys
+import numpy as np
+if sys.argv[1] == "keep":
+    from litz.runtime.node import keep_freed_memory
+    assert keep_freed_memory()
+def cycle():  # three arrays of 1 MB, written, then freed: what a round's buffers do
+    arrays = [np.ones(1 << 18, np.float32) for _ in range(3)]
+    del arrays
+for _ in range(3):
+    cycle()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    cycle()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_workers_and_servers_reuse_freed_buffers_instead_of_faulting_them_in_again(monkeypatch) -> None:
+    """Buffers of a few MB freed every round stay mapped in worker and server processes
+    (``keep_freed_memory``, called by their ``main``): allocating them again costs no page fault.
+    With glibc's defaults the heap is trimmed and each round faults every page in again."""
+    def faults(mode: str) -> float:
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return float(out.stdout)
+
+    assert faults("default") >= 256  # 3 MB trimmed and faulted in again per cycle (768 pages)
+    assert faults("keep") < 8
+    from litz.errors import ConfigError
+    from litz.runtime import node
+
+    calls: list[int] = []
+    monkeypatch.setattr(node, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(node.security, "configure", lambda *a, **kw: None)
+
+    class Refused(node.Node):  # stops main right after its set-up
+        role = "worker"
+
+        def __init__(self, *args: object) -> None:
+            raise ConfigError("refused")
+
+    assert node.main(Refused, ["--id", "w9", "--job", "j", "--etcd", "127.0.0.1:1"]) == 2
+    assert calls == [1]
