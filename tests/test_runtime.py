@@ -273,9 +273,9 @@ def test_bad_job_sizes_are_refused_before_anything_starts(sizes: dict, message: 
         litz.run(app, **sizes)
 
 
-def test_workers_and_servers_load_pyarrow_only_for_checkpoints() -> None:
+def test_no_process_loads_pyarrow_before_its_first_checkpoint() -> None:
     # pyarrow costs every process 35-60 ms at start; only checkpoints and restores need it
-    code = ("import sys, litz.runtime.worker, litz.ps.server; "
+    code = ("import sys, litz.runtime.worker, litz.ps.server, litz.runtime.master, litz.runtime.launcher, litz.cli; "
             "print(sorted(m for m in sys.modules if m.startswith('pyarrow')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -28,7 +28,6 @@ from typing import Any
 
 from litz.api import App, JobResult
 from litz.errors import ConfigError, ProcessLost
-from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator
 from litz.runtime import jobs, security
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
@@ -262,6 +261,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
         if not checkpoint_dir:
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
+        from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
+
         resume = checkpoint_dir if storage.has_complete_checkpoint(checkpoint_dir) else None
         if resume is None:
             log.warning("no complete checkpoint in %s yet: starting from scratch", checkpoint_dir)
@@ -271,6 +272,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     n_exec = num_executors or app.num_executors or 4 * workers
     if checkpoint_dir:  # a bad policy is refused before anything starts
         CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction)
+        from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
+
         storage.filesystem(checkpoint_dir)
         options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        checkpoint_policy=checkpoint_policy, checkpoint_fraction=checkpoint_fraction)

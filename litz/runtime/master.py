@@ -28,7 +28,6 @@ import zmq
 
 from litz.api import App, Driver, JobResult, ParameterServer, Recovery, TaskFailure, TaskResult
 from litz.errors import JobStopped, LitzError, ProcessLost, TableError
-from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, select_top
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, lookup, shard_of, table_index
@@ -426,6 +425,7 @@ class Resume:
     @classmethod
     def find(cls, location: str, app: App, num_executors: int | None, num_shards: int) -> Resume:
         """The newest complete checkpoint at ``location``, checked against the job being started."""
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         _, path, manifest = storage.find_checkpoint(location)
         declared = {t.name: [list(t.shape), str(np.dtype(t.dtype))] for t in app.tables}
         saved = {t["name"]: [t["shape"], t["dtype"]] for t in manifest["tables"]}
@@ -960,6 +960,7 @@ class Master:
     def _plan_restore(self, rec: _Restoring) -> None:
         """Plan who takes the dead's items and send them there, rows or states from the running
         checkpoint (SCAR); processes leaving by a scale-in take none."""
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         st = self.state
         assert st is not None
         fresh = [p for p in rec.losts if p not in rec.planned]
@@ -1116,6 +1117,7 @@ class Master:
         """Full recovery's second phase: servers reload their shards and workers their executors
         from the last full checkpoint (fresh without one). Returns the driver's saved file and
         where the checkpoint is (both empty without one)."""
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         ck = self.checkpoints
         saved: dict[str, Any] | None = None
         where: dict[str, Any] = {}
@@ -1167,6 +1169,7 @@ class Master:
 
     @staticmethod
     def _read_driver_file(location: str, path: str, manifest: dict[str, Any], driver: Driver) -> dict[str, Any]:
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         fs, _ = storage.filesystem(location)
         return load_driver(storage.read_bytes(fs, f"{path}/{manifest['driver']}"), driver)
 
@@ -1276,6 +1279,8 @@ class Master:
         r = ck.round
         if r is None or r.phase != "pausing" or not st.quiescent() or self.elastic.op is not None:
             return
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
+
         fs, root = storage.filesystem(ck.location)
         path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
         processes = sorted(st.workers + st.servers)
@@ -1319,6 +1324,8 @@ class Master:
         for pool in (st.servers, st.workers):  # a process lost meanwhile scored nothing and is gone
             chosen.update(select_top({p: r.scores[p] for p in pool if p in r.scores}, ck.fraction))
         savers = sorted(p for p in chosen if p in st.servers or len(r.scores[p]))
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
+
         fs, root = storage.filesystem(ck.location)
         path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
         ck.snapshotting(path, savers)
@@ -1328,6 +1335,7 @@ class Master:
             self._finish_checkpoint()
 
     def _finish_checkpoint(self) -> None:
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         ck, st = self.checkpoints, self.state
         assert ck is not None and ck.round is not None and st is not None
         r = ck.round
