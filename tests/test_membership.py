@@ -291,6 +291,24 @@ def test_register_survives_etcd_restart(etcd: LocalEtcd, members: Callable[..., 
     assert Event("put", "procs/after-restart", {"ok": True}) in events
 
 
+def test_close_does_not_wait_long_for_an_etcd_known_to_be_gone(etcd: LocalEtcd,
+                                                              members: Callable[..., Membership]) -> None:
+    """Once the keep-alive finds etcd gone, ``close()`` tries the revoke once, briefly, instead of for
+    the whole call deadline (5 s): a process leaving a job whose etcd died exits at once. The lease
+    expires by itself."""
+    m = members()
+    m.register("procs/worker/w0", {"addr": "x"}, ttl=2)
+    etcd.stop()
+    deadline = time.monotonic() + 10
+    while not m._unreachable:  # the keep-alive runs every ttl/3 s
+        assert time.monotonic() < deadline, "the keep-alive never noticed that etcd is gone"
+        time.sleep(0.05)
+    t = time.monotonic()
+    m.close()
+    assert time.monotonic() - t < 2.0
+    assert not m.registered
+
+
 def test_lost_lease_and_deleted_key_are_restored(etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
     """A process that is alive but lost its key or lease must reappear rather than stay invisible."""
     a, b = members(), members()
