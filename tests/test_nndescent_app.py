@@ -117,12 +117,14 @@ def test_sampling_keeps_the_smallest_priorities_and_old_candidates_only_beside_n
     owned = np.arange(30, 90, dtype=np.int64)
     pos = np.full(len(x), -1, np.int64)
     pos[owned] = np.arange(len(owned))
-    ref: dict[str, list[dict[int, float]]] = {"new": [{} for _ in owned], "old": [{} for _ in owned]}
+    ref: dict[str, list[dict[int, int]]] = {"new": [{} for _ in owned], "old": [{} for _ in owned]}
+    key = nk._round_key(seed, rnd)
     for i in range(len(x)):
         for s in range(k):
             j = int(G[i, s])
             kind = "new" if G[i, 2 * k + s] > 0 else "old"
-            p = nk._uniform(seed, rnd, min(i, j), max(i, j))
+            p = int(nk._pair_priority(key, i, j))
+            assert p == int(nk._pair_priority(key, j, i))
             for a, b in ((i, j), (j, i)):
                 if pos[a] >= 0:
                     ref[kind][pos[a]][b] = p
