@@ -131,10 +131,11 @@ def _sqdist4(data: np.ndarray, p: int, q0: int, q1: int, q2: int, q3: int
     four distances instead of once each. A distance is bound by its loads (two rows of 3 KB on
     Fashion-MNIST), so four take about 0.7 of the time of four single ones (37 against 50 ns each,
     rows in cache). Every lane does the same operations in the same order, so a pair's distance
-    does not depend on its lane, on the other lanes or on which point is ``p``: every kernel here
-    computes distances through this function (:func:`_sqdist` too), and an id met twice always
-    comes with the same distance (tested). Otherwise two roundings of one distance would make a
-    list take the second one as an improvement and mark an old neighbour new again."""
+    does not depend on its lane, on the other lanes or on which point is ``p``. Every kernel here
+    computes distances through :func:`_sqdist` or :func:`_sqdists`, which use this function from
+    :data:`BLOCKED_DIMS` dimensions on and :func:`_sqdist1` below, so an id met twice always comes
+    with the same distance (tested). Otherwise two roundings of one distance would make a list take
+    the second one as an improvement and mark an old neighbour new again."""
     s0 = np.float32(0.0)
     s1 = np.float32(0.0)
     s2 = np.float32(0.0)
