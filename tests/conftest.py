@@ -192,3 +192,21 @@ def run_in_cuda_simulator(script: str, done: str, timeout: float = 300) -> str:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert done in proc.stdout, proc.stdout[-2000:]
     return proc.stdout
+
+
+def machine_code_calls(dispatcher: Any, callee: str) -> bool:
+    """Whether the machine code of a Numba kernel (its first compiled signature) calls ``callee``, a
+    function of its module. A call left in a hot loop costs a token or an edge its share of some 40
+    pushed arguments (every array passes as 7 fields) and the spills around it; whether LLVM inlines a
+    helper is its own decision, which can change with the helper's size. A fresh uncached copy is
+    compiled, since Numba does not show the code of cached kernels."""
+    import numba
+
+    assert dispatcher.signatures, f"{dispatcher.__name__} has not been compiled yet"
+    options = {k: v for k, v in dispatcher.targetoptions.items() if k != "cache"}
+    fresh = numba.njit(**options)(dispatcher.py_func)
+    sig = dispatcher.signatures[0]
+    fresh.compile(sig)
+    mangled = f"{len(callee)}{callee}B"  # Numba's mangling: <length><name>B<version>...
+    return any(mangled in line for line in fresh.inspect_asm(sig).splitlines()
+               if "call" in line or "movabs" in line)

@@ -19,7 +19,7 @@ import pytest
 import litz
 from apps import nndescent as nd
 from apps import nndescent_kernels as nk
-from tests.conftest import processes_mentioning
+from tests.conftest import machine_code_calls, processes_mentioning
 
 ROOT = Path(__file__).resolve().parent.parent
 N, DIM, K, EXECUTORS = 3000, 10, 15, 4
@@ -240,6 +240,14 @@ def test_every_distance_in_the_graph_is_the_pairs_one_distance(dim: int) -> None
                 assert G[i, k + s] == nk._sqdist(x, i, j), (i, j)
                 checked += 1
     assert checked == n * k
+
+
+def test_sampling_pushes_candidates_without_a_call() -> None:
+    """Sampling offers every edge of the graph twice to a candidate list (``_push_candidate``), and
+    most offers return at once: as a call, each paid for its arguments. Inlined, sampling a quarter
+    of Fashion-MNIST's points took 52 against 67 ms, and 343 against 391 ms at 2**18 10-d points."""
+    nk.nnd_sample(nk.empty_lists(8, 2), np.arange(4), 2, 2, 0, 0)
+    assert not machine_code_calls(nk.sample_candidates, "_push_candidate")
 
 
 def test_renumbered_points_come_with_their_trees_projection() -> None:
