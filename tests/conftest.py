@@ -194,19 +194,25 @@ def run_in_cuda_simulator(script: str, done: str, timeout: float = 300) -> str:
     return proc.stdout
 
 
-def machine_code_calls(dispatcher: Any, callee: str) -> bool:
-    """Whether the machine code of a Numba kernel (its first compiled signature) calls ``callee``, a
-    function of its module. A call left in a hot loop costs a token or an edge its share of some 40
-    pushed arguments (every array passes as 7 fields) and the spills around it; whether LLVM inlines a
-    helper is its own decision, which can change with the helper's size. A fresh uncached copy is
-    compiled, since Numba does not show the code of cached kernels."""
+
+def machine_code(dispatcher: Any) -> str:
+    """The assembly of a Numba kernel's first compiled signature, from a fresh uncached copy (Numba
+    does not show the code of cached kernels). Tests read it for what costs the hot loops most and
+    what no compiler option shows: calls left out of line (every array passes as 7 fields, and the
+    registers spill around them) and Numba's reference counting (``NRT_incref``/``NRT_decref``,
+    atomic operations)."""
     import numba
 
     assert dispatcher.signatures, f"{dispatcher.__name__} has not been compiled yet"
-    options = {k: v for k, v in dispatcher.targetoptions.items() if k != "cache"}
+    options = {k: v for k, v in dispatcher.targetoptions.items() if k not in ("cache", "nopython")}
     fresh = numba.njit(**options)(dispatcher.py_func)
     sig = dispatcher.signatures[0]
     fresh.compile(sig)
-    mangled = f"{len(callee)}{callee}B"  # Numba's mangling: <length><name>B<version>...
-    return any(mangled in line for line in fresh.inspect_asm(sig).splitlines()
-               if "call" in line or "movabs" in line)
+    return fresh.inspect_asm(sig)
+
+
+def calls_function(asm: str, name: str) -> bool:
+    """Whether ``asm`` (see :func:`machine_code`) calls or takes the address of the Numba function
+    ``name``, by its mangled name (``<length><name>B<version>...``)."""
+    mangled = f"{len(name)}{name}B"
+    return any(mangled in line for line in asm.splitlines() if "call" in line or "movabs" in line)

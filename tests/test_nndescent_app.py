@@ -19,7 +19,7 @@ import pytest
 import litz
 from apps import nndescent as nd
 from apps import nndescent_kernels as nk
-from tests.conftest import machine_code_calls, processes_mentioning
+from tests.conftest import calls_function, machine_code, processes_mentioning
 
 ROOT = Path(__file__).resolve().parent.parent
 N, DIM, K, EXECUTORS = 3000, 10, 15, 4
@@ -247,7 +247,7 @@ def test_sampling_pushes_candidates_without_a_call() -> None:
     most offers return at once: as a call, each paid for its arguments. Inlined, sampling a quarter
     of Fashion-MNIST's points took 52 against 67 ms, and 343 against 391 ms at 2**18 10-d points."""
     nk.nnd_sample(nk.empty_lists(8, 2), np.arange(4), 2, 2, 0, 0)
-    assert not machine_code_calls(nk.sample_candidates, "_push_candidate")
+    assert not calls_function(machine_code(nk.sample_candidates), "_push_candidate")
 
 
 def test_renumbered_points_come_with_their_trees_projection() -> None:
