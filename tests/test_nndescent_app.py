@@ -246,7 +246,7 @@ def test_sampling_pushes_candidates_without_a_call() -> None:
     """Sampling offers every edge of the graph twice to a candidate list (``_push_candidate``), and
     most offers return at once: as a call, each paid for its arguments. Inlined, sampling a quarter
     of Fashion-MNIST's points took 52 against 67 ms, and 343 against 391 ms at 2**18 10-d points."""
-    nk.nnd_sample(nk.empty_lists(8, 2), np.arange(4), 2, 2, 0, 0)
+    nk.sample_candidates(nk.empty_lists(8, 2), 2, np.arange(8), 8, 2, 0, 0, np.zeros(8, np.uint8))  # a signature
     assert not calls_function(machine_code(nk.sample_candidates), "_push_candidate")
 
 
