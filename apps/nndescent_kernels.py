@@ -300,10 +300,24 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     cost as much as in the first round, whatever the updates. The lists the join reads are the
     same as with one pass (the priorities do not depend on the order).
     """
-    n = G.shape[0]
-    key = _round_key(seed, rnd)
     new = np.full((m, mc), -1, np.int64)
-    new_p = np.full((m, mc), NO_PRIORITY, np.uint64)
+    old = np.full((m, mc), -1, np.int64)
+    marked = _sample_into(G, k, pos, seed, rnd, touched, new, np.full((m, mc), NO_PRIORITY, np.uint64), old,
+                          np.full((m, mc), NO_PRIORITY, np.uint64))
+    return new, old, marked
+
+
+@numba.njit(cache=True, nogil=True, _nrt=False)
+def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, touched: np.ndarray, new: np.ndarray,
+                 new_p: np.ndarray, old: np.ndarray, old_p: np.ndarray) -> int:
+    """:func:`sample_candidates` into its arrays (ids -1 and priorities :data:`NO_PRIORITY` on entry);
+    returns the number of marks. Compiled without Numba's reference counting (``_nrt=False``): each
+    push takes two row views, whose counts cost two atomic increments and two decrements per edge
+    offered, most offers returning at once (sampling a quarter of 2**18 10-d points: 310 against
+    323 ms, the same candidates)."""
+    n = G.shape[0]
+    mc = new.shape[1]
+    key = _round_key(seed, rnd)
     for i in range(n):
         pi = pos[i]
         for s in range(k):
@@ -320,8 +334,6 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
                 _push_candidate(new[pi], new_p[pi], mc, j, p)
             if pj >= 0:
                 _push_candidate(new[pj], new_p[pj], mc, i, p)
-    old = np.full((m, mc), -1, np.int64)
-    old_p = np.full((m, mc), NO_PRIORITY, np.uint64)
     for i in range(n):
         pi = pos[i]
         wants_i = pi >= 0 and new[pi, 0] >= 0
@@ -356,7 +368,7 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
                         marked += 1
                         touched[i] = 1
                         break
-    return new, old, marked
+    return marked
 
 
 @_jit
