@@ -46,6 +46,12 @@ COUNTERS = ("distances", "proposed", "sent", "updates", "rows_sent", "marked")
 
 _jit = numba.njit(cache=True, nogil=True)
 _jit_fast = numba.njit(cache=True, nogil=True, fastmath=True)
+# Without Numba's reference counting, for the hot loops that take row views (``G[p]`` for a push) or
+# IR-inline helpers with array arguments: every such view or argument costs an atomic increment and
+# decrement, which Numba's pruning removes only within simple control flow. These kernels allocate
+# nothing; their callers pass the scratch arrays.
+_jit_bare = numba.njit(cache=True, nogil=True, _nrt=False)
+_jit_fast_bare = numba.njit(cache=True, nogil=True, fastmath=True, _nrt=False)
 
 
 @_jit
@@ -111,7 +117,7 @@ def _insert(r: np.ndarray, k: int, q: float, d: float, f: float) -> None:
     r[2 * k + pos] = f
 
 
-@_jit
+@_jit_bare
 def merge_lists(acc: np.ndarray, upd: np.ndarray, k: int) -> None:
     """Merge every list of ``upd`` into the list of ``acc`` at the same row, in place (both ``(m, 3k)``)."""
     for i in range(acc.shape[0]):
@@ -453,10 +459,13 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
     Either way the offers are made in the same order, so the lists come out the same.
     """
     if use_filter:
+        mc = new.shape[1]
+        scratch = (G[:, 2 * k - 1].copy(), np.empty(2 * mc, np.int64), np.empty(2 * mc, np.int64),
+                   np.empty(2 * mc, np.float32))
         if dists.shape[0] > 0:
-            _join_filtered_precomputed(data, G, k, owned, new, old, touched, counts, dists)
+            _join_filtered_precomputed(data, G, k, owned, new, old, touched, counts, dists, *scratch)
         else:
-            _join_filtered(data, G, k, owned, new, old, touched, counts, dists)
+            _join_filtered(data, G, k, owned, new, old, touched, counts, dists, *scratch)
         return
     mc = new.shape[1]
     dmax = G[:, 2 * k - 1].copy()
@@ -483,16 +492,15 @@ def _filtered_join(precomputed: bool) -> Callable[..., None]:
     constant of each copy, so neither tests it in the loop (a test there cost 17% on Fashion-MNIST,
     as it kept LLVM from treating the distance loop as before)."""
 
-    @_jit_fast
+    @_jit_fast_bare
     def join(data: np.ndarray, G: np.ndarray, k: int, owned: np.ndarray, new: np.ndarray, old: np.ndarray,
-             touched: np.ndarray, counts: np.ndarray, dists: np.ndarray) -> None:
+             touched: np.ndarray, counts: np.ndarray, dists: np.ndarray, dmax: np.ndarray, qs: np.ndarray,
+             ys: np.ndarray, ds: np.ndarray) -> None:
+        # dmax: d_max as a dense vector (most offers fail it, and it stays in cache); qs, ys, ds: p's
+        # partners in the order of the offers, their places and distances (2 mc each)
         mc = new.shape[1]
-        dmax = G[:, 2 * k - 1].copy()  # d_max as a dense vector: most offers fail it, and it stays in cache
         n_dist = 0
         n_upd = 0
-        qs = np.empty(2 * mc, np.int64)  # p's partners, in the order of the offers
-        ys = np.empty(2 * mc, np.int64)
-        ds = np.empty(2 * mc, np.float32)
         for a in range(owned.shape[0]):
             for x in range(mc):
                 p = new[a, x]
@@ -736,12 +744,19 @@ def leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.n
                 touched: np.ndarray, counts: np.ndarray) -> None:
     """Offer every pair of points sharing a leaf of a random-projection tree to each other's lists,
     owned points' lists only (pairs of two others are not even measured)."""
-    n_dist = 0
     widest = 1
     for lf in range(bounds.shape[0] - 1):
         widest = max(widest, bounds[lf + 1] - bounds[lf])
-    qs = np.empty(widest, np.int64)  # p's partners in its leaf
-    ds = np.empty(widest, np.float32)
+    _leaf_offers(data, G, order, bounds, k, pos, touched, counts, np.empty(widest, np.int64),
+                 np.empty(widest, np.float32))
+
+
+@_jit_fast_bare
+def _leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.ndarray, k: int, pos: np.ndarray,
+                 touched: np.ndarray, counts: np.ndarray, qs: np.ndarray, ds: np.ndarray) -> None:
+    """:func:`leaf_offers` with its scratch: ``qs`` and ``ds`` hold a point's partners in its leaf and
+    their distances (the widest leaf's size each)."""
+    n_dist = 0
     for lf in range(bounds.shape[0] - 1):
         lo, hi = bounds[lf], bounds[lf + 1]
         mine = False

@@ -255,6 +255,27 @@ def test_sampling_pushes_candidates_without_a_call_or_reference_counts() -> None
     assert "NRT_incref" not in asm and "NRT_decref" not in asm
 
 
+def test_the_join_the_leaf_offers_and_the_combiner_count_no_references() -> None:
+    """The loops that push into lists take a row view per push (``G[p]``); with Numba's reference
+    counts each cost an atomic increment and decrement: 24% of the filtered join's time at 2**18 10-d
+    points in a profile, 11% of the leaf offers', 13% of the combiner's. Without them (``_nrt=False``,
+    scratch from the callers) the same lists came 1.18x, 1.09x and 1.11x faster there."""
+    x = np.random.default_rng(0).standard_normal((200, 10)).astype(np.float32)
+    k, owned = 4, np.arange(100)
+    G = nk.empty_lists(200, k)
+    order, bounds = nd._trees(x, 1, 1, 8)[0]
+    scratch = [np.empty(200, np.int64), np.empty(200, np.float32)]
+    nk._leaf_offers(x, G, order, bounds, k, *nk.init_lists(200, owned, k)[1:], *scratch)  # called directly:
+    pos, touched, new, old, counts = nk.nnd_sample(G, owned, k, k, 1, 0)  # a cached caller compiles no callee
+    scratch = [G[:, 2 * k - 1].copy(), np.empty(2 * k, np.int64), np.empty(2 * k, np.int64),
+               np.empty(2 * k, np.float32)]
+    nk._join_filtered(x, G, k, owned, new, old, touched, counts, nk.NO_DISTANCES, *scratch)
+    nk.merge_lists(G[:2].copy(), G[2:4], k)
+    for kernel in (nk._join_filtered, nk._leaf_offers, nk.merge_lists):
+        asm = machine_code(kernel)
+        assert "NRT_incref" not in asm and "NRT_decref" not in asm, kernel.__name__
+
+
 def test_renumbered_points_come_with_their_trees_projection() -> None:
     """``renumbered`` gives the points in locality order and leaves this process the projection the
     initial lists' trees split: the same as projecting the renumbered points afresh."""
