@@ -23,6 +23,7 @@ from apps.datasets import (
     parse_idx,
     partition_rows,
 )
+from tests.conftest import machine_code
 
 _FMNIST_ROOT = os.environ.get("LITZ_FASHION_MNIST") or DEFAULT_FASHION_MNIST_ROOT
 _HAVE_FMNIST = all(
@@ -240,3 +241,18 @@ def test_sgd_learns_fashion_mnist_subset() -> None:
     test_loss, test_acc = mk.evaluate(W, Xt, yt)
     assert test_acc >= 0.78
     assert test_loss < first_loss
+
+
+def test_the_batch_kernels_count_no_references() -> None:
+    """The batch loop and its kernels take row views and pass arrays to an inlined helper; with Numba's
+    reference counts each cost an atomic increment and decrement, 7% of an epoch's time in a profile.
+    Without them an epoch of Fashion-MNIST took 94.4-97.1 against 101-102 ms (the same steps up to
+    float32 rounding)."""
+    mk.warmup()
+    rng = np.random.default_rng(0)
+    X = rng.random((9, 5), dtype=np.float32)
+    WT = np.zeros((3, 6), np.float32)
+    mk._sgd_batches(WT, np.zeros((7, 3), np.float32), X, rng.integers(0, 3, 9), np.arange(9), 4, 0.1, 0.0)
+    for kernel in (mk._sgd_batches, mk._logits, mk._apply_grad, mk._softmax_row):
+        asm = machine_code(kernel)
+        assert "NRT_incref" not in asm and "NRT_decref" not in asm, kernel.__name__
