@@ -6,6 +6,13 @@ document lists, in the order of its tokens) call it for a later iteration: the c
 overlaps with the current iteration's arithmetic instead of stalling the next one. Out-of-order
 execution alone does not get there, because each iteration ends in data-dependent branches (which
 bucket the random draw falls in) whose mispredictions discard the loads issued after them.
+
+:data:`NO_REFCOUNTS` are the ``njit`` options of a kernel compiled without Numba's reference counting.
+Numba counts the references to arrays atomically: a row view (``G[p]``) or an array handed to a helper
+inlined at the IR level (``inline="always"``) costs a ``lock`` increment and decrement, and its pruning
+pass removes such pairs only within simple control flow. In the LDA sweep they took two thirds of the
+time (README, "Reference counts in hot loops"). A kernel compiled with these options may not allocate
+(Numba refuses to compile it if it does): its callers pass the scratch arrays.
 """
 
 from __future__ import annotations
@@ -16,9 +23,15 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.cpu import CPUTargetOptions
 from numba.extending import intrinsic
 
-__all__ = ["prefetch"]
+__all__ = ["NO_REFCOUNTS", "prefetch"]
+
+#: ``njit`` options for a kernel without reference counts: ``_nrt`` is a private option of Numba's CPU
+#: target, so a Numba without it gets the kernel with its counts (slower, still correct; the tests that
+#: read the kernels' machine code then fail and say so).
+NO_REFCOUNTS: dict[str, Any] = {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
 
 # LLVM 15 made pointers opaque, which renamed the intrinsic's overload
 _PREFETCH = "llvm.prefetch.p0" if llvm_binding.llvm_version_info >= (15,) else "llvm.prefetch.p0i8"

@@ -50,7 +50,7 @@ import math
 import numba as nb
 import numpy as np
 
-from apps.kernel_util import prefetch
+from apps.kernel_util import NO_REFCOUNTS, prefetch
 
 __all__ = ["AHEAD", "COUNT_DTYPES", "SAMPLERS", "block_loglik", "build_doc_lists", "conditional", "doc_loglik",
            "doc_offsets", "doc_pairs", "draw_topics", "lgamma_table", "sweep", "task_seed", "topic_bits",
@@ -203,7 +203,7 @@ def _inv_minus_one(total: int, vbeta: float) -> float:
     return 1.0 / (total - 1 + vbeta) if total > 0 else 0.0
 
 
-@nb.njit(**_JIT, _nrt=False)
+@nb.njit(**_JIT, **NO_REFCOUNTS)
 def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: np.ndarray, z: np.ndarray,
            doc_list: np.ndarray, alpha: float, beta: float, vbeta: float, sparse: bool, seed: int, tb: int,
            ahead: int, scratch: np.ndarray, mark: np.ndarray, wnz: np.ndarray) -> int:
@@ -212,8 +212,9 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
     cached ``1 / (n_k - 1 + Vβ)`` and the old ones restored, so such a token costs no division and
     leaves no rounding drift in the maintained sums.
 
-    Compiled without Numba's reference counting (``_nrt=False``), so the scratch arrays come from the
-    caller (``scratch`` (5, K) float64, ``mark`` (K,) int64, ``wnz`` (K,) int32; any content). With it,
+    Compiled without Numba's reference counting (:data:`~apps.kernel_util.NO_REFCOUNTS`), so the
+    scratch arrays come from the caller (``scratch`` (5, K) float64, ``mark`` (K,) int64, ``wnz``
+    (K,) int32; any content). With it,
     every token paid five atomic increments and five decrements, one pair per array the inlined
     :func:`_draw_sparse` receives (Numba's pruning cannot pair them across the draw's branches): two
     thirds of the sweep's time in a profile, and sweeps ran 1.6x slower (7.6 against 12.4 M tokens/s

@@ -34,6 +34,8 @@ import math
 import numba as nb
 import numpy as np
 
+from apps.kernel_util import NO_REFCOUNTS
+
 __all__ = ["DEFAULTS", "check_sgd_inputs", "evaluate", "lr_at", "sgd_steps", "warmup"]
 
 # Recommended training defaults for Fashion-MNIST (d=784, K=10) on the parameter server, chosen with
@@ -70,7 +72,7 @@ _JIT = {"cache": True, "nogil": True, "fastmath": _FASTMATH}
 # The per-batch kernels take row views (X[r], WT[k], G[i]) and pass arrays to an IR-inlined helper:
 # with Numba's reference counts each costs an atomic increment and decrement (7% of an epoch's time in
 # a profile). They allocate nothing, so they run without (the caller passes every array).
-_BARE = {**_JIT, "_nrt": False}
+_BARE = {**_JIT, **NO_REFCOUNTS}
 _LOGIT_FLOOR = np.float32(-40.0)  # see _softmax_row
 _EVAL_BLOCK = 256  # rows per logits block in evaluate(); keeps the scratch buffer in L1/L2
 

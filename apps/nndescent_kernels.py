@@ -36,6 +36,8 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
+from apps.kernel_util import NO_REFCOUNTS
+
 FLAG_OLD = 0
 FLAG_NEW = 1
 FLAG_PROPOSED = 2  # only inside one kernel call: an entry this executor found (sent with FLAG_NEW)
@@ -50,8 +52,8 @@ _jit_fast = numba.njit(cache=True, nogil=True, fastmath=True)
 # IR-inline helpers with array arguments: every such view or argument costs an atomic increment and
 # decrement, which Numba's pruning removes only within simple control flow. These kernels allocate
 # nothing; their callers pass the scratch arrays.
-_jit_bare = numba.njit(cache=True, nogil=True, _nrt=False)
-_jit_fast_bare = numba.njit(cache=True, nogil=True, fastmath=True, _nrt=False)
+_jit_bare = numba.njit(cache=True, nogil=True, **NO_REFCOUNTS)
+_jit_fast_bare = numba.njit(cache=True, nogil=True, fastmath=True, **NO_REFCOUNTS)
 
 
 @_jit
@@ -313,11 +315,11 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     return new, old, marked
 
 
-@numba.njit(cache=True, nogil=True, _nrt=False)
+@_jit_bare
 def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, touched: np.ndarray, new: np.ndarray,
                  new_p: np.ndarray, old: np.ndarray, old_p: np.ndarray) -> int:
     """:func:`sample_candidates` into its arrays (ids -1 and priorities :data:`NO_PRIORITY` on entry);
-    returns the number of marks. Compiled without Numba's reference counting (``_nrt=False``): each
+    returns the number of marks. Compiled without Numba's reference counting (``_jit_bare``): each
     push takes two row views, whose counts cost two atomic increments and two decrements per edge
     offered, most offers returning at once (sampling a quarter of 2**18 10-d points: 310 against
     323 ms, the same candidates)."""
