@@ -214,11 +214,10 @@ def _sweep(rows: np.ndarray, totals: np.ndarray, tok_word: np.ndarray, tok_off: 
 
     Compiled without Numba's reference counting (:data:`~apps.kernel_util.NO_REFCOUNTS`), so the
     scratch arrays come from the caller (``scratch`` (5, K) float64, ``mark`` (K,) int64, ``wnz``
-    (K,) int32; any content). With it,
-    every token paid five atomic increments and five decrements, one pair per array the inlined
-    :func:`_draw_sparse` receives (Numba's pruning cannot pair them across the draw's branches): two
-    thirds of the sweep's time in a profile, and sweeps ran 1.6x slower (7.6 against 12.4 M tokens/s
-    on fortunes, the same draws)."""
+    (K,) int32; any content). With it, every token paid five atomic increments and five decrements,
+    one pair per array the inlined :func:`_draw_sparse` receives (Numba's pruning cannot pair them
+    across the draw's branches): two thirds of the sweep's time in a profile, and sweeps ran 1.6x
+    slower (7.6 against 12.4 M tokens/s on fortunes, the same draws)."""
     rng = _seed_state(seed)
     K = totals.shape[0]
     mask = (1 << tb) - 1

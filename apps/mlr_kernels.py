@@ -69,9 +69,8 @@ DEFAULTS: dict[str, float | int] = {
 
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _JIT = {"cache": True, "nogil": True, "fastmath": _FASTMATH}
-# The per-batch kernels take row views (X[r], WT[k], G[i]) and pass arrays to an IR-inlined helper:
-# with Numba's reference counts each costs an atomic increment and decrement (7% of an epoch's time in
-# a profile). They allocate nothing, so they run without (the caller passes every array).
+# The per-batch kernels, which take row views (X[r], WT[k], G[i]) and pass arrays to an IR-inlined
+# helper, without reference counts (apps/kernel_util.NO_REFCOUNTS; 7% of an epoch's time in a profile).
 _BARE = {**_JIT, **NO_REFCOUNTS}
 _LOGIT_FLOOR = np.float32(-40.0)  # see _softmax_row
 _EVAL_BLOCK = 256  # rows per logits block in evaluate(); keeps the scratch buffer in L1/L2

@@ -48,10 +48,8 @@ COUNTERS = ("distances", "proposed", "sent", "updates", "rows_sent", "marked")
 
 _jit = numba.njit(cache=True, nogil=True)
 _jit_fast = numba.njit(cache=True, nogil=True, fastmath=True)
-# Without Numba's reference counting, for the hot loops that take row views (``G[p]`` for a push) or
-# IR-inline helpers with array arguments: every such view or argument costs an atomic increment and
-# decrement, which Numba's pruning removes only within simple control flow. These kernels allocate
-# nothing; their callers pass the scratch arrays.
+# The hot loops that push into row views, without reference counts (apps/kernel_util.NO_REFCOUNTS):
+# they allocate nothing, their callers pass the scratch arrays.
 _jit_bare = numba.njit(cache=True, nogil=True, **NO_REFCOUNTS)
 _jit_fast_bare = numba.njit(cache=True, nogil=True, fastmath=True, **NO_REFCOUNTS)
 
@@ -460,20 +458,17 @@ def local_join(data: np.ndarray, G: np.ndarray, box: np.ndarray, k: int, pos: np
     (``(m, mc, 2 mc)``, see :func:`_partner_distances`), else it is empty and they are computed here.
     Either way the offers are made in the same order, so the lists come out the same.
     """
-    if use_filter:
-        mc = new.shape[1]
-        scratch = (G[:, 2 * k - 1].copy(), np.empty(2 * mc, np.int64), np.empty(2 * mc, np.int64),
-                   np.empty(2 * mc, np.float32))
-        if dists.shape[0] > 0:
-            _join_filtered_precomputed(data, G, k, owned, new, old, touched, counts, dists, *scratch)
-        else:
-            _join_filtered(data, G, k, owned, new, old, touched, counts, dists, *scratch)
-        return
     mc = new.shape[1]
-    dmax = G[:, 2 * k - 1].copy()
-    qs = np.empty(2 * mc, np.int64)
+    dmax = G[:, 2 * k - 1].copy()  # d_max as a dense vector: most offers fail it, and it stays in cache
+    qs = np.empty(2 * mc, np.int64)  # p's partners in the order of the offers, their places, distances
     ys = np.empty(2 * mc, np.int64)
     ds = np.empty(2 * mc, np.float32)
+    if use_filter:  # two direct calls: a dispatcher held in a variable is an experimental Numba type
+        if dists.shape[0] > 0:
+            _join_filtered_precomputed(data, G, k, owned, new, old, touched, counts, dists, dmax, qs, ys, ds)
+        else:
+            _join_filtered(data, G, k, owned, new, old, touched, counts, dists, dmax, qs, ys, ds)
+        return
     for a in range(owned.shape[0]):
         for x in range(mc):
             p = new[a, x]
@@ -498,8 +493,7 @@ def _filtered_join(precomputed: bool) -> Callable[..., None]:
     def join(data: np.ndarray, G: np.ndarray, k: int, owned: np.ndarray, new: np.ndarray, old: np.ndarray,
              touched: np.ndarray, counts: np.ndarray, dists: np.ndarray, dmax: np.ndarray, qs: np.ndarray,
              ys: np.ndarray, ds: np.ndarray) -> None:
-        # dmax: d_max as a dense vector (most offers fail it, and it stays in cache); qs, ys, ds: p's
-        # partners in the order of the offers, their places and distances (2 mc each)
+        # dmax, qs, ys, ds: the scratch local_join allocates (this copy counts no references)
         mc = new.shape[1]
         n_dist = 0
         n_upd = 0

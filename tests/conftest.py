@@ -194,7 +194,6 @@ def run_in_cuda_simulator(script: str, done: str, timeout: float = 300) -> str:
     return proc.stdout
 
 
-
 def machine_code(dispatcher: Any) -> str:
     """The assembly of a Numba kernel's first compiled signature, from a fresh uncached copy (Numba
     does not show the code of cached kernels). Tests read it for what costs the hot loops most and
@@ -216,3 +215,8 @@ def calls_function(asm: str, name: str) -> bool:
     ``name``, by its mangled name (``<length><name>B<version>...``)."""
     mangled = f"{len(name)}{name}B"
     return any(mangled in line for line in asm.splitlines() if "call" in line or "movabs" in line)
+
+
+def counts_references(asm: str) -> bool:
+    """Whether ``asm`` (see :func:`machine_code`) increments or decrements a reference count."""
+    return "NRT_incref" in asm or "NRT_decref" in asm

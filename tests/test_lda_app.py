@@ -25,7 +25,7 @@ from apps import lda
 from apps import lda_kernels as lk
 from apps.datasets import build_corpus, load_text_corpus, read_fortunes, read_wordnet_glosses, tokenize
 from litz.cli import job_status, scale
-from tests.conftest import calls_function, machine_code, processes_mentioning, run_in_thread
+from tests.conftest import calls_function, counts_references, machine_code, processes_mentioning, run_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,7 +139,7 @@ def test_the_sweep_draws_without_a_call_or_reference_counts() -> None:
     lk.warmup()
     asm = machine_code(lk._sweep)
     assert not calls_function(asm, "_draw_sparse")
-    assert "NRT_incref" not in asm and "NRT_decref" not in asm
+    assert not counts_references(asm)
 
 
 def test_a_document_too_long_for_packed_counts_is_refused() -> None:

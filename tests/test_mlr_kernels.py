@@ -23,7 +23,7 @@ from apps.datasets import (
     parse_idx,
     partition_rows,
 )
-from tests.conftest import machine_code
+from tests.conftest import counts_references, machine_code
 
 _FMNIST_ROOT = os.environ.get("LITZ_FASHION_MNIST") or DEFAULT_FASHION_MNIST_ROOT
 _HAVE_FMNIST = all(
@@ -255,4 +255,4 @@ def test_the_batch_kernels_count_no_references() -> None:
     mk._sgd_batches(WT, np.zeros((7, 3), np.float32), X, rng.integers(0, 3, 9), np.arange(9), 4, 0.1, 0.0)
     for kernel in (mk._sgd_batches, mk._logits, mk._apply_grad, mk._softmax_row):
         asm = machine_code(kernel)
-        assert "NRT_incref" not in asm and "NRT_decref" not in asm, kernel.__name__
+        assert not counts_references(asm), kernel.__name__
