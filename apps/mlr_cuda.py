@@ -6,22 +6,31 @@ loss and accuracy of each row taken with the weights before its step. Results ag
 kernel up to float32 rounding (sums run in another order).
 
 **Layout.** SGD is sequential from batch to batch, so one task is one launch of one thread block
-that walks the batches; the executors of a worker process launch their own blocks. Per batch,
-in three phases separated by barriers:
+that walks the batches; the executors of a worker process launch their own blocks. The weights
+live in the block's shared memory for the whole launch (31 KB for Fashion-MNIST; the host refuses
+weights that do not fit in 48 KB), so only the data rows are read from global memory. Per batch,
+in phases separated by barriers:
 
-1. logits: each thread computes (row, class) dot products, ``X`` rows read once per class;
+1. logits: ``C = threads // batch`` threads per row, each summing every C-th feature of its row
+   for all classes (consecutive threads read consecutive features, which coalesces); then one
+   thread per (row, class) adds the C partial sums;
 2. softmax: one thread per row, as ``apps.mlr_kernels._softmax_row`` does (max-shifted, the
-   probabilities below e^-40 flushed to 0), leaving ``lr / count * (p - onehot)`` in ``G``;
+   probabilities below e^-40 flushed to 0), leaving ``lr / count * (p - onehot)`` in shared memory;
 3. the step: each thread owns weight rows (features); consecutive threads read consecutive
    features of a data row, which coalesces.
 
 The executor's rows (``X``, ``y``) are copied to the GPU once, when the executor first runs a
-task there; each task moves only the weights (31 KB for Fashion-MNIST) and its row indices.
+task there; each task moves only the weights and its row indices.
 
-**Status.** Checked in Numba's CUDA simulator against the CPU kernel (tests/test_mlr_cuda.py); not
-yet run on GPU hardware, its speed not measured. On Fashion-MNIST a task's work is small (375 rows
-with 8 executors and 20 clocks per epoch), so one block per task uses one of the GPU's
-multiprocessors: what it gains over the CPU kernel is for a GPU session to measure.
+**Measured** on an H100 (``bench/bench_gpu.py``, the README's performance section): one
+Fashion-MNIST epoch (1,875 batches of 32) takes about 300 ms against the CPU kernel's 55-60 ms.
+The block runs on one of the GPU's 132 multiprocessors and is latency-bound: its time falls in
+proportion to its threads (32 threads: 1.76 s; 256: 0.30 s), and 256 is as many as the partial
+sums leave shared memory for. Tried and slower on the H100: one thread per (row, class) over all
+features with the weights in global memory (the first version: 364 ms), and a variant with a
+thread per logit and per weight at 512 threads (313 ms; 1,024 threads exceed its registers). So on
+this model the GPU is not worth it: a task's work is small (375 rows with 8 executors and 20
+clocks per epoch); ``--device cuda`` is for models whose batches give a block more to do.
 """
 
 from __future__ import annotations
@@ -37,60 +46,93 @@ from apps.mlr_kernels import _LOGIT_FLOOR, check_sgd_inputs
 
 cuda = cuda_module()  # the apps import this module only where a GPU is wanted
 
-#: Threads of the one block per task. A multiple of 32.
+#: Threads of the one block per task (a multiple of 32); fewer when shared memory asks for it.
 THREADS = 256
 #: Classes at most (a thread keeps one accumulator per class).
 MAX_CLASSES = 32
+#: Dynamic shared memory a block may take without a per-kernel opt-in, on every CUDA GPU.
+SHARED_BYTES = 48 * 1024
+
+
+def shared_floats(d: int, K: int, batch_size: int, threads: int) -> int:
+    """float32 words of shared memory the kernel takes: the batch's logits, the weights, and the
+    logits' partial sums when a row's features are split over several threads."""
+    chunks = max(1, threads // batch_size)
+    return batch_size * K + (d + 1) * K + (threads * K if chunks > 1 else 0)
+
 
 if cuda is not None:
     @cuda.jit(device=True)
-    def _softmax_step(G: Any, i: int, K: int, label: int, step: float) -> tuple[float, int]:  # pragma: no cover
-        """Row ``i`` of ``G``: logits in, ``step * (p - onehot(label))`` out; returns (loss, correct)."""
-        m = G[i, 0]
+    def _softmax_step(G: Any, o: int, K: int, label: int, step: float) -> tuple[float, int]:  # pragma: no cover
+        """The row of ``K`` logits at ``G[o:]``: logits in, ``step * (p - onehot(label))`` out;
+        returns (loss, correct)."""
+        m = G[o]
         am = 0
         for k in range(1, K):
-            if G[i, k] > m:
-                m = G[i, k]
+            if G[o + k] > m:
+                m = G[o + k]
                 am = k
-        zl = G[i, label] - m
+        zl = G[o + label] - m
         se = numba.float32(0.0)
         for k in range(K):
-            t = G[i, k] - m
+            t = G[o + k] - m
             e = math.exp(t) if t > _LOGIT_FLOOR else numba.float32(0.0)
-            G[i, k] = e
+            G[o + k] = e
             se += e
         inv = numba.float32(1.0) / se
         for k in range(K):
-            G[i, k] = G[i, k] * inv * step
-        G[i, label] -= step
+            G[o + k] = G[o + k] * inv * step
+        G[o + label] -= step
         return math.log(se) - zl, 1 if am == label else 0
 
     @cuda.jit(cache=not simulated())
-    def _sgd_kernel(W: Any, X: Any, y: Any, rows: Any, batch_size: int, lr: float, l2: float, G: Any,
+    def _sgd_kernel(W: Any, X: Any, y: Any, rows: Any, batch_size: int, lr: float, l2: float,
                     stats: Any) -> None:  # pragma: no cover - runs on the GPU (or the simulator)
         t = cuda.threadIdx.x
         nt = cuda.blockDim.x
         d = X.shape[1]
-        K = W.shape[1]
+        K = W.shape[0] // (d + 1)
         n = rows.shape[0]
+        B = batch_size
+        C = max(1, nt // B)  # threads per row in the logits (chunks of its features)
+        R = nt // C  # rows the block's threads cover at once
+        sm = cuda.shared.array(0, numba.float32)
+        G = sm[:B * K]
+        Ws = sm[B * K:B * K + (d + 1) * K]
+        P = sm[B * K + (d + 1) * K:]  # partial logits, (row, chunk, class), when C > 1
+        for q in range(t, (d + 1) * K, nt):
+            Ws[q] = W[q]
+        cuda.syncthreads()
         decay = numba.float32(1.0 - lr * l2)
         loss = 0.0
         correct = 0
         acc = cuda.local.array(MAX_CLASSES, numba.float32)
-        for b0 in range(0, n, batch_size):
-            count = min(batch_size, n - b0)
-            for pair in range(t, count * K, nt):  # 1. logits
-                i = pair // K
-                k = pair - i * K
+        c = t % C
+        for b0 in range(0, n, B):
+            count = min(B, n - b0)
+            for i in range(t // C, count, R):  # 1. logits: thread (row i, chunk c) sums features c, c + C, ...
                 r = rows[b0 + i]
-                z = W[d, k]
-                for j in range(d):
-                    z += X[r, j] * W[j, k]
-                G[i, k] = z
+                for k in range(K):
+                    z = Ws[d * K + k] if c == 0 else numba.float32(0.0)
+                    for j in range(c, d, C):  # consecutive threads read consecutive features: coalesced
+                        z += X[r, j] * Ws[j * K + k]
+                    if C == 1:
+                        G[i * K + k] = z
+                    else:
+                        P[(i * C + c) * K + k] = z
             cuda.syncthreads()
+            if C > 1:  # the same for every thread of the block: the barrier inside is safe
+                for pair in range(t, count * K, nt):
+                    i = pair // K
+                    k = pair - i * K
+                    z = numba.float32(0.0)
+                    for cc in range(C):
+                        z += P[(i * C + cc) * K + k]
+                    G[pair] = z
+                cuda.syncthreads()
             step = numba.float32(lr) / numba.float32(count)
             for i in range(t, count, nt):  # 2. softmax
-                li, ok = _softmax_step(G, i, K, y[rows[b0 + i]], step)
+                li, ok = _softmax_step(G, i * K, K, y[rows[b0 + i]], step)
                 loss += li
                 correct += ok
             cuda.syncthreads()
@@ -100,11 +142,13 @@ if cuda is not None:
                 for i in range(count):
                     x = X[rows[b0 + i], j] if j < d else numba.float32(1.0)
                     for k in range(K):
-                        acc[k] += G[i, k] * x
+                        acc[k] += G[i * K + k] * x
                 for k in range(K):
-                    w = W[j, k] * decay if j < d else W[j, k]
-                    W[j, k] = w - acc[k]
+                    w = Ws[j * K + k] * decay if j < d else Ws[j * K + k]
+                    Ws[j * K + k] = w - acc[k]
             cuda.syncthreads()
+        for q in range(t, (d + 1) * K, nt):
+            W[q] = Ws[q]
         stats[t, 0] = loss
         stats[t, 1] = correct
 
@@ -144,11 +188,18 @@ def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int
         raise IndexError("row index out of range")
     if data.labels[0] < 0 or data.labels[1] >= K:
         raise ValueError("label out of range [0, K)")
-    d_W = cuda.to_device(W)
+    threads = int(threads)
+    while threads > 32 and shared_floats(data.d, K, int(batch_size), threads) * 4 > SHARED_BYTES:
+        threads = max(32, threads // 2 // 32 * 32)  # fewer threads need fewer partial sums
+    need = shared_floats(data.d, K, int(batch_size), threads) * 4
+    if need > SHARED_BYTES:
+        raise ValueError(f"the GPU kernel keeps the weights and a batch's logits in shared memory: {need} bytes "
+                         f"for {data.d + 1} x {K} weights and batches of {batch_size}, more than "
+                         f"{SHARED_BYTES}; use --device cpu")
+    d_W = cuda.to_device(W.reshape(-1))
     stats = cuda.device_array((threads, 2), np.float64)
-    G = cuda.device_array((int(batch_size), K), np.float32)
-    _sgd_kernel[1, threads](d_W, data.X, data.y, cuda.to_device(np.ascontiguousarray(rows)), int(batch_size),
-                            float(lr), float(l2), G, stats)
-    d_W.copy_to_host(W)
+    _sgd_kernel[1, threads, 0, need](d_W, data.X, data.y, cuda.to_device(np.ascontiguousarray(rows)),
+                                     int(batch_size), float(lr), float(l2), stats)
+    d_W.copy_to_host(W.reshape(-1))
     totals = stats.copy_to_host().sum(axis=0)
     return float(totals[0]), int(round(totals[1]))

@@ -17,13 +17,14 @@ SIMULATED_CHECK = textwrap.dedent("""
     import numpy as np
     from apps import mlr_cuda, mlr_kernels as mk
     rng = np.random.default_rng(1)
-    n, d, K = 40, 5, 3
+    n, d, K = 40, 37, 3
     X = rng.standard_normal((n, d)).astype(np.float32) * 2
     y = rng.integers(0, K, n).astype(np.int64)
     W0 = (rng.standard_normal((d + 1, K)) * 0.5).astype(np.float32)
     rows = rng.permutation(n).astype(np.int64)[:29]  # batches of 7: the last one short
     data = mlr_cuda.DeviceRows(X, y)
-    for threads in (4, 8):  # fewer and more threads than a batch has rows
+    # fewer threads than a batch has rows; 2 and 4 threads per row (partial sums), fewer than features
+    for threads in (4, 20, 32):
         Wc, Wg = W0.copy(), W0.copy()
         loss_c, ok_c = mk.sgd_steps(Wc, X, y, rows, 7, 0.3, 0.01)
         loss_g, ok_g = mlr_cuda.sgd_steps(Wg, data, rows, 7, 0.3, 0.01, threads=threads)
