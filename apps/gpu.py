@@ -71,8 +71,8 @@ def process_device(option: str) -> str:
 def add_device_option(p: argparse.ArgumentParser, what: str, module: str) -> None:
     """``--device``: where ``what`` is computed (the GPU kernels live in ``module``)."""
     p.add_argument("--device", choices=DEVICES, default="cpu",
-                   help=f"compute {what} on the CPU, on an NVIDIA GPU with Numba-CUDA (cuda: not yet run on GPU "
-                        f"hardware, see {module}), or on a GPU where the worker process sees one (auto)")
+                   help=f"compute {what} on the CPU, on an NVIDIA GPU with Numba-CUDA (cuda; see {module} for "
+                        f"what it gains), or on a GPU where the worker process sees one (auto)")
 
 
 def check_device(option: str) -> None:

@@ -22,10 +22,12 @@ dense, ``(m, mc, 2 mc)`` float32 (entries of invalid pairs are never read).
 the executors of one worker process share one device copy, uploaded at the first task and kept
 until a task brings another host array (a new job's, or another data set).
 
-**Status.** Written and checked without a GPU: the tests run the kernel in Numba's CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``, real thread-block semantics in Python) and require the same lists as
-the CPU join. It has not run on GPU hardware, and its speed has not been measured. Without a GPU
-``--device cuda`` is refused before the job starts, and ``--device auto`` uses the CPU.
+**Status.** The tests run the kernel in Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, real
+thread-block semantics in Python) and require the same lists as the CPU join; on an H100 the lists
+of a round agree with the CPU's up to near-ties, and one executor's round on a quarter of
+Fashion-MNIST took 0.12-0.14 s against 0.22-0.26 s on the CPU (``bench/bench_gpu.py``; whole
+jobs in the README). Without a GPU ``--device cuda`` is refused before the job starts, and
+``--device auto`` uses the CPU.
 """
 
 from __future__ import annotations
