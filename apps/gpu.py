@@ -38,26 +38,61 @@ def simulated() -> bool:
 
 def available() -> bool:
     """Whether this process can launch CUDA kernels (a GPU and its driver, or the simulator)."""
+    return why_unavailable() is None
+
+
+@functools.cache
+def why_unavailable() -> str | None:
+    """Why this process cannot run the apps' CUDA kernels, or None if it can. Asked once per process.
+
+    A visible GPU is not enough: a numba-cuda that does not match the installed NumPy imports,
+    sees the GPU, and then fails on every kernel it compiles (seen on an H100 image: numba-cuda
+    with NumPy 2.5, ``module 'numpy' has no attribute 'row_stack'``). So a one-thread kernel is
+    compiled and launched here; if that fails, ``--device auto`` uses the CPU and ``--device
+    cuda`` is refused with the error, instead of every task failing with it."""
     cuda = cuda_module()
     if cuda is None:
-        return False
+        return "this numba has no CUDA support"
     try:
-        return bool(cuda.is_available())
-    except Exception:  # a broken driver installation: no GPU for us
-        return False
+        if not cuda.is_available():
+            return ("no CUDA GPU is visible to this process (numba.cuda.is_available() is False; "
+                    "numba.cuda.detect() says why)")
+    except Exception as exc:  # a broken driver installation
+        return f"the CUDA driver failed ({type(exc).__name__}: {exc})"
+    try:
+        _probe(cuda)
+    except Exception as exc:
+        return f"numba-cuda cannot compile or run a kernel here ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _probe(cuda: Any) -> None:
+    """Compile and launch a one-thread kernel and check what it wrote."""
+    import warnings
+
+    import numpy as np
+
+    @cuda.jit
+    def write_one(out: Any) -> None:  # pragma: no cover - runs on the GPU (or the simulator)
+        out[0] = 1
+
+    out = cuda.to_device(np.zeros(1, np.int32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # numba-cuda warns that one block leaves the GPU idle
+        write_one[1, 1](out)
+    if int(out.copy_to_host()[0]) != 1:
+        raise RuntimeError("a one-thread kernel did not write its result")
 
 
 def resolve(device: str) -> str:
-    """``cpu`` or ``cuda`` for an option value; ``cuda`` without a GPU raises a ``ValueError`` that says why."""
+    """``cpu`` or ``cuda`` for an option value; ``cuda`` where this process cannot run CUDA kernels
+    raises a ``ValueError`` that says why (:func:`why_unavailable`)."""
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
     if device == "auto":
         return "cuda" if available() else "cpu"
     if device == "cuda" and not available():
-        why = ("this numba has no CUDA support" if cuda_module() is None else
-               "no CUDA GPU is visible to this process (numba.cuda.is_available() is False; "
-               "numba.cuda.detect() says why)")
-        raise ValueError(f"--device cuda: {why}; use --device cpu or auto")
+        raise ValueError(f"--device cuda: {why_unavailable()}; use --device cpu or auto")
     return device
 
 

@@ -64,6 +64,32 @@ def test_the_gpu_join_in_the_cuda_simulator_makes_the_cpu_joins_offers() -> None
     run_in_cuda_simulator(SIMULATED_CHECK, "simulated join ok")
 
 
+# A numba-cuda that sees a GPU but cannot compile (seen on a GPU image: numba-cuda with NumPy 2.5)
+PROBE_CHECK = textwrap.dedent("""
+    from apps import gpu
+    assert gpu.why_unavailable() is None and gpu.resolve("auto") == "cuda"  # the probe kernel ran
+    def broken(cuda):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+    gpu._probe = broken
+    gpu.why_unavailable.cache_clear()
+    assert not gpu.available() and gpu.resolve("auto") == "cpu"
+    try:
+        gpu.resolve("cuda")
+    except ValueError as exc:
+        assert ("cannot compile or run a kernel here (AttributeError: module 'numpy' has no attribute "
+                "'row_stack')") in str(exc), exc
+    else:
+        raise AssertionError("--device cuda was accepted where no kernel compiles")
+    print("probe ok")
+""")
+
+
+def test_a_gpu_whose_kernels_do_not_compile_counts_as_no_gpu() -> None:
+    """``auto`` falls back to the CPU and ``cuda`` is refused with the compiler's error, rather than
+    every task failing with it."""
+    run_in_cuda_simulator(PROBE_CHECK, "probe ok")
+
+
 def test_device_options_refuse_a_missing_gpu_and_auto_falls_back() -> None:
     assert gpu.resolve("cpu") == "cpu"
     assert gpu.resolve("auto") == ("cuda" if gpu.available() else "cpu")
