@@ -224,8 +224,10 @@ def _hash(seed: int, a: int, b: int, c: int) -> np.uint64:
     return _mix(h ^ np.uint64(c))
 
 
-#: The priority no pair has (:func:`_pair_priority` is below it but for 1 pair in 2**64): empty slots.
+#: An empty slot of a candidate list (:func:`_push_candidate`); no entry equals it (ids are below 2**32 - 1).
 NO_PRIORITY = np.uint64(0xFFFFFFFFFFFFFFFF)
+_HIGH32 = np.uint64(0xFFFFFFFF00000000)
+_LOW32 = np.uint64(0xFFFFFFFF)
 
 
 @_jit
@@ -238,37 +240,39 @@ def _round_key(seed: int, rnd: int) -> np.uint64:
 def _pair_priority(key: np.uint64, i: int, j: int) -> np.uint64:
     """The sampling priority of the unordered pair ``{i, j}`` in the round of ``key``: splitmix64's
     finalizer of the pair's index (ids are below 2**24, so ``lo << 32 | hi`` is unique) mixed with the
-    key. The finalizer is a bijection, so two pairs never tie in a round. One mix instead of the four
-    of :func:`_hash`, and integers compared instead of floats: sampling took 7-8% less time at 2**19
-    points (10-d blobs, an eighth of them or all owned; best of 5, alternating), where it is the
-    largest kernel of a round. Most of its time is the pushes into the candidate lists."""
+    key. One mix instead of the four of :func:`_hash`, and integers compared instead of floats:
+    sampling took 7-8% less time at 2**19 points (10-d blobs, an eighth of them or all owned; best of
+    5, alternating). Most of its time is the pushes into the candidate lists."""
     lo, hi = min(i, j), max(i, j)
     return _mix(key ^ ((np.uint64(lo) << np.uint64(32)) | np.uint64(hi)))
 
 
-@numba.njit(cache=True, nogil=True, inline="always")  # see the module docstring
-def _push_candidate(ids: np.ndarray, pri: np.ndarray, mc: int, j: int, p: np.uint64) -> None:
-    """Keep the ``mc`` candidates of smallest priority (sorted), each id once.
+@_jit
+def _pair_high(key: np.uint64, i: int, j: int) -> np.uint64:
+    """The high 32 bits of the pair's priority, the part a candidate list holds: a list entry is
+    ``_pair_high(key, i, j) | cand``, so one integer order sorts by priority (ties, about one pair in
+    2**32, by id) and one comparison finds a duplicate (the same pair offers the same candidate)."""
+    return _pair_priority(key, i, j) & _HIGH32
 
-    A candidate's priority is a function of the unordered pair (:func:`sample_candidates`), so a
-    second offer of an id carries the same priority as the first and lands next to it: the
-    duplicate test looks only at the entries of equal priority, not at the whole list.
-    """
-    if p >= pri[mc - 1]:
+
+@numba.njit(cache=True, nogil=True, inline="always")  # see the module docstring
+def _push_candidate(row: np.ndarray, mc: int, v: np.uint64) -> None:
+    """Keep the ``mc`` smallest candidates (entries as :func:`_pair_high` says) in ``row``, sorted, each once.
+
+    Priority and id share one integer, so a list is one row of ``mc`` words instead of two (ids and
+    priorities): sampling touches half the cache lines, and was 16-25% faster at 2**18 10-d points
+    with the same candidates. The place is a count (no data-dependent exit), and a duplicate is the
+    equal value just there."""
+    if v >= row[mc - 1]:
         return
-    pos = mc - 1
-    while pos > 0 and pri[pos - 1] > p:
-        pos -= 1
-    q = pos - 1
-    while q >= 0 and pri[q] == p:
-        if ids[q] == j:
-            return
-        q -= 1
-    for t in range(mc - 1, pos, -1):
-        ids[t] = ids[t - 1]
-        pri[t] = pri[t - 1]
-    ids[pos] = j
-    pri[pos] = p
+    at = 0
+    for t in range(mc - 1):
+        at += row[t] < v
+    if row[at] == v:
+        return
+    for t in range(mc - 1, at, -1):
+        row[t] = row[t - 1]
+    row[at] = v
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -306,21 +310,31 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     cost as much as in the first round, whatever the updates. The lists the join reads are the
     same as with one pass (the priorities do not depend on the order).
     """
-    new = np.full((m, mc), -1, np.int64)
-    old = np.full((m, mc), -1, np.int64)
-    marked = _sample_into(G, k, pos, seed, rnd, touched, new, np.full((m, mc), NO_PRIORITY, np.uint64), old,
-                          np.full((m, mc), NO_PRIORITY, np.uint64))
-    return new, old, marked
+    packed_new = np.full((m, mc), NO_PRIORITY, np.uint64)
+    packed_old = np.full((m, mc), NO_PRIORITY, np.uint64)
+    marked = _sample_into(G, k, pos, seed, rnd, touched, packed_new, packed_old)
+    return _candidate_ids(packed_new), _candidate_ids(packed_old), marked
+
+
+@_jit
+def _candidate_ids(packed: np.ndarray) -> np.ndarray:
+    """The ids of candidate lists (entries as :func:`_pair_high` says), -1 for an empty slot."""
+    out = np.full(packed.shape, -1, np.int64)
+    for a in range(packed.shape[0]):
+        for c in range(packed.shape[1]):
+            if packed[a, c] != NO_PRIORITY:
+                out[a, c] = np.int64(packed[a, c] & _LOW32)
+    return out
 
 
 @_jit_bare
 def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, touched: np.ndarray, new: np.ndarray,
-                 new_p: np.ndarray, old: np.ndarray, old_p: np.ndarray) -> int:
-    """:func:`sample_candidates` into its arrays (ids -1 and priorities :data:`NO_PRIORITY` on entry);
-    returns the number of marks. Compiled without Numba's reference counting (``_jit_bare``): each
-    push takes two row views, whose counts cost two atomic increments and two decrements per edge
-    offered, most offers returning at once (sampling a quarter of 2**18 10-d points: 310 against
-    323 ms, the same candidates)."""
+                 old: np.ndarray) -> int:
+    """:func:`sample_candidates` into its candidate lists (entries as :func:`_pair_high` says,
+    :data:`NO_PRIORITY` on entry); returns the number of marks. Compiled without Numba's reference
+    counting (``_jit_bare``): each push takes a row view, whose count costs an atomic increment and
+    decrement per edge offered, most offers returning at once (sampling a quarter of 2**18 10-d
+    points: 310 against 323 ms, the same candidates)."""
     n = G.shape[0]
     mc = new.shape[1]
     key = _round_key(seed, rnd)
@@ -335,14 +349,14 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
             pj = pos[j]
             if pi < 0 and pj < 0:
                 continue
-            p = _pair_priority(key, i, j)  # one priority per pair: see _push_candidate
+            hi = _pair_high(key, i, j)  # one priority per pair, for both candidates
             if pi >= 0:
-                _push_candidate(new[pi], new_p[pi], mc, j, p)
+                _push_candidate(new[pi], mc, hi | np.uint64(j))
             if pj >= 0:
-                _push_candidate(new[pj], new_p[pj], mc, i, p)
+                _push_candidate(new[pj], mc, hi | np.uint64(i))
     for i in range(n):
         pi = pos[i]
-        wants_i = pi >= 0 and new[pi, 0] >= 0
+        wants_i = pi >= 0 and new[pi, 0] != NO_PRIORITY
         for s in range(k):
             j = int(G[i, s])
             if j < 0:
@@ -350,14 +364,14 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
             if G[i, 2 * k + s] > 0:
                 continue
             pj = pos[j]
-            wants_j = pj >= 0 and new[pj, 0] >= 0
+            wants_j = pj >= 0 and new[pj, 0] != NO_PRIORITY
             if not (wants_i or wants_j):
                 continue
-            p = _pair_priority(key, i, j)
+            hi = _pair_high(key, i, j)
             if wants_i:
-                _push_candidate(old[pi], old_p[pi], mc, j, p)
+                _push_candidate(old[pi], mc, hi | np.uint64(j))
             if wants_j:
-                _push_candidate(old[pj], old_p[pj], mc, i, p)
+                _push_candidate(old[pj], mc, hi | np.uint64(i))
     marked = 0
     for i in range(n):
         pi = pos[i]
@@ -369,7 +383,8 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
                 break
             if G[i, 2 * k + s] > 0:
                 for c in range(mc):
-                    if new[pi, c] == j:
+                    v = new[pi, c]
+                    if v != NO_PRIORITY and np.int64(v & _LOW32) == j:
                         G[i, 2 * k + s] = FLAG_MARKED
                         marked += 1
                         touched[i] = 1

@@ -123,11 +123,11 @@ def test_sampling_keeps_the_smallest_priorities_and_old_candidates_only_beside_n
         for s in range(k):
             j = int(G[i, s])
             kind = "new" if G[i, 2 * k + s] > 0 else "old"
-            p = int(nk._pair_priority(key, i, j))
-            assert p == int(nk._pair_priority(key, j, i))
+            p = int(nk._pair_high(key, i, j))  # the priority's high half, then the id: see _pair_high
+            assert p == int(nk._pair_high(key, j, i)) and p & 0xFFFFFFFF == 0
             for a, b in ((i, j), (j, i)):
                 if pos[a] >= 0:
-                    ref[kind][pos[a]][b] = p
+                    ref[kind][pos[a]][b] = p | b
     before = G.copy()
     new, old, marked = nk.sample_candidates(G, k, pos, len(owned), mc, seed, rnd, np.zeros(len(x), np.uint8))
     some_without = False
@@ -248,8 +248,8 @@ def test_sampling_pushes_candidates_without_a_call_or_reference_counts() -> None
     of the two row views it takes cost four atomic operations. Without both, sampling a quarter of
     Fashion-MNIST's points took 51.5 against 66.1 ms, and 310 against 383 ms at 2**18 10-d points."""
     m, mc = 8, 2
-    nk._sample_into(nk.empty_lists(8, 2), 2, np.arange(8), 0, 0, np.zeros(8, np.uint8), np.full((m, mc), -1),
-                    np.full((m, mc), nk.NO_PRIORITY), np.full((m, mc), -1), np.full((m, mc), nk.NO_PRIORITY))
+    nk._sample_into(nk.empty_lists(8, 2), 2, np.arange(8), 0, 0, np.zeros(8, np.uint8),
+                    np.full((m, mc), nk.NO_PRIORITY), np.full((m, mc), nk.NO_PRIORITY))
     asm = machine_code(nk._sample_into)
     assert not calls_function(asm, "_push_candidate")
     assert not counts_references(asm)
