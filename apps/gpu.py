@@ -1,10 +1,10 @@
 """Where an app's kernels run: the ``--device {cpu,cuda,auto}`` option, shared by the apps with GPU kernels.
 
 GPU kernels are written with Numba-CUDA (``numba.cuda``, which imports without a GPU). Without a
-GPU, ``--device cuda`` is refused before the job starts (:func:`check_device`), and ``auto``
-uses the CPU. The tests run the kernels in Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``):
-real thread blocks, shared memory and barriers, executed in Python, which checks the kernels'
-logic, not their speed.
+GPU, or where a kernel does not compile (:func:`why_unavailable`), ``--device cuda`` is refused
+before the job starts (:func:`check_device`), and ``auto`` uses the CPU. The tests run the kernels
+in Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): real thread blocks, shared memory and
+barriers, executed in Python, which checks the kernels' logic, not their speed.
 """
 
 from __future__ import annotations
