@@ -171,6 +171,9 @@ def test_lost_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path:
     try:
         st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
         victim = next(p for p in st["processes"] if p["id"] == "w1")
+        # work after the checkpoint, to be rolled back: stopped the moment the checkpoint was
+        # seen, w1's executors once had completed nothing since it, so no count repeated
+        time.sleep(0.2)
         os.kill(victim["pid"], sig)  # SIGSTOP: alive, but its lease keep-alive stops with it
         st = _status_when(job, lambda s: s["master"].get("recoveries"))
         rec = st["master"]["recoveries"][0]
