@@ -228,7 +228,7 @@ def _hash(seed: int, a: int, b: int, c: int) -> np.uint64:
 
 
 #: An empty slot of a candidate list (:func:`_push_candidate`); no entry equals it (ids are below 2**32 - 1).
-NO_PRIORITY = np.uint64(0xFFFFFFFFFFFFFFFF)
+EMPTY_CANDIDATE = np.uint64(0xFFFFFFFFFFFFFFFF)
 _HIGH32 = np.uint64(0xFFFFFFFF00000000)
 _LOW32 = np.uint64(0xFFFFFFFF)
 
@@ -240,22 +240,16 @@ def _round_key(seed: int, rnd: int) -> np.uint64:
 
 
 @_jit
-def _pair_priority(key: np.uint64, i: int, j: int) -> np.uint64:
-    """The sampling priority of the unordered pair ``{i, j}`` in the round of ``key``: splitmix64's
-    finalizer of the pair's index (ids are below 2**24, so ``lo << 32 | hi`` is unique) mixed with the
-    key. One mix instead of the four of :func:`_hash`, and integers compared instead of floats:
-    sampling took 7-8% less time at 2**19 points (10-d blobs, an eighth of them or all owned; best of
-    5, alternating). Most of its time is the pushes into the candidate lists."""
-    lo, hi = min(i, j), max(i, j)
-    return _mix(key ^ ((np.uint64(lo) << np.uint64(32)) | np.uint64(hi)))
-
-
-@_jit
 def _pair_high(key: np.uint64, i: int, j: int) -> np.uint64:
-    """The high 32 bits of the pair's priority, the part a candidate list holds: a list entry is
-    ``_pair_high(key, i, j) | cand``, so one integer order sorts by priority (ties, about one pair in
-    2**32, by id) and one comparison finds a duplicate (the same pair offers the same candidate)."""
-    return _pair_priority(key, i, j) & _HIGH32
+    """The sampling priority of the unordered pair ``{i, j}`` in the round of ``key``, as a candidate
+    list holds it: the high 32 bits of splitmix64's finalizer of the pair's index (ids are below 2**24,
+    so ``lo << 32 | hi`` is unique) mixed with the key. A list entry is ``_pair_high(key, i, j) | cand``,
+    so one integer order sorts by priority (ties, about one pair in 2**32, by id) and one comparison
+    finds a duplicate (the same pair offers the same candidate). One mix instead of the four of
+    :func:`_hash`, and integers compared instead of floats: sampling took 7-8% less time at 2**19
+    points (10-d blobs, an eighth of them or all owned; best of 5, alternating)."""
+    lo, hi = min(i, j), max(i, j)
+    return _mix(key ^ ((np.uint64(lo) << np.uint64(32)) | np.uint64(hi))) & _HIGH32
 
 
 @numba.njit(cache=True, nogil=True, inline="always")  # see the module docstring
@@ -313,8 +307,8 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     cost as much as in the first round, whatever the updates. The lists the join reads are the
     same as with one pass (the priorities do not depend on the order).
     """
-    packed_new = np.full((m, mc), NO_PRIORITY, np.uint64)
-    packed_old = np.full((m, mc), NO_PRIORITY, np.uint64)
+    packed_new = np.full((m, mc), EMPTY_CANDIDATE, np.uint64)
+    packed_old = np.full((m, mc), EMPTY_CANDIDATE, np.uint64)
     marked = _sample_into(G, k, pos, seed, rnd, touched, packed_new, packed_old)
     return _candidate_ids(packed_new), _candidate_ids(packed_old), marked
 
@@ -325,7 +319,7 @@ def _candidate_ids(packed: np.ndarray) -> np.ndarray:
     out = np.full(packed.shape, -1, np.int64)
     for a in range(packed.shape[0]):
         for c in range(packed.shape[1]):
-            if packed[a, c] != NO_PRIORITY:
+            if packed[a, c] != EMPTY_CANDIDATE:
                 out[a, c] = np.int64(packed[a, c] & _LOW32)
     return out
 
@@ -334,7 +328,7 @@ def _candidate_ids(packed: np.ndarray) -> np.ndarray:
 def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, touched: np.ndarray, new: np.ndarray,
                  old: np.ndarray) -> int:
     """:func:`sample_candidates` into its candidate lists (entries as :func:`_pair_high` says,
-    :data:`NO_PRIORITY` on entry); returns the number of marks. Compiled without Numba's reference
+    :data:`EMPTY_CANDIDATE` on entry); returns the number of marks. Compiled without Numba's reference
     counting (``_jit_bare``): each push takes a row view, whose count costs an atomic increment and
     decrement per edge offered, most offers returning at once (sampling a quarter of 2**18 10-d
     points: 310 against 323 ms, the same candidates)."""
@@ -359,7 +353,7 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
                 _push_candidate(new[pj], mc, hi | np.uint64(i))
     for i in range(n):
         pi = pos[i]
-        wants_i = pi >= 0 and new[pi, 0] != NO_PRIORITY
+        wants_i = pi >= 0 and new[pi, 0] != EMPTY_CANDIDATE
         for s in range(k):
             j = int(G[i, s])
             if j < 0:
@@ -367,7 +361,7 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
             if G[i, 2 * k + s] > 0:
                 continue
             pj = pos[j]
-            wants_j = pj >= 0 and new[pj, 0] != NO_PRIORITY
+            wants_j = pj >= 0 and new[pj, 0] != EMPTY_CANDIDATE
             if not (wants_i or wants_j):
                 continue
             hi = _pair_high(key, i, j)
@@ -387,7 +381,7 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
             if G[i, 2 * k + s] > 0:
                 for c in range(mc):
                     v = new[pi, c]
-                    if v != NO_PRIORITY and np.int64(v & _LOW32) == j:
+                    if v != EMPTY_CANDIDATE and np.int64(v & _LOW32) == j:
                         G[i, 2 * k + s] = FLAG_MARKED
                         marked += 1
                         touched[i] = 1
