@@ -8,6 +8,7 @@ Each test gets its own LocalEtcd, and the fixture checks that the server process
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -144,6 +145,29 @@ def test_local_etcd_failed_start_reports_log(tmp_path: Path) -> None:
     assert "exited with code 3" in str(info.value)
     assert "address already in use" in str(info.value)
     assert server.pid is None
+
+
+def test_a_local_etcd_gone_after_its_health_check_is_reported_with_its_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher whose own etcd answered /health and then could not be reached says what became
+    of that etcd (exit code, end of its log): the log goes with etcd's temporary directory."""
+    from litz.runtime import launcher
+
+    healthy = LocalEtcd.wait_ready
+
+    def healthy_then_killed(self: LocalEtcd, timeout: float = 15.0) -> None:
+        healthy(self, timeout)
+        os.kill(self.pid, signal.SIGKILL)
+        self._proc_box[0].wait()
+
+    monkeypatch.setattr(LocalEtcd, "wait_ready", healthy_then_killed)
+    monkeypatch.setattr(launcher, "Membership", functools.partial(Membership, connect_timeout=0.5))
+    cluster = launcher.LocalCluster("gone-etcd", workers=1, servers=1)
+    with pytest.raises(EtcdUnreachable) as info:
+        with cluster:
+            pass
+    text = str(info.value)
+    assert "cannot reach etcd" in text and "exited with code -9" in text, text
+    assert "serving client" in text, text  # a line of etcd's own log
 
 
 # -- Membership ------------------------------------------------------------------------------------------

@@ -291,6 +291,19 @@ class LocalEtcd:
             raise ConfigError("LocalEtcd has not been started")
         return Path(self._tmpdir) / "etcd.log"
 
+    def diagnosis(self) -> str:
+        """Whether the process still runs (or how it ended) and the end of its log: what a client that
+        could not reach this etcd reports, since the log goes with the temporary directory."""
+        proc = self._proc_box[0]
+        if proc is None:
+            state = "not started"
+        elif (code := proc.poll()) is None:
+            state = f"pid {proc.pid} still running"
+        else:
+            state = f"pid {proc.pid} exited with code {code}"
+        log = _tail(self.log_path) if self._tmpdir is not None else "(no log: its directory is gone)"
+        return f"the local etcd on {self.url if self._client_port else 'no port'}: {state}; last lines of its log:\n{log}"
+
     # -- lifecycle --------------------------------------------------------------------------------------
 
     def start(self, timeout: float = 15.0, wait: bool = True) -> None:

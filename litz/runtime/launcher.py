@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from litz.api import App, JobResult
-from litz.errors import ConfigError, ProcessLost
+from litz.errors import ConfigError, EtcdUnreachable, ProcessLost
 from litz.ft.checkpoint import CheckpointCoordinator
 from litz.runtime import jobs, security
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
@@ -105,7 +105,13 @@ class LocalCluster:
         if self._etcd is not None:
             self._etcd.wait_ready()
         self._agent = Membership(self.etcd_url, self.job)
-        self._agent.start()
+        try:
+            self._agent.start()
+        except EtcdUnreachable as exc:
+            if self._etcd is None:
+                raise
+            # our own etcd answered /health a moment ago: say what became of it
+            raise EtcdUnreachable(f"{exc}\n{self._etcd.diagnosis()}") from exc
         if not self.join:
             jobs.record(self.job, self.etcd_url)
         self._agent.watch_prefix(f"{AGENTS}{self.node}/")
