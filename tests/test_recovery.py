@@ -354,8 +354,14 @@ def test_a_process_lost_during_a_migration_is_recovered(tmp_path: Path, monkeypa
         np.testing.assert_array_equal(res["final"], res["truth"])
         assert all(sorted(seqs) == list(range(len(seqs))) for seqs in res["done_seq"])
         return
-    assert [s["mid"] for s in final["settled"]] == [struck["mid"]]
-    assert final["settled"][0]["on"] == struck[on]
+    if kind == "shards" and not final["settled"]:
+        # On a loaded machine the source and the destination can finish the move between the
+        # master's "migrate" and its SIGKILL, and the master handles "migrated" before it learns
+        # of the loss: the shard was then the dead destination's, and came back with its others.
+        assert 0 in struck["restored_shards"], struck
+    else:
+        assert [s["mid"] for s in final["settled"]] == [struck["mid"]]
+        assert final["settled"][0]["on"] == struck[on]
     rolled = set(struck["restored"]) | ({0} if executors and on == victim else set())
     for e, seqs in enumerate(res["done_seq"]):
         if e in rolled:  # back to the checkpoint: counts repeat, with no gap

@@ -440,6 +440,11 @@ class StrikingDriver(TimedMigratingDriver):
     def strike(self, master: Any) -> dict[str, Any]:
         raise NotImplementedError
 
+    def recovered(self, recovery: litz.Recovery) -> None:
+        super().recovered(recovery)
+        if self.struck is not None:
+            self.struck.setdefault("restored_shards", []).extend(recovery.shards)
+
     @staticmethod
     def kill(master: Any, ident: str) -> list[int]:
         """SIGKILL ``ident``; returns the executors it hosted."""

@@ -302,7 +302,8 @@ class LocalEtcd:
         else:
             state = f"pid {proc.pid} exited with code {code}"
         log = _tail(self.log_path) if self._tmpdir is not None else "(no log: its directory is gone)"
-        return f"the local etcd on {self.url if self._client_port else 'no port'}: {state}; last lines of its log:\n{log}"
+        where = self.url if self._client_port else "no port"
+        return f"the local etcd on {where}: {state}; last lines of its log:\n{log}"
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
