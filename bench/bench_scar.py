@@ -255,8 +255,9 @@ def main() -> None:
     p.add_argument("--baselines", type=int, default=3, help="failure-free runs that set the target")
     p.add_argument("--epochs", type=int, default=6, help="epochs of the failure-free runs (20 clocks each)")
     p.add_argument("--every", type=int, default=24, help="C: clocks between full checkpoints")
-    p.add_argument("--only", choices=["A", "B", "key"], default=None,
-                   help="A or B alone, or key: only the two configurations of the target check")
+    p.add_argument("--only", choices=["A", "B", "key", "staleness"], default=None,
+                   help="A or B alone, key: only the two configurations of the target check, or staleness: "
+                        "2 of 4 lost s clocks after a full checkpoint, full and partial recovery, per s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks", type=int, default=64, help="row blocks of the weight table (785: one row per feature)")
     p.add_argument("--mlr-args", default="",
@@ -280,6 +281,9 @@ def main() -> None:
           f"{time.monotonic() - t0:.0f} s",
           flush=True)
 
+    if args.only == "staleness":
+        staleness_experiment(args, target, base, t0)
+        return
     configs: list[tuple[str, dict[str, Any]]] = []
     if args.only in (None, "A", "key"):
         for k in ((1, 2, 3) if args.only != "key" else (2,)):
@@ -303,6 +307,23 @@ def main() -> None:
     key_cut(results, "A full recovery, 2/4 lost", "B priority 1/8, 2/4 lost")
     save(results, args.out, f"SCAR on Litz: MLR, 4 servers, full checkpoint every {results['every']} clocks\n"
                             f"(apps/mlr.py {' '.join(MLR_ARGS)})")
+
+
+def staleness_experiment(args: argparse.Namespace, target: float, base: float, t0: float) -> None:
+    """Rework against the age of the checkpoint: 2 of 4 servers lost s clocks after the second
+    full checkpoint (clock 2C + s), full and partial recovery, ``--reps`` runs per s.
+
+    Full recovery redoes the s clocks. If restored rows corrected themselves faster than the
+    training moved them, partial recovery would cost less than s/2 (half the rows s clocks old);
+    if they catch up only as fast as they moved, it costs s/2."""
+    results: dict[str, Any] = {"mlr_args": MLR_ARGS, "target": target, "every": args.every, "configs": {}}
+    for s in (3, 6, 12, 18):
+        configs = [(f"s={s}, {recovery} recovery, 2/4 lost", {"victims": ("s1", "s2"), "recovery": recovery})
+                   for recovery in ("full", "partial")]
+        results["configs"].update(measure(run_once, configs, [2 * args.every + s] * args.reps, 3 * args.epochs,
+                                          args.every, target, base, SMOOTHING, "clocks", t0))
+    save(results, f"{args.out}_staleness", f"SCAR on Litz: MLR, 2 of 4 servers lost s clocks after a full "
+                                           f"checkpoint (every {args.every})\n(apps/mlr.py {' '.join(MLR_ARGS)})")
 
 
 def policy_configs(victims: tuple[str, ...], policies: tuple[str, ...], denominators: tuple[int, ...],
