@@ -182,7 +182,7 @@ def test_a_command_whose_job_ends_with_its_etcd_is_told_from_an_unreachable_etcd
         etcd.start()
         try:
             jobs.record("cmd", etcd.url)
-            with Membership(etcd.url, "cmd") as cli:
+            with Membership(etcd.url, "cmd", connect_timeout=1.0) as cli:  # gone etcd: told in 1 s, not 5
                 if not recorded:
                     jobs.forget("cmd")
                 threading.Timer(0.3, etcd.stop).start()  # nobody answers; the etcd goes away
