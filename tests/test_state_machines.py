@@ -252,6 +252,10 @@ def test_shard_store_refuses_bad_items_and_keeps_the_rest() -> None:
     values, errs = store.handle_get([["s", [5, 9, 2]]])  # 5 and 9 are new here, 2 is elsewhere
     assert "key 2: shard 2 is not on this server" in errs[0]
     assert 5 not in store.shards[1]["s"] and 9 not in store.shards[1]["s"]  # a refused read creates no row
+    # a new key listed twice in one update is created once and gets both deltas
+    assert store.handle_update([["s", [8, 8, "k", "k"], np.array([[1.0, 2.0], [3.0, 4.0], [1.0, 1.0], [2.0, 2.0]])]]) \
+        == [None]
+    assert store.handle_get([["s", [8, "k"]]])[0][0].tolist() == [[4.0, 6.0], [3.0, 3.0]]
 
 
 # -- master bookkeeping ---------------------------------------------------------------------------

@@ -153,19 +153,23 @@ class ShardStore:
         """The stored rows of checked keys (created on first touch), in order; raises, before
         anything is created, if a key's shard is not here."""
         n, shards, name = self.num_shards, self.shards, table.name
-        per_key = []
-        for key in keys:
-            shard = shard_of(key, n)
+        out: list[Any] = []
+        absent: list[tuple[int, dict[Hashable, np.ndarray], Hashable]] = []
+        for key in keys:  # one pass, the shard inlined for int keys: every row a task reads or updates comes here
+            shard = key % n if type(key) is int else shard_of(key, n)
             tables = shards.get(shard)
             if tables is None:
                 raise TableError(f"table {name!r} key {key!r}: shard {shard} is not on this server")
-            per_key.append(tables[name])
-        out = []
-        for key, rows in zip(keys, per_key, strict=True):
+            rows = tables[name]
             row = rows.get(key)
             if row is None:
-                row = rows[key] = table.initial_row(key)
+                absent.append((len(out), rows, key))
             out.append(row)
+        for i, rows, key in absent:  # created only once every key's shard was found here
+            row = rows.get(key)  # a key listed twice is created once
+            if row is None:
+                row = rows[key] = table.initial_row(key)
+            out[i] = row
         return out
 
     def get(self, table_name: Any, keys: list[Any]) -> np.ndarray:
