@@ -454,7 +454,7 @@ class LocalEtcd:
             try:
                 with opener.open(f"{self.url}/health", timeout=1.0) as resp:
                     body = resp.read().decode("utf-8", errors="replace")
-                if '"true"' in body:
+                if '"true"' in body and proc.poll() is None:  # ours still runs: not another's answer
                     _log.debug("etcd %s healthy (pid %d)", self.url, proc.pid)
                     return
                 last_error = f"/health answered {body.strip()}"
