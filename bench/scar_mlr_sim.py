@@ -108,11 +108,15 @@ def run(tr: Training, clocks: int, every: int, fail: int | None = None, lost: np
             if c % every == 0:
                 saved, saved_clock = W.copy(), c
         elif policy != "none" and c % part_every == 0:
-            moved = np.linalg.norm(W.astype(np.float64) - saved, axis=1)
             if policy == "round-robin":
                 pick = (np.arange(share) + (c // part_every) * share) % tr.shape[0]
             else:
-                score = {"l2": moved, "rms": moved * tr.rms, "progress": progress}[policy]
+                if policy == "progress":
+                    score = progress
+                else:
+                    score = np.linalg.norm(W.astype(np.float64) - saved, axis=1)
+                    if policy == "rms":
+                        score = score * tr.rms
                 pick = np.argsort(-score, kind="stable")[:share]
             saved[pick] = W[pick]
             progress[pick] = 0.0
