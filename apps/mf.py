@@ -75,7 +75,9 @@ from typing import Any
 import numpy as np
 
 import litz
+from apps import gpu
 from apps.datasets import RatingsSplit, load_movielens, partition_rows, synthetic_ratings
+from apps.mf_arrays import ArrayALS
 from apps.mf_kernels import normal_equations, packed_width, solve_normal_equations, solve_rows, squared_error, warmup
 from apps.options import require_at_least
 
@@ -157,11 +159,12 @@ def _side_sizes(data: RatingsSplit, executors_own: str) -> tuple[int, int]:
 class NumpyALS:
     """Single-process ALS in vectorized NumPy with SciPy sparse products: the same math as the Litz app.
 
-    Per half-step, the upper triangle of ``y y^T`` is formed once per entity of the fixed side.
-    Then one sparse product with the rating pattern sums it per solved entity, and a second one,
-    with the targets as values, sums ``target * y``. One batched ``np.linalg.solve`` solves all
-    systems. This is the fastest single-process form we know in NumPy. It shares no code with
-    the Numba kernels, so the tests use it as the oracle for the distributed run.
+    The half-steps are ``apps.mf_arrays.ArrayALS`` with NumPy and SciPy: per half-step, the upper
+    triangle of ``y y^T`` is formed once per entity of the fixed side, one sparse product with the
+    rating pattern sums it per solved entity, a second one, with the targets as values, sums
+    ``target * y``, and one batched ``np.linalg.solve`` solves all systems. This is the fastest
+    single-process form we know in NumPy. It shares no code with the Numba kernels, so the tests
+    use it as the oracle for the distributed run.
     """
 
     def __init__(self, data: RatingsSplit, rank: int, l2: float, seed: int = 0, executors_own: str = "items") -> None:
@@ -172,37 +175,15 @@ class NumpyALS:
         self.executors_own = executors_own
         n_first, n_second = _side_sizes(data, executors_own)
         first, second, vals = _sides(data, executors_own, "train")
-        self.first_csr = to_csr(first, second, vals - self.mu, n_first)
-        self.second_csr = to_csr(second, first, vals - self.mu, n_second)
-        self._pattern = [sp.csr_matrix((np.ones(len(c)), c, p), shape=(len(p) - 1, n))
-                         for (p, c, _), n in ((self.first_csr, n_second), (self.second_csr, n_first))]
+        self.als = ArrayALS(np, sp, self.d)
+        self._ratings = (self.als.ratings(*to_csr(first, second, vals - self.mu, n_first), n_second),
+                         self.als.ratings(*to_csr(second, first, vals - self.mu, n_second), n_first))
         self.first = np.zeros((n_first, self.d))
         self.second = initial_rows(n_second, rank, seed)
-        self._iu = np.triu_indices(self.d)
-        packed = np.empty((self.d, self.d), np.int64)
-        packed[self._iu] = np.arange(len(self._iu[0]))
-        packed.T[self._iu] = packed[self._iu]
-        self._full = packed.reshape(-1)  # (a, b) -> index of (min, max) in the packed upper triangle
         self._data = data
 
     def _solve(self, side: int, F: np.ndarray) -> np.ndarray:
-        indptr, cols, vals = self.first_csr if side == 0 else self.second_csr
-        pattern = self._pattern[side]
-        d, k = self.d, self.rank
-        Y = F.copy()
-        Y[:, k] = 1.0
-        tri = pattern @ (Y[:, self._iu[0]] * Y[:, self._iu[1]])
-        targets = pattern.copy()
-        targets.data = vals - F[cols, k]
-        rhs = targets @ Y
-        counts = np.diff(indptr)
-        rated = np.flatnonzero(counts)
-        A = tri[rated][:, self._full]  # (n, d * d): one gather unpacks both triangles
-        A[:, :: d + 1] += (self.l2 * counts[rated])[:, None]
-        A = A.reshape(-1, d, d)
-        out = np.zeros((len(counts), d))
-        out[rated] = np.linalg.solve(A, rhs[rated][..., None])[..., 0]
-        return out
+        return self.als.solve_rows(self._ratings[side], F, self.l2)
 
     def iterate(self) -> None:
         """One ALS iteration: the executor side given the PS side, then the PS side given it."""
@@ -243,6 +224,7 @@ class MFDriver(litz.SSPDriver):
         self.round_seconds: list[float] = []
         self.test_rmse = self.train_rmse = float("nan")
         self.final_results: list[litz.TaskResult] = []
+        self.devices: set[str] = set()  # where the executors ran their steps
         self._start = self._round_start = time.perf_counter()
         self._tag_base = 0  # round t reads sums tagged t + base and writes t + 1 + base
         self._repair: str | None = None  # after a server's loss: None, "wanted" or "reseeding"
@@ -321,6 +303,7 @@ class MFDriver(litz.SSPDriver):
         self._round_start = now
         if iteration == 0:
             return
+        self.devices = getattr(self, "devices", set()) | {r.value.get("device", "cpu") for r in results}
         sums = np.array([r.value["sse"] for r in results], dtype=np.float64).sum(axis=0)
         train_sse, n_train, test_sse, n_test = sums
         self.train_rmse = math.sqrt(train_sse / max(n_train, 1))
@@ -363,11 +346,39 @@ class MFDriver(litz.SSPDriver):
         if not self.config.get("quiet"):
             print(f"test RMSE {self.test_rmse:.4f}", flush=True)
         out: dict[str, Any] = {"test_rmse": self.test_rmse, "train_rmse": self.train_rmse, "history": self.history,
-                               "round_seconds": self.round_seconds, "seconds": time.perf_counter() - self._start}
+                               "round_seconds": self.round_seconds, "seconds": time.perf_counter() - self._start,
+                               "devices": sorted(getattr(self, "devices", set()))}
         if self.config["return_factors"]:
             out.update(self._assemble_factors())
             out["mu"] = float(self.config["mu"])
         return out
+
+
+class KernelSteps:
+    """The four steps of an executor's task with the Numba kernels (apps/mf_kernels.py), on host arrays;
+    ``apps.mf_gpu.DeviceSteps`` has the same methods on a GPU."""
+
+    def __init__(self, d: int, train: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 test: tuple[np.ndarray, np.ndarray, np.ndarray], num_cols: int) -> None:
+        self.d, self.train, self.test, self.num_cols = d, train, test, num_cols
+
+    def solve_sums(self, ne: np.ndarray, tag: float, l2: float) -> np.ndarray:
+        return solve_normal_equations(ne, self.d, tag=tag, l2=l2)
+
+    def put(self, rows: np.ndarray) -> np.ndarray:
+        return rows
+
+    def host(self, rows: np.ndarray) -> np.ndarray:
+        return rows
+
+    def squared_errors(self, rows: np.ndarray, ps_rows: np.ndarray) -> tuple[float, float]:
+        return squared_error(*self.train, rows, ps_rows), squared_error(*self.test, rows, ps_rows)
+
+    def solve_rows(self, ps_rows: np.ndarray, l2: float) -> np.ndarray:
+        return solve_rows(*self.train, ps_rows, l2)
+
+    def normal_equations(self, rows: np.ndarray, tag: float) -> np.ndarray:
+        return normal_equations(*self.train, rows, self.num_cols, tag=tag)
 
 
 class MFExecutor(litz.Executor):
@@ -414,6 +425,24 @@ class MFExecutor(litz.Executor):
     def setup(self) -> None:
         warmup()  # compile or load the Numba kernels before the first task, here or after a move
 
+    def _steps(self) -> tuple[str, Any]:
+        """Where this process runs the task's steps (``cpu`` or ``cuda``) and the object that runs them:
+        the Numba kernels, or ``apps.mf_gpu.DeviceSteps`` with this executor's ratings on the GPU,
+        copied at its first task there (again if its input changed)."""
+        device = gpu.process_device(self.config.get("device", "cpu"), "cupy")
+        cached = getattr(self, "_steps_cache", None)
+        if cached is None or cached[0] is not self.input or cached[1] != device:
+            inp, d = self.input, int(self.config["rank"]) + 1
+            num_cols = len(inp["blocks"]) * int(self.config["block_size"])
+            if device == "cuda":
+                from apps.mf_gpu import DeviceSteps  # imported only where a GPU is wanted (apps/gpu.py)
+
+                steps: Any = DeviceSteps(d, inp["train"], inp["test"], num_cols)
+            else:
+                steps = KernelSteps(d, inp["train"], inp["test"], num_cols)
+            cached = self._steps_cache = (self.input, device, steps)
+        return device, cached[2]
+
     def run_task(self, args: dict[str, Any]) -> dict[str, Any]:
         """Solve the PS side of iteration ``t - 1`` from its sums and evaluate that model, then solve our rows and push.
 
@@ -429,34 +458,34 @@ class MFExecutor(litz.Executor):
         l2 = float(cfg["l2"])
         inp = self.input
         blocks = inp["blocks"]
-        train, test = inp["train"], inp["test"]
+        device, steps = self._steps()
         st = self.state
         if st["done"] >= t:  # round t again, after a server's loss: from our rows before it
             st["rows"], st["done"] = st["prev"], t - 1
         if t == 0:
-            ps_rows = inp["init"]
+            ps_rows = steps.put(inp["init"])
         elif len(blocks):
             sums = self.ps.get_many(f"NE{t % 2}", blocks)
-            ps_rows = solve_normal_equations(sums.reshape(-1, sums.shape[-1]), d, tag=tag, l2=l2)
+            ps_rows = steps.solve_sums(sums.reshape(-1, sums.shape[-1]), tag, l2)
         else:
-            ps_rows = np.zeros((0, d))
-        out: dict[str, Any] = {"sse": [0.0, 0.0, 0.0, 0.0]}
+            ps_rows = steps.put(np.zeros((0, d)))
+        out: dict[str, Any] = {"sse": [0.0, 0.0, 0.0, 0.0], "device": device}
         if t > 0:  # the model of iteration t - 1: our rows (state) and the PS side just solved
-            out["sse"] = [squared_error(*train, st["rows"], ps_rows), float(len(train[1])),
-                          squared_error(*test, st["rows"], ps_rows), float(len(test[1]))]
+            train_sse, test_sse = steps.squared_errors(st["rows"], ps_rows)
+            out["sse"] = [train_sse, float(len(inp["train"][1])), test_sse, float(len(inp["test"][1]))]
         if args["solve"]:
-            rows = solve_rows(*train, ps_rows, l2)
+            rows = steps.solve_rows(ps_rows, l2)
             self._push(t + 1, tag + 1, rows)
             st["prev"], st["rows"], st["done"] = st["rows"], rows, t
         if args.get("factors"):
-            out.update(mine=inp["mine"], rows=st["rows"], blocks=blocks, ps_rows=ps_rows)
+            out.update(mine=inp["mine"], rows=st["rows"], blocks=blocks, ps_rows=steps.host(ps_rows))
         return out
 
     def _push(self, t: int, tag: float, rows: np.ndarray) -> None:
         """Add our rows' contributions to the sums that round ``t`` reads (table ``NE{t % 2}``)."""
         blocks, bs = self.input["blocks"], int(self.config["block_size"])
         if len(blocks):
-            contrib = normal_equations(*self.input["train"], rows, len(blocks) * bs, tag=tag)
+            contrib = self._steps()[1].normal_equations(rows, tag)
             self.ps.update_many(f"NE{t % 2}", blocks, contrib.reshape(len(blocks), bs, -1))
 
     def _reseed(self, t: int, tag: float) -> dict[str, Any]:
@@ -497,6 +526,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the initial factors and of the partitioning")
     p.add_argument("--synthetic", type=_synthetic, default=None, metavar="USERS,ITEMS,RATINGS",
                    help="train on a generated rating set of this size instead of MovieLens")
+    gpu.add_device_option(p, "the ALS half-steps", "apps/mf_gpu.py", "cupy")
     p.add_argument("--return-factors", action="store_true",
                    help="litz.run returns every user and item row too (for tests)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -511,11 +541,12 @@ def make_app(argv: list[str]) -> litz.App:
         raise litz.ConfigError(f"--l2 must be a positive number (the normal equations need it), got {args.l2}")
     if not 0.0 < args.test_fraction < 1.0:
         raise litz.ConfigError(f"--test-fraction must be between 0 and 1, got {args.test_fraction}")
+    gpu.check_device(args.device, "cupy")
     config: dict[str, Any] = {
         "rank": args.rank, "iterations": args.iterations, "l2": args.l2, "executors_own": args.executors_own,
         "block_size": args.block_size, "test_fraction": args.test_fraction, "split_seed": args.split_seed,
         "seed": args.seed, "synthetic": list(args.synthetic) if args.synthetic else None,
-        "return_factors": args.return_factors, "quiet": args.quiet,
+        "return_factors": args.return_factors, "quiet": args.quiet, "device": args.device,
     }
     try:
         data = load_ratings(config)

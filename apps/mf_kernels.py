@@ -36,7 +36,8 @@ import math
 import numba as nb
 import numpy as np
 
-__all__ = ["normal_equations", "packed_width", "solve_normal_equations", "solve_rows", "squared_error", "warmup"]
+__all__ = ["StaleSums", "normal_equations", "packed_width", "solve_normal_equations", "solve_rows", "squared_error",
+           "stale_sums_error", "warmup"]
 
 _JIT = {"cache": True, "nogil": True}
 
@@ -276,10 +277,15 @@ def solve_normal_equations(ne: np.ndarray, d: int, tag: float, l2: float) -> np.
     out = np.empty((ne.shape[0], d))
     wrong = _solve_normal_equations(ne, float(tag), float(l2), out)
     if wrong:
-        tags = np.unique(ne[:, 0])
-        raise StaleSums(f"{wrong} of {ne.shape[0]} normal-equation rows are not those of iteration tag "
-                           f"{tag} (tags seen: {tags[:8].tolist()}) or not positive definite")
+        raise StaleSums(stale_sums_error(ne, wrong, tag) + " or not positive definite")
     return out
+
+
+def stale_sums_error(ne: np.ndarray, wrong: int, tag: float) -> str:
+    """What a reader of packed sums ``ne`` says when ``wrong`` rows do not carry the expected ``tag``."""
+    tags = np.unique(ne[:, 0])
+    return (f"{wrong} of {ne.shape[0]} normal-equation rows are not those of iteration tag {tag} "
+            f"(tags seen: {tags[:8].tolist()})")
 
 
 def squared_error(indptr: np.ndarray, cols: np.ndarray, vals: np.ndarray, R: np.ndarray, C: np.ndarray) -> float:
