@@ -1,7 +1,7 @@
 """Where an app's kernels run: the ``--device {cpu,cuda,auto}`` option, shared by the apps with GPU kernels.
 
 Two toolkits write those kernels. **Numba-CUDA** (``numba.cuda``, which imports without a GPU) for
-kernels of our own: MLR's SGD block and NN-Descent's join distances. **CuPy** where the work is
+kernels of our own: MLR's SGD block, LDA's sweep and NN-Descent's join distances. **CuPy** where the work is
 library calls (cuSPARSE products, batched cuSOLVER solves): MF's ALS half-steps. Without a GPU, or
 where a toolkit is missing or does not work (:func:`why_unavailable`), ``--device cuda`` is refused
 before the job starts (:func:`check_device`), and ``auto`` uses the CPU.
@@ -87,6 +87,7 @@ def why_unavailable(toolkit: str = "numba") -> str | None:
 
 
 def _why_no_cupy() -> str | None:
+    """Why CuPy cannot compute here (not installed, built for another CUDA, no GPU), or None."""
     if cupy_standin():
         return None
     try:
