@@ -19,8 +19,7 @@
   documents of 50 tokens drawn from 50 topics, 600 words) in one block, the CPU's sparse sampler
   (one thread) against the GPU's thread per token, with the copies a task makes; then whole jobs,
   ``--device cpu`` against ``--device cuda`` (2 workers, 1 server, 2 executors), tokens per
-  second and the log-likelihood reached. Synthetic because the Debian corpora are not on the GPU
-  machine.
+  second and the log-likelihood reached; ``--lda-jobs`` runs them on the Debian corpora too.
 
 Compilation is excluded (every kernel runs once first). Without a GPU the script says so and exits 2.
 
@@ -251,25 +250,32 @@ def lda_mixing(sweeps: int, waves: tuple[int, ...]) -> None:
     print(f"LDA log-likelihood per token after {sweeps} sweeps (mean of 3 seeds): {line}", flush=True)
 
 
-def lda_jobs(repeats: int, topics: tuple[int, ...], iterations: int = 20) -> None:
-    for device in ("cpu", "cuda"):  # a first job compiles the kernels into the on-disk caches
-        litz.run(lda.make_app([*LDA_CORPUS, "--iterations", "1", "--quiet", "--device", device]), workers=1,
-                 servers=1, num_executors=1)
-    for K in topics:
+def lda_jobs(repeats: int, jobs: list[tuple[str, int, int]]) -> None:
+    """Whole jobs ``(corpus, K, iterations)``, CPU and GPU interleaved; corpus ``synthetic`` (the
+    million tokens above), ``fortunes`` or ``wordnet`` (Debian packages, or LITZ_FORTUNES / LITZ_WORDNET)."""
+
+    def corpus_args(name: str) -> list[str]:
+        return LDA_CORPUS if name == "synthetic" else ["--corpus", name]
+
+    for name in dict.fromkeys(j[0] for j in jobs):  # a first job compiles the kernels into the on-disk caches
+        for device in ("cpu", "cuda"):
+            litz.run(lda.make_app([*corpus_args(name), "--iterations", "1", "--quiet", "--device", device]),
+                     workers=1, servers=1, num_executors=1)
+    for name, K, iterations in jobs:
         rate: dict[str, list[float]] = {"cpu": [], "cuda": []}
         ll: dict[str, float] = {}
         for _ in range(repeats):  # interleaved: the machine may be shared
             for device in rate:
-                app = lda.make_app([*LDA_CORPUS, "--topics", str(K), "--iterations", str(iterations), "--quiet",
-                                    "--ll-every", str(iterations), "--device", device])
+                app = lda.make_app([*corpus_args(name), "--topics", str(K), "--iterations", str(iterations),
+                                    "--quiet", "--ll-every", str(iterations), "--device", device])
                 out = litz.run(app, workers=2, servers=1, num_executors=2).value
                 assert out["devices"] == [device], out["devices"]
                 rate[device].append(out["tokens_per_second"])
                 ll[device] = out["loglik"]
         cpu, dev = max(rate["cpu"]), max(rate["cuda"])
-        print(f"LDA job, K = {K}, {iterations} iterations: --device cpu {cpu / 1e6:.2f}M tokens/s (log-likelihood "
-              f"{ll['cpu']:.4f}), --device cuda {dev / 1e6:.2f}M tokens/s ({ll['cuda']:.4f}), cuda / cpu "
-              f"{dev / cpu:.2f}", flush=True)
+        print(f"LDA job, {name}, K = {K}, {iterations} iterations: --device cpu {cpu / 1e6:.2f}M tokens/s "
+              f"(log-likelihood {ll['cpu']:.4f}), --device cuda {dev / 1e6:.2f}M tokens/s ({ll['cuda']:.4f}), "
+              f"cuda / cpu {dev / cpu:.2f}", flush=True)
 
 
 def main() -> None:
@@ -277,7 +283,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-jobs", action="store_true", help="kernels only, no whole jobs")
     ap.add_argument("--only", default="mlr,nndescent,mf,lda", help="comma-separated: mlr, nndescent, mf, lda")
-    ap.add_argument("--lda-topics", default="50,200", help="K of the LDA sweeps and jobs")
+    ap.add_argument("--lda-topics", default="50,200", help="K of the LDA sweeps")
+    ap.add_argument("--lda-jobs", default="synthetic:50:20,synthetic:200:20",
+                    help="the LDA jobs, CORPUS:K:ITERATIONS, comma-separated (synthetic, fortunes, wordnet)")
     ap.add_argument("--mf-ranks", default="10,32,64", help="ranks of the MF task timings")
     ap.add_argument("--mf-jobs", default="movielens:10,movielens:64,movielens-1m:10",
                     help="the MF jobs, SHAPE:RANK, comma-separated (shapes: " + ", ".join(MF_SHAPES) + ")")
@@ -304,7 +312,8 @@ def main() -> None:
         if "mf" in only:
             mf_jobs(args.repeats, [(j.split(":")[0], int(j.split(":")[1])) for j in args.mf_jobs.split(",")])
         if "lda" in only:
-            lda_jobs(args.repeats, lda_topics)
+            parts = (j.split(":") for j in args.lda_jobs.split(","))
+            lda_jobs(args.repeats, [(c, int(k), int(i)) for c, k, i in parts])
 
 
 if __name__ == "__main__":
