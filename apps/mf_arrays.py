@@ -77,6 +77,8 @@ class ArrayALS:
         """Per row of ``R``, over its ratings ``(c, v)``: ``sum y_c y_c^T`` packed ``(rows, T)`` and
         ``sum (v - F[c, rank]) y_c`` ``(rows, d)``."""
         Y, outer = self.features(F)
+        if len(R.cols) == 0:  # no product on empty matrices: cuSPARSE refuses some of them
+            return self.xp.zeros((R.num_rows, self.tri)), self.xp.zeros((R.num_rows, self.d))
         tri = R.pattern @ outer
         targets = self.sparse.csr_matrix((R.vals - F[R.cols, self.d - 1], R.pattern.indices, R.pattern.indptr),
                                          shape=R.pattern.shape)

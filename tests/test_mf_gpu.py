@@ -65,6 +65,11 @@ def test_device_steps_equal_the_numba_kernels(backend: str) -> None:
         dev.solve_sums(ne, 6.0, l2)
     with pytest.raises(ValueError, match=r"must be \(m, 36\)"):
         dev.solve_sums(ne[:, :-1], 5.0, l2)
+    empty = (np.zeros(4, np.int64), np.zeros(0, np.int64), np.zeros(0))  # an executor without ratings
+    none = mf_gpu.DeviceSteps(d, empty, empty, 0)
+    assert none.solve_rows(none.put(np.zeros((0, d))), l2).shape == (3, d)
+    assert none.normal_equations(np.ones((3, d)), 5.0).shape == (0, 36)
+    assert none.squared_errors(np.ones((3, d)), none.put(np.zeros((0, d)))) == (0.0, 0.0)
     singular = np.zeros_like(ne)  # counts of 1 and no other sums: with l2 = 0, A = diag(0, ..., 0, 1)
     singular[:, 0], singular[:, 1 + dev.als.tri - 1] = 5.0, 1.0
     with pytest.raises(FloatingPointError, match="singular"):
