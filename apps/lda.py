@@ -234,7 +234,7 @@ class LDAExecutor(litz.Executor):
     def setup(self) -> None:
         lk.warmup()  # compile or load the kernels before the first task, here or after a move
         cfg = self.config
-        if gpu.process_device(cfg.get("device", "cpu")) == "cuda":
+        if cfg.get("device", "cpu") != "cpu" and gpu.available():  # a host without a GPU: its first task says so
             from apps.lda_cuda import warmup
 
             warmup()
