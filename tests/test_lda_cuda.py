@@ -93,9 +93,10 @@ JOB_CHECK = textwrap.dedent("""
     import litz
     from apps import lda
     from tests.test_lda_app import _assert_counts_exact
-    app = lda.make_app(["--corpus", "synthetic", "--topics", "4", "--iterations", "3", "--blocks", "3", "--chunks",
+    # one iteration: 3 blocks, so each executor runs 3 tasks on its GPU copy of the tokens
+    app = lda.make_app(["--corpus", "synthetic", "--topics", "4", "--iterations", "1", "--blocks", "3", "--chunks",
                         "6", "--synthetic-docs", "40", "--synthetic-doc-len", "15", "--synthetic-topics", "3",
-                        "--collect", "--quiet", "--ll-every", "3", "--device", "cuda"])
+                        "--collect", "--quiet", "--device", "cuda"])
     out = litz.run(app, workers=2, servers=1, num_executors=2).value
     assert out["devices"] == ["cuda"], out["devices"]
     _assert_counts_exact(out)
