@@ -359,6 +359,7 @@ class LDAExecutor(litz.Executor):
         device = gpu.process_device(cfg.get("device", "cpu"))
         if device == "cuda":
             tokens = self._device_tokens()
+            self._gpu_tokens = None  # until the topics are back on the host: after a failure, copy afresh
             changed = tokens.sweep(rows, totals, int(lo), int(hi), z, cfg["alpha"], cfg["beta"],
                                    cfg["num_words"] * cfg["beta"], lk.task_seed(cfg["seed"], self.executor_id,
                                                                                 args["round"]), args["sweeps"])
