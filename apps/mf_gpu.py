@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from apps import gpu
+from apps.mf import to_csr
 from apps.mf_arrays import ArrayALS
 from apps.mf_kernels import StaleSums, packed_width, stale_sums_error
 
@@ -49,7 +50,7 @@ def array_modules() -> tuple[Any, Any]:
 
 def to_host(a: Any) -> np.ndarray:
     """A device array copied to the host (a NumPy array as it is)."""
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 class DeviceSteps:
@@ -68,10 +69,7 @@ class DeviceSteps:
         self.test = self.als.ratings(*test, num_cols)
         # the train ratings by column: the contributions to the PS side are this CSR's row sums
         rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(train[0]))
-        order = np.argsort(train[1], kind="stable")
-        indptr = np.zeros(num_cols + 1, np.int64)
-        np.cumsum(np.bincount(train[1], minlength=num_cols), out=indptr[1:])
-        self.by_col = self.als.ratings(indptr, rows[order], train[2][order], n)
+        self.by_col = self.als.ratings(*to_csr(train[1], rows, train[2], num_cols), n)
 
     def solve_sums(self, ne: np.ndarray, tag: float, l2: float) -> Any:
         """The PS side's rows (on the device) from its packed sums ``(m, packed_width(d))`` read from the

@@ -234,8 +234,8 @@ def lda_mixing(sweeps: int, waves: tuple[int, ...]) -> None:
             rows = np.zeros((V, K), np.int32)
             np.add.at(rows, (words, z), 1)
             totals = np.bincount(z, minlength=K).astype(np.int64)
-            doc_list = lk.build_doc_lists(tok_off, z, int(doc_off[-1]), K)
             if how == "cpu":
+                doc_list = lk.build_doc_lists(tok_off, z, int(doc_off[-1]), K)
                 for s in range(sweeps):
                     lk.sweep(rows, totals, words, tok_off, z, doc_list, alpha, beta, V * beta, "sparse", 100 * seed + s)
             else:
