@@ -269,9 +269,27 @@ class LDAExecutor(litz.Executor):
             z[self._by_doc[self._doc_ptr[d]:self._doc_ptr[d + 1]]] = topics
         self.state["doc_list"] = self._doc_lists(z)
 
-    def _doc_lists(self, z: np.ndarray) -> np.ndarray:
-        """The documents' topic-count lists for the assignment ``z``."""
-        return lk.build_doc_lists(self.input["tok_off"], z, int(self.input["doc_off"][-1]), self.config["topics"])
+    def _doc_lists(self, z: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The documents' topic-count lists for the assignment ``z`` (in ``out`` when given)."""
+        return lk.build_doc_lists(self.input["tok_off"], z, int(self.input["doc_off"][-1]), self.config["topics"],
+                                  out=out)
+
+    def _doc_list(self) -> np.ndarray:
+        """``state["doc_list"]``, brought up to date with ``z`` first if GPU tasks changed the topics
+        since it was built. A GPU task keeps the documents' counts on the GPU and leaves the host's
+        lists behind (rebuilding them for all the executor's tokens after every task cost more than
+        a small task's sweep); whatever reads them calls this: reports, dumps, ``get_state``
+        (checkpoints and moves) and a CPU sweep. Rebuilt in place, so the GPU copy, keyed on the
+        array's identity, stays valid."""
+        doc_list = self.state["doc_list"]
+        if doc_list is getattr(self, "_stale_doc_list", None):
+            self._doc_lists(self.state["z"], out=doc_list)
+            self._stale_doc_list = None
+        return doc_list
+
+    def get_state(self) -> dict[str, Any]:
+        self._doc_list()
+        return self.state
 
     def run_task(self, args: dict[str, Any]) -> dict[str, Any]:
         op = args["op"]
@@ -284,7 +302,7 @@ class LDAExecutor(litz.Executor):
             K, D = self.config["topics"], len(inp["docs"])
             dense = np.zeros((D, K), np.int64)
             for d in range(D):  # the lists' (topic, count) pairs, in whatever order the sampler left them
-                topics, counts = lk.doc_pairs(self.state["doc_list"], int(inp["doc_off"][d]), K)
+                topics, counts = lk.doc_pairs(self._doc_list(), int(inp["doc_off"][d]), K)
                 dense[d, topics] = counts
             truth = np.zeros((D, K), np.int64)
             np.add.at(truth, (inp["tok_doc"], z), 1)
@@ -363,12 +381,12 @@ class LDAExecutor(litz.Executor):
             changed = tokens.sweep(rows, totals, int(lo), int(hi), z, cfg["alpha"], cfg["beta"],
                                    cfg["num_words"] * cfg["beta"], lk.task_seed(cfg["seed"], self.executor_id,
                                                                                 args["round"]), args["sweeps"])
-            self.state["doc_list"] = self._doc_lists(z)  # the host's lists follow the new topics
+            self._stale_doc_list = self.state["doc_list"]  # rebuilt when read (_doc_list)
             self._gpu_tokens = (self.input, z, self.state["doc_list"], tokens)
         else:
             for sweep in range(args["sweeps"]):
                 changed += lk.sweep(rows, totals, self.input["tok_word"][lo:hi], self.input["tok_off"][lo:hi],
-                                    z[lo:hi], self.state["doc_list"], cfg["alpha"], cfg["beta"],
+                                    z[lo:hi], self._doc_list(), cfg["alpha"], cfg["beta"],
                                     cfg["num_words"] * cfg["beta"], cfg["sampler"],
                                     lk.task_seed(cfg["seed"], self.executor_id, args["round"], sweep))
         dtotals = totals - totals_before
@@ -385,7 +403,7 @@ class LDAExecutor(litz.Executor):
             out["word_ll"], out["colsum"] = lk.block_loglik(rows, self._word_table)
         if args.get("report_docs"):
             inp = self.input
-            out["doc_ll"] = lk.doc_loglik(inp["doc_off"], self.state["doc_list"], inp["doc_len"], cfg["alpha"], K,
+            out["doc_ll"] = lk.doc_loglik(inp["doc_off"], self._doc_list(), inp["doc_len"], cfg["alpha"], K,
                                           self._doc_table)
         return out
 

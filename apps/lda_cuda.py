@@ -15,10 +15,12 @@ for latent Dirichlet allocation on graphics processing units"; CuLDA). The count
 integers at every moment: each atomic change is one token's, so they never go negative, and at
 the end they are exactly the histogram of the new topics. What a thread may miss is the moves of
 tokens resampled at the same time: the same kind of staleness the executors already accept for
-``n_k`` between blocks. To bound it, a sweep runs in ``WAVES`` launches (token i in wave i mod
+``n_k`` between blocks. To bound it, a sweep runs in ``WAVES`` waves (token i in wave i mod
 WAVES, so each wave holds a share of every word's tokens), each seeing the counts the waves before
-it left. The tests check exact counts after a sweep and the conditional each draw comes from;
-``bench/bench_gpu.py`` measures the log-likelihood reached against the CPU's sequential sampler.
+it left: one cooperative launch whose threads wait for the whole grid between waves, or, where a
+GPU cannot run those, a launch per wave. The tests check exact counts after a sweep and the
+conditional each draw comes from; ``bench/bench_gpu.py`` measures the log-likelihood reached against
+the CPU's sequential sampler.
 
 The sampler is the dense O(K) one (``--sampler`` chooses among the CPU's samplers only): a GPU thread
 gains nothing from SparseLDA's buckets, whose point is to skip work that a warp runs anyway.
@@ -26,7 +28,8 @@ gains nothing from SparseLDA's buckets, whose point is to skip work that a warp 
 **What lives where.** The executor's tokens (word within the block, document) are copied to the GPU
 once, with their topics and the documents' topic counts, dense ``(D, K)`` int32. The assignments stay
 the executor's state on the host (checkpoints read them), so each task copies its block's topics
-back, and the app rebuilds its packed document lists from them. Each task moves its block's
+back. The app's packed document lists on the host are rebuilt from the topics only when something
+reads them (a report, a checkpoint, a move), not after every task. Each task moves its block's
 word-topic rows and the topic totals each way.
 
 **Measured** on an H100 (``bench/bench_gpu.py --only lda``, the README's performance section): one
@@ -72,14 +75,10 @@ def _uniform(seed: np.uint64, index: np.int64) -> float:  # pragma: no cover - r
     return float(x >> np.uint64(11)) * _U53
 
 
-@cuda.jit(cache=not simulated())
-def _sweep_kernel(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any, z: Any, lo: int, n: int,
-                  wave: int, waves: int, alpha: float, beta: float, vbeta: float, seed: np.uint64,
-                  changed: Any) -> None:  # pragma: no cover - runs on the GPU (or the simulator)
-    i = wave + cuda.grid(1) * waves
-    if i >= n:
-        return
-    t = lo + i
+@cuda.jit(device=True)
+def _resample(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any, z: Any, t: int, alpha: float,
+              beta: float, vbeta: float, seed: np.uint64, changed: Any) -> None:  # pragma: no cover - on the GPU
+    """Token ``t``: out of the counts, a draw from its full conditional as the counts stand, back in."""
     w = tok_word[t]
     d = tok_doc[t]
     old = z[t]
@@ -106,6 +105,73 @@ def _sweep_kernel(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any,
         cuda.atomic.add(changed, 0, 1)
 
 
+@cuda.jit(cache=not simulated())
+def _sweep_kernel(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any, z: Any, lo: int, n: int,
+                  wave: int, waves: int, alpha: float, beta: float, vbeta: float, seed: np.uint64,
+                  changed: Any) -> None:  # pragma: no cover - runs on the GPU (or the simulator)
+    """One wave of a sweep: a thread per token of the wave."""
+    i = wave + cuda.grid(1) * waves
+    if i < n:
+        _resample(rows, totals, ndk, tok_word, tok_doc, z, lo + i, alpha, beta, vbeta, seed, changed)
+
+
+@cuda.jit(cache=not simulated())
+def _waves_kernel(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any, z: Any, lo: int, n: int,
+                  waves: int, alpha: float, beta: float, vbeta: float, seed: np.uint64,
+                  changed: Any) -> None:  # pragma: no cover - runs on the GPU (or the simulator)
+    """A whole sweep in one cooperative launch: the threads walk each wave's tokens (grid-stride) and
+    wait for the whole grid between waves, which orders the waves as separate launches would."""
+    grid = cuda.cg.this_grid()
+    stride = cuda.gridsize(1) * waves
+    for wave in range(waves):
+        i = wave + cuda.grid(1) * waves
+        while i < n:
+            _resample(rows, totals, ndk, tok_word, tok_doc, z, lo + i, alpha, beta, vbeta, seed, changed)
+            i += stride
+        grid.sync()
+
+
+#: threads per block -> the most blocks a cooperative launch of ``_waves_kernel`` may have (0: none runs)
+_COOPERATIVE: dict[int, int] = {}
+#: why cooperative launches do not run here, if they do not (a sweep is then a launch per wave)
+cooperative_unavailable: str | None = None
+
+
+def cooperative_blocks(threads: int) -> int:
+    """How many blocks of ``threads`` one cooperative launch of the sweep may have on this GPU, or 0
+    where cooperative launches fail (they need the device runtime library, and the GPU's support).
+    Found once per block size: a one-block launch compiles the kernel (or loads it from the cache),
+    then the device says how many such blocks fit on it at once. The simulator runs a cooperative grid
+    of one block only."""
+    global cooperative_unavailable
+    if threads not in _COOPERATIVE:
+        ints, one = np.zeros(1, np.int32), np.ones((1, 1), np.int32)
+        try:
+            _waves_kernel[1, threads](cuda.to_device(one), cuda.to_device(np.ones(1, np.int64)),
+                                      cuda.to_device(one), cuda.to_device(ints), cuda.to_device(ints),
+                                      cuda.to_device(ints), 0, 1, 1, 0.1, 0.1, 0.1, np.uint64(0),
+                                      cuda.to_device(np.zeros(1, np.int64)))
+            cuda.synchronize()
+            if simulated():
+                blocks = 1
+            else:
+                blocks = min(k.max_cooperative_grid_blocks(threads) for k in _waves_kernel.overloads.values())
+        except Exception as e:  # noqa: BLE001 - any failure means: launch per wave, and say why
+            cooperative_unavailable = f"{type(e).__name__}: {e}"
+            blocks = 0
+        _COOPERATIVE[threads] = blocks
+    return _COOPERATIVE[threads]
+
+
+def _free_memory() -> int | None:
+    """Bytes free on the current GPU, or None where it is not known (the simulator says infinity)."""
+    try:
+        free = cuda.current_context().get_memory_info()[0]
+    except Exception:  # noqa: BLE001 - only a guard; the copy itself reports a real shortage
+        return None
+    return int(free) if math.isfinite(free) else None
+
+
 class DeviceTokens:
     """An executor's tokens on the GPU: each one's word (an index into its block's rows), document and
     topic, and the documents' topic counts (dense ``(D, K)`` int32), built from the host's topics ``z``."""
@@ -116,6 +182,13 @@ class DeviceTokens:
             raise ValueError("tok_word, tok_doc and z differ in length")
         if len(z) and (z.min() < 0 or z.max() >= num_topics or tok_doc.min() < 0 or tok_doc.max() >= num_docs):
             raise ValueError(f"a topic outside [0, {num_topics}) or a document outside [0, {num_docs})")
+        need = 4 * (num_docs * num_topics + 3 * len(z))
+        free = _free_memory()
+        if free is not None and need > free:
+            raise MemoryError(f"the GPU copy of this executor's tokens needs {need / 2**30:.2f} GiB (dense topic "
+                              f"counts of {num_docs:,} documents x {num_topics} topics), and {free / 2**30:.2f} GiB "
+                              "is free: "
+                              "split the corpus over more executors, or use the CPU")
         self.K = num_topics
         self.host_word = tok_word
         ndk = np.zeros((num_docs, num_topics), np.int32)
@@ -131,9 +204,11 @@ class DeviceTokens:
 
     def sweep(self, rows: np.ndarray, totals: np.ndarray, lo: int, hi: int, z: np.ndarray, alpha: float,
               beta: float, vbeta: float, seed: int, sweeps: int = 1, threads: int = THREADS,
-              waves: int = WAVES) -> int:
-        """Resample tokens ``lo:hi`` (one block's) ``sweeps`` times, each in ``waves`` launches; returns
-        how many draws changed a topic.
+              waves: int = WAVES, cooperative: bool = True) -> int:
+        """Resample tokens ``lo:hi`` (one block's) ``sweeps`` times, each in ``waves`` waves; returns
+        how many draws changed a topic. A sweep is one cooperative launch where the GPU can run one
+        (``cooperative_blocks``; each launch costs tens of microseconds of the host's time, as much as a
+        wave of a small block takes on the GPU), else a launch per wave; the draws are the same.
 
         Updates the host's ``rows`` (Vb, K) int16 or int32, ``totals`` (K,) int64 and ``z[lo:hi]`` in place.
         ``vbeta`` is V·β with V the whole vocabulary."""
@@ -150,8 +225,14 @@ class DeviceTokens:
         n = hi - lo
         waves = max(1, min(int(waves), n))
         blocks = math.ceil(math.ceil(n / waves) / threads)
+        most = cooperative_blocks(threads) if cooperative and n else 0
         for s in range(sweeps if n else 0):
             mixed = np.uint64((int(seed) * 0x100000001B3 + s) & 0xFFFFFFFFFFFFFFFF)
+            if most:
+                _waves_kernel[min(blocks, most), threads](d_rows, d_totals, self.ndk, self.tok_word, self.tok_doc,
+                                                          self.z, lo, n, waves, float(alpha), float(beta),
+                                                          float(vbeta), mixed, changed)
+                continue
             for wave in range(waves):
                 _sweep_kernel[blocks, threads](d_rows, d_totals, self.ndk, self.tok_word, self.tok_doc, self.z,
                                                lo, n, wave, waves, float(alpha), float(beta), float(vbeta), mixed,
@@ -163,8 +244,9 @@ class DeviceTokens:
 
 
 def warmup() -> None:
-    """Compile the sweep kernel (or load it from the on-disk cache) before the first task."""
+    """Compile the sweep kernels (or load them from the on-disk cache) before the first task."""
     z = np.zeros(2, np.int32)
-    DeviceTokens(np.zeros(2, np.int32), np.zeros(2, np.int32), z, 1, 2).sweep(
-        np.array([[2, 0]], np.int32), np.array([2, 0], np.int64), 0, 2, z,
-        0.1, 0.1, 0.1, 0, threads=32, waves=1)
+    tokens = DeviceTokens(np.zeros(2, np.int32), np.zeros(2, np.int32), z, 1, 2)
+    for cooperative in (True, False):
+        tokens.sweep(np.array([[2, 0]], np.int32), np.array([2, 0], np.int64), 0, 2, z, 0.1, 0.1, 0.1, 0,
+                     waves=1, cooperative=cooperative)

@@ -408,13 +408,20 @@ def _build_doc_lists(tok_off: np.ndarray, z: np.ndarray, doc_list: np.ndarray, t
             doc_list[off + 1 + j] += 1 << tb
 
 
-def build_doc_lists(tok_off: np.ndarray, z: np.ndarray, size: int, num_topics: int) -> np.ndarray:
+def build_doc_lists(tok_off: np.ndarray, z: np.ndarray, size: int, num_topics: int,
+                    out: np.ndarray | None = None) -> np.ndarray:
     """``doc_list`` (int32, ``size`` = ``doc_offsets(...)[-1]``) holding each document's (topic, count)
     pairs for the assignment ``z`` (topics below ``num_topics``) of tokens whose document lists start at
-    ``tok_off``."""
+    ``tok_off``. Written into ``out`` when given (int32, ``size``), which keeps the array's identity."""
     if size >= 2**31:
         raise ValueError("document lists too large for int32 offsets; split the corpus over more executors")
-    doc_list = np.zeros(size, np.int32)
+    if out is None:
+        doc_list = np.zeros(size, np.int32)
+    elif out.dtype != np.int32 or out.shape != (size,):
+        raise TypeError(f"out must be int32 ({size},), got {out.dtype}{out.shape}")
+    else:
+        doc_list = out
+        doc_list[:] = 0
     _build_doc_lists(np.asarray(tok_off, np.int32), np.asarray(z, np.int32), doc_list, topic_bits(num_topics))
     return doc_list
 

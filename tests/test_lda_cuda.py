@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pytest
 
 import litz
@@ -33,17 +34,32 @@ SIMULATED_CHECK = textwrap.dedent("""
     np.add.at(rows, (tok_word, z), 1)
     totals = np.bincount(z, minlength=K).astype(np.int64) + 50  # other executors' tokens too
     dev = DeviceTokens(tok_word, tok_doc, z, D, K)
-    # 1. a block of tokens, two sweeps, fewer threads than tokens: every count is exact afterwards
-    z0 = z.copy()
-    changed = dev.sweep(rows, totals, 60, 330, z, alpha, beta, 100 * beta, seed=11, sweeps=2, threads=32)
-    assert (z[:60] == z0[:60]).all() and (z[330:] == z0[330:]).all() and (z[60:330] != z0[60:330]).any()
-    assert 0 < changed <= 2 * 270, changed
-    recount = np.zeros((V, K), np.int64)
-    np.add.at(recount, (tok_word, z), 1)
-    assert (recount == rows).all() and (totals == np.bincount(z, minlength=K) + 50).all()
-    ndk = np.zeros((D, K), np.int64)
-    np.add.at(ndk, (tok_doc, z), 1)
-    assert (dev.doc_counts() == ndk).all()
+    # 1. a block of tokens, two sweeps, fewer threads than tokens: every count is exact afterwards, with
+    # a sweep in one cooperative launch (the simulator's grid is one block: the threads stride) and
+    # with a launch per wave
+    from apps.lda_cuda import cooperative_blocks
+    assert cooperative_blocks(32) == 1
+    for cooperative in (False, True):
+        z0 = z.copy()
+        changed = dev.sweep(rows, totals, 60, 330, z, alpha, beta, 100 * beta, seed=11, sweeps=2, threads=32,
+                            cooperative=cooperative)
+        assert (z[:60] == z0[:60]).all() and (z[330:] == z0[330:]).all() and (z[60:330] != z0[60:330]).any()
+        assert 0 < changed <= 2 * 270, changed
+        recount = np.zeros((V, K), np.int64)
+        np.add.at(recount, (tok_word, z), 1)
+        assert (recount == rows).all() and (totals == np.bincount(z, minlength=K) + 50).all()
+        ndk = np.zeros((D, K), np.int64)
+        np.add.at(ndk, (tok_doc, z), 1)
+        assert (dev.doc_counts() == ndk).all()
+    # one thread: both ways visit the tokens one at a time in the same order (the simulator runs blocks
+    # one after another), so from the same state they must draw exactly the same topics
+    same = []
+    for cooperative in (False, True):
+        z_c, rows_c, totals_c = z.copy(), rows.copy(), totals.copy()
+        DeviceTokens(tok_word, tok_doc, z_c, D, K).sweep(rows_c, totals_c, 60, 330, z_c, alpha, beta, 100 * beta,
+                                                         seed=5, threads=1, waves=4, cooperative=cooperative)
+        same.append((z_c, rows_c, totals_c))
+    assert all((a == b).all() for a, b in zip(*same)) and (same[0][0] != z).any()
     # 2. one token drawn again and again from the same state (the device copy made afresh each time):
     # the draws' frequencies must match its full conditional. Once for a token among others in its
     # word and document, once for the token alone in both (there a sampler that leaves the token's own
@@ -74,6 +90,15 @@ SIMULATED_CHECK = textwrap.dedent("""
             pass
         else:
             raise AssertionError("bad input was not refused")
+    # 4. dense document counts that would not fit the GPU's free memory: refused, saying why
+    import apps.lda_cuda as lc
+    lc._free_memory = lambda: 4 * D * K
+    try:
+        DeviceTokens(tok_word, tok_doc, z, D, K)
+    except MemoryError as e:
+        assert f"{D:,} documents x {K} topics" in str(e) and "more executors" in str(e), e
+    else:
+        raise AssertionError("a copy larger than the free memory was not refused")
     print("simulated lda ok", changed)
 """)
 
@@ -110,6 +135,33 @@ def test_a_job_with_device_cuda_in_the_simulator_keeps_every_count_exact() -> No
     lists rebuilt) through workers and servers: the tables and every executor's document lists equal
     the histograms of the final assignments."""
     run_in_cuda_simulator(JOB_CHECK, "simulated lda job ok")
+
+
+def test_document_lists_left_behind_by_gpu_tasks_are_rebuilt_before_they_are_read() -> None:
+    """A GPU task changes the topics and leaves the host's document lists as they were (the GPU keeps its
+    own counts). Whatever reads the lists must see them rebuilt: ``get_state`` (checkpoints, moves), in
+    place, so that the GPU copy keyed on the array stays valid; an executor whose state was replaced
+    (a move, a restore) must not rebuild the new lists from the old mark."""
+    app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--synthetic-docs", "30", "--quiet"])
+    ex = lda.LDAExecutor()
+    ex.executor_id, ex.num_executors, ex.config = 0, 1, app.config
+    ex.input = ex.load_input()
+    ex.state = ex.init_state()
+    lists = ex.state["doc_list"]
+    before = lists.copy()
+    z = ex.state["z"]
+    z[:] = (z + 1) % 5  # what a GPU task leaves: new topics on the host, the lists marked stale
+    ex._stale_doc_list = lists
+    state = ex.get_state()
+    assert state["doc_list"] is lists and not np.array_equal(lists, before)
+    assert np.array_equal(lists, ex._doc_lists(z))
+    z[:] = (z + 1) % 5  # not marked: nothing rebuilds it (the CPU sweep keeps its lists current itself)
+    assert np.array_equal(ex.get_state()["doc_list"], ex._doc_lists((z + 4) % 5))
+    ex._stale_doc_list = lists
+    ex.set_state({"z": z.copy(), "doc_list": ex._doc_lists(z)})  # a move or a restore: fresh lists
+    kept = ex.state["doc_list"].copy()
+    ex.state["z"][:] = 0
+    assert np.array_equal(ex.get_state()["doc_list"], kept)
 
 
 def test_without_a_gpu_device_cuda_is_refused_and_auto_samples_on_the_cpu(etcd) -> None:
