@@ -33,13 +33,14 @@ reads them (a report, a checkpoint, a move), not after every task. Each task mov
 word-topic rows and the topic totals each way.
 
 **Measured** on an H100 (``bench/bench_gpu.py --only lda``, the README's performance section): one
-sweep over 1M synthetic tokens takes 36-42 ms with the copies, against 105-203 ms for the CPU's
-sparse sampler on one thread (2.9-4.8x). Whole jobs (2 workers, 2 executors) gain only where tasks
-are large: 1.16-1.59x the CPU's tokens per second on those 1M tokens, 1.23x on wordnet at K = 100,
-but 0.69-0.92x on fortunes and on wordnet at K = 20, where a task's fixed costs (launches, copies,
-the host's document lists) outweigh its sweep. After 60 sweeps of a 16,000-token corpus the
-log-likelihood per token is 0.46-0.63% below the sequential sampler's with 16 waves, 0.05-0.15%
-with 64, 2.6-3.2% with 4, and about 72% with a single wave, which is why the waves exist.
+sweep over 1M synthetic tokens takes 3.4-4.5 ms with the copies, against 102-161 ms for the CPU's
+sparse sampler on one thread (30-35x). Whole jobs (2 workers, 2 executors) sample 1.21-1.22x the
+CPU's tokens per second on fortunes, whose tasks hold about 44,000 tokens, and 2.14-2.24x on
+wordnet. They ran at 0.69-0.92x while a sweep was 16 launches (about 70 us of the host's time each)
+and the host rebuilt its document lists after every task (about 45 ms for 1M tokens, 13 times the
+sweep). After 60 sweeps of a 16,000-token corpus
+the log-likelihood per token is about 0.6% below the sequential sampler's with 16 waves, 0.2% with
+64, 3% with 4, and about 72% with a single wave, which is why the waves exist.
 
 Random numbers: each thread hashes (task seed, sweep, token index) with splitmix64, so a task's draws
 depend only on its seed, as on the CPU (but not the same draws).
