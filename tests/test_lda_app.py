@@ -365,7 +365,7 @@ def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path,
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     job = f"lda-{victim}-{recovery}-{time.time_ns()}"
-    iterations = 300
+    iterations = 100  # about 3 s here; the process dies at iteration 20-35
     app = lda.make_app(["--corpus", "synthetic", "--topics", "5", "--iterations", str(iterations), "--collect",
                         "--quiet", "--ll-every", "1", "--synthetic-docs", "200", "--synthetic-doc-len", "20"])
     t, out = run_in_thread(app, workers=2, servers=2, num_executors=4, job=job, checkpoint_dir=str(tmp_path / "c"),
@@ -374,7 +374,7 @@ def test_lda_survives_a_killed_process_and_its_counts_stay_exact(tmp_path: Path,
     try:
         st = _status_when(job, lambda s: _iteration(s) >= 20 and (every == "100000" or sum(
             c.get("ok") for c in s["master"].get("checkpoints", [])) >= (3 if policy != "full" else 1)))
-        assert _iteration(st) < iterations - 50, "the job must still be sampling when the process dies"
+        assert _iteration(st) < iterations - 40, "the job must still be sampling when the process dies"
         os.kill(next(p["pid"] for p in st["processes"] if p["id"] == victim), signal.SIGKILL)
     finally:
         t.join(120)

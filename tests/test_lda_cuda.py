@@ -71,7 +71,7 @@ SIMULATED_CHECK = textwrap.dedent("""
         for s in range(draws):
             z_s, rows_s, totals_s = z.copy(), rows.copy(), totals.copy()
             DeviceTokens(tok_word, tok_doc, z_s, D, K).sweep(rows_s, totals_s, t, t + 1, z_s, alpha, beta,
-                                                             100 * beta, seed=s, threads=32)
+                                                             100 * beta, seed=s, threads=1)
             hits[z_s[t]] += 1
         others = np.delete(np.arange(n), t)
         nd = np.bincount(z[others][tok_doc[others] == d], minlength=K)

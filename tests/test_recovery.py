@@ -206,6 +206,19 @@ def test_lost_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path:
     assert processes_mentioning(job) == []
 
 
+_BASELINES: dict[int, float] = {}
+
+
+def _baseline_accuracy(servers: int) -> float:
+    """The failure-free run's test accuracy, once per server count (the cases share the job)."""
+    from apps import mlr
+
+    if servers not in _BASELINES:
+        app = mlr.make_app(["--epochs", "16", "--quiet"])
+        _BASELINES[servers] = litz.run(app, workers=2, servers=servers, num_executors=8).value["test_accuracy"]
+    return _BASELINES[servers]
+
+
 @needs_data
 @pytest.mark.parametrize(("victim", "servers", "restored", "recovery"),
                          [("s1", 2, 32, "partial"), ("w1", 1, 4, "partial"), ("s1", 2, 32, "full")])
@@ -215,7 +228,7 @@ def test_mlr_reaches_its_accuracy_after_losing_a_process(tmp_path: Path, monkeyp
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     argv = ["--epochs", "16", "--quiet"]
-    baseline = litz.run(mlr.make_app(argv), workers=2, servers=servers, num_executors=8).value["test_accuracy"]
+    baseline = _baseline_accuracy(servers)
     job = f"mlr-scar-{victim}-{time.time_ns()}"
     t, out = _start(mlr.make_app(argv), workers=2, servers=servers, num_executors=8, job=job,
                     checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="20", recovery=recovery)
