@@ -68,21 +68,30 @@ def thread_cpu(pids: dict[int, str]) -> dict[tuple[str, str], float]:
 
 
 def job_pids() -> dict[int, str]:
-    """This process (the master) and its worker and server children, labelled by role."""
-    pids = {os.getpid(): "master"}
+    """This process (the master) and the worker and server processes below it, labelled by role
+    (their thread names are ``litz-<id>``; forked ones are its grandchildren, by the spawner)."""
+    parent: dict[int, int] = {}
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    pids = {os.getpid(): "master"}
+    for pid in parent:
+        up = parent[pid]
+        while up not in (0, 1, os.getpid()):
+            up = parent.get(up, 0)
+        if up != os.getpid():
             continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
         except OSError:
             continue
-        if ppid == os.getpid() and b"--id" in cmd:
-            ident = cmd[cmd.index(b"--id") + 1].decode()
-            pids[int(pid)] = "worker" if ident.startswith("w") else "server"
+        if comm.startswith(("litz-w", "litz-s")):
+            pids[pid] = "worker" if comm.startswith("litz-w") else "server"
     return pids
 
 

@@ -10,9 +10,15 @@ phase is timed from the start of ``litz.run``:
 - ``finished``: the driver finished;
 - ``returned``: the processes exited and ``litz.run`` returned.
 
+It also reports ``cpu``: the CPU seconds of the job's other processes (workers, servers, the
+process spawner, and the private etcd when there is one), from the start of ``litz.run`` to its
+return.
+
 ``--compare PATH`` runs the same measurement with the Litz checkout at PATH, alternating with
 this one in separate processes, and prints the ratio of the medians (this machine is shared:
-only side-by-side numbers compare).
+only side-by-side numbers compare). ``--spawn`` alternates this checkout's two ways of starting
+processes instead: forked from a process that imported Litz once (the default) and fresh
+interpreters (``LITZ_SPAWN=exec``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
     """Run the trivial job ``repeats`` times (after one warm-up run); each phase's times in seconds."""
+    import resource
+
     import litz
     from litz.runtime import launcher, master
     from litz.runtime.etcd_server import LocalEtcd
@@ -54,7 +62,13 @@ def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
     mark_after(master.Master, "_wait_for_processes", "registered")
     mark_after(master.Master, "_initialise", "ready")
     mark_after(master.Master, "run", "finished")
-    phases: dict[str, list[float]] = {k: [] for k in ("cluster", "registered", "ready", "finished", "returned")}
+    phases: dict[str, list[float]] = {k: [] for k in ("cluster", "registered", "ready", "finished", "returned",
+                                                       "cpu")}
+
+    def children_cpu() -> float:
+        use = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return use.ru_utime + use.ru_stime
+
     etcd = None if embedded else LocalEtcd()
     try:
         if etcd is not None:
@@ -62,9 +76,11 @@ def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
         kw = {} if etcd is None else {"etcd": etcd.url}
         for i in range(repeats + 1):
             marks.clear()
+            cpu0 = children_cpu()
             t0[0] = time.perf_counter()
             litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=2, servers=1, **kw)
             marks["returned"] = time.perf_counter() - t0[0]
+            marks["cpu"] = children_cpu() - cpu0  # they were all reaped when litz.run returned
             if i:  # the first run warms the caches
                 for k in phases:
                     phases[k].append(marks[k])
@@ -74,9 +90,9 @@ def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
     return phases
 
 
-def child(root: str, repeats: int, embedded: bool) -> dict[str, list[float]]:
-    """``measure`` in a fresh Python process importing Litz from ``root``."""
-    env = {**os.environ, "PYTHONPATH": root}
+def child(root: str, repeats: int, embedded: bool, spawn: str = "fork") -> dict[str, list[float]]:
+    """``measure`` in a fresh Python process importing Litz from ``root`` (``spawn``: ``LITZ_SPAWN``)."""
+    env = {**os.environ, "PYTHONPATH": root, "LITZ_SPAWN": spawn}
     code = (f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); "
             f"import bench_startup; print(json.dumps(bench_startup.measure({repeats}, {embedded})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
@@ -84,7 +100,7 @@ def child(root: str, repeats: int, embedded: bool) -> dict[str, list[float]]:
 
 
 def report(label: str, phases: dict[str, list[float]]) -> None:
-    cells = "  ".join(f"{k} {statistics.median(v) * 1e3:4.0f}" for k, v in phases.items())
+    cells = "  ".join(f"{k} {statistics.median(v) * 1e3:4.0f}" for k, v in phases.items())  # cpu: ms too
     print(f"{label:<28} median ms: {cells}  (min returned {min(phases['returned']) * 1e3:.0f})")
 
 
@@ -93,9 +109,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="alternations with --compare")
     p.add_argument("--compare", metavar="PATH", help="another Litz checkout to run side by side")
+    p.add_argument("--spawn", action="store_true", help="alternate forked processes with fresh interpreters")
     args = p.parse_args()
     for embedded in (True, False):
         kind = "private etcd" if embedded else "etcd already running"
+        if args.spawn:
+            for _ in range(args.rounds):
+                forked = child(str(ROOT), args.repeats, embedded, "fork")
+                fresh = child(str(ROOT), args.repeats, embedded, "exec")
+                report(f"{kind}, forked", forked)
+                report(f"{kind}, LITZ_SPAWN=exec", fresh)
+                ratios = (f"{k} {statistics.median(fresh[k]) / statistics.median(forked[k]):.2f}"
+                          for k in ("returned", "cpu"))
+                print("  exec / fork: " + ", ".join(ratios))
+            continue
         if not args.compare:
             report(kind, child(str(ROOT), args.repeats, embedded))
             continue

@@ -29,7 +29,7 @@ from typing import Any
 from litz.api import App, JobResult
 from litz.errors import ConfigError, EtcdUnreachable, ProcessLost
 from litz.ft.checkpoint import CheckpointCoordinator
-from litz.runtime import jobs, security
+from litz.runtime import jobs, security, spawner
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import Master, Resume, StartupTimeout
@@ -73,7 +73,8 @@ class LocalCluster:
         self.log_level = log_level or os.environ.get("LITZ_LOG_LEVEL", "WARNING")
         self._etcd: LocalEtcd | None = None
         self._agent: Membership | None = None
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.children: dict[str, subprocess.Popen[bytes] | spawner.ForkedProcess] = {}
+        self._spawner: spawner.Spawner | None = None  # the zygote forking this host's processes
         self._reported: set[str] = set()  # children whose failure was reported
         self.rundir = Path(tempfile.mkdtemp(prefix=f"{job}-"))
         self._stopping = False
@@ -97,6 +98,8 @@ class LocalCluster:
             self._etcd = LocalEtcd()
             self._etcd.start(wait=False)
             self.etcd_url = self._etcd.url
+        if spawner.enabled():  # imports once, then forks each process (litz.runtime.spawner)
+            self._spawner = spawner.Spawner(self.job, self.rundir / "spawner.log")
         if not self.join:  # a joining host's agent must not overwrite the job's own record
             for i in range(self.servers):
                 self._spawn("litz.ps.server", f"s{i}")
@@ -126,18 +129,20 @@ class LocalCluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["LITZ_PARENT_PID"] = str(os.getpid())  # the child dies with us (see node.die_with_parent)
         env.pop("LITZ_SECRET_FILE", None)  # the child uses exactly the secret this cluster was given
-        errlog = open(self.rundir / f"{ident}.log", "wb")  # noqa: SIM115 - owned by the child
-        cmd = [sys.executable, "-m", module, "--id", ident, "--job", self.job, "--etcd", str(self.etcd_url),
-               "--host", self.host, "--log-level", self.log_level]
+        args = ["--id", ident, "--job", self.job, "--etcd", str(self.etcd_url), "--host", self.host,
+                "--log-level", self.log_level]
         if self.secret_file is not None:
-            cmd += ["--secret-file", self.secret_file]
-        # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child.
+            args += ["--secret-file", self.secret_file]
         # A session of its own: a signal to the launcher's process group (Ctrl-C, `timeout`, a batch
         # scheduler's SIGTERM to the job) reaches only the launcher, which stops the job in order;
         # the child still dies with it (PR_SET_PDEATHSIG, litz.runtime.node).
-        self.children[ident] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=errlog,
-                                                start_new_session=True)
-        errlog.close()
+        with open(self.rundir / f"{ident}.log", "wb") as errlog:
+            if self._spawner is not None:
+                self.children[ident] = self._spawner.spawn(module, args, env, None, errlog)
+            else:  # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
+                self.children[ident] = subprocess.Popen([sys.executable, "-m", module, *args], env=env,
+                                                        stdin=subprocess.DEVNULL, stderr=errlog,
+                                                        start_new_session=True)
 
     def stacks(self, idents: list[str], settle: float = 0.5) -> str:
         """Have the running children among ``idents`` print every thread's stack into their logs
@@ -213,6 +218,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
         if not self.join:
             jobs.forget(self.job)
         if self._agent is not None:

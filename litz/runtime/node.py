@@ -8,6 +8,7 @@ membership thread and wake the loop through a pipe; nothing here blocks on etcd.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 PROCS = "procs/"
 LEAVE_TIMEOUT = 10.0  # seconds a retiring process waits to be owed nothing before it leaves anyway
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def proc_key(role: str, ident: str) -> str:
@@ -276,16 +278,21 @@ def kill_job_process(pid: int, ident: str, job: str) -> bool:
     """SIGKILL process ``pid`` if it still is ``ident`` of ``job`` on this machine; whether it was.
 
     The master fences a process it declared lost this way. A pid can be reused once its
-    process is gone, so the command line (``--id IDENT --job JOB``, as the launcher spawns
-    them) is checked first: a stranger with the same pid is never touched.
+    process is gone, so its identity is checked first, and a stranger with the same pid is never
+    touched: its command line must name the job (``--job JOB``) and the process ``--id IDENT``,
+    as a fresh interpreter's does, or, forked by the job's spawner (whose command line it keeps),
+    its name must be ``litz-IDENT`` (``set_process_name``).
     """
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            comm = f.read().strip()
     except OSError:  # gone already, or no /proc here
         return False
     pairs = set(zip(argv, argv[1:], strict=False))
-    if (b"--id", ident.encode()) not in pairs or (b"--job", job.encode()) not in pairs:
+    named = (b"--id", ident.encode()) in pairs or comm == process_name(ident).encode()
+    if not named or (b"--job", job.encode()) not in pairs:
         return False
     try:
         os.kill(pid, signal.SIGKILL)
@@ -319,6 +326,20 @@ def exit_process(code: int, flush_timeout: float = 2.0) -> None:
         except (OSError, ValueError):  # closed or broken: nothing left to save
             pass
     os._exit(code)
+
+
+def process_name(ident: str) -> str:
+    """What a worker or server process is called (``ps -o comm``, ``top``): ``litz-<id>``, at most
+    the 15 bytes Linux keeps."""
+    return f"litz-{ident}".encode()[:15].decode(errors="ignore")
+
+
+def set_process_name(name: str) -> None:
+    """Name this process's main thread, so that forked processes, whose command line is their
+    zygote's, still show what they are."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def die_with_parent() -> None:
@@ -382,6 +403,7 @@ def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("LITZ_LOG_LEVEL", "WARNING"))
     args = parser.parse_args(argv)
     die_with_parent()
+    set_process_name(process_name(args.id))
     keep_freed_memory()
     # SIGUSR1 prints every thread's stack to stderr (the process's log): how the launcher shows
     # where a process that stopped answering is stuck

@@ -1,0 +1,323 @@
+"""Start worker and server processes by forking a process that has already imported them.
+
+Why: a fresh interpreter that imports a worker or a server (NumPy, ZeroMQ, gRPC and etcd, Numba,
+Litz) spends 0.6-1.1 s of CPU before it does anything, and a job starts several of them at once:
+on a small machine that was most of a short job's start, and a new worker of a scale-out took that
+CPU from the running training. A ``Spawner`` starts one such interpreter per local cluster (the
+*zygote*), which imports all of it once and then forks each process the launcher asks for, as
+``multiprocessing``'s forkserver does. A forked worker is running within milliseconds.
+
+What a forked process gets is what ``python -m litz.runtime.worker ARGS`` would have: the
+launcher's environment and working directory at the time of the request, its own session, its
+standard streams (passed over the socket), and ``die_with_parent`` (the zygote dies with the
+launcher, a child with the zygote). Its command line is the zygote's, which names the job; its
+thread name (``ps -o comm``, ``top``) is ``litz-<id>``.
+
+The zygote is fork-safe because it does nothing but import: no ZeroMQ context, no gRPC channel,
+no logging handler, no thread of its own (NumPy's BLAS may have started one; it handles forks).
+It talks to the launcher over a private socket pair: JSON requests with three file descriptors,
+JSON answers (``started``, and ``exited`` with the exit code when it reaps a child). It leaves once
+the launcher closed its end and its last child exited.
+
+``LITZ_SPAWN=exec`` turns it off: every process is then a fresh interpreter, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import IO, Any
+
+SPAWN_ENV = "LITZ_SPAWN"
+#: what a forked child runs: the entry point of ``python -m MODULE``
+ENTRY_POINTS = {"litz.runtime.worker": ("litz.runtime.worker", "Worker"),
+                "litz.ps.server": ("litz.ps.server", "ServerNode")}
+_MAX_MESSAGE = 1 << 20
+
+
+def enabled() -> bool:
+    """Whether processes are forked from a zygote (the default) rather than started afresh."""
+    mode = os.environ.get(SPAWN_ENV, "fork").strip().lower()
+    if mode not in ("fork", "exec"):
+        from litz.errors import ConfigError
+
+        raise ConfigError(f"{SPAWN_ENV} must be 'fork' or 'exec', not {mode!r}")
+    return mode == "fork" and sys.platform.startswith("linux")
+
+
+class SpawnFailed(RuntimeError):
+    """The zygote could not start a process (or is gone)."""
+
+
+class ForkedProcess:
+    """A child of the zygote, with the part of ``subprocess.Popen``'s interface the launcher uses."""
+
+    def __init__(self, spawner: Spawner, pid: int, args: list[str]) -> None:
+        self.spawner = spawner
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.spawner.receive(0.0)
+            self.returncode = self.spawner.exit_codes.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self.spawner.receive(0.2 if left is None else min(left, 0.2))
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # a reaped pid may belong to someone else by now
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Spawner:
+    """The launcher's end: starts the zygote, asks it for processes, learns their exit codes."""
+
+    def __init__(self, job: str, log_path: Path) -> None:
+        self._lock = threading.Lock()
+        self.exit_codes: dict[int, int] = {}
+        self._replies: list[dict[str, Any]] = []
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["LITZ_PARENT_PID"] = str(os.getpid())  # the zygote dies with the launcher
+        with open(log_path, "wb") as errlog:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "litz.runtime.spawner", "--job", job, "--fd", str(theirs.fileno())],
+                env=env, stdin=subprocess.DEVNULL, stderr=errlog, pass_fds=(theirs.fileno(),),
+                start_new_session=True)
+        theirs.close()
+        self.log_path = log_path
+
+    def spawn(self, module: str, args: list[str], env: dict[str, str], stdout: int | None,
+              stderr: IO[bytes]) -> ForkedProcess:
+        """Fork ``python -m module args`` with this environment and these streams; the child's pid
+        once it exists (the first request waits for the zygote's imports)."""
+        if module not in ENTRY_POINTS:
+            raise ValueError(f"the zygote starts {sorted(ENTRY_POINTS)}, not {module!r}")
+        request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
+        with open(os.devnull, "rb") as devnull:
+            fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
+            with self._lock:
+                try:
+                    socket.send_fds(self._sock, [request], fds)
+                except OSError as exc:
+                    raise SpawnFailed(f"the process spawner is gone ({exc}); {self._log_tail()}") from exc
+        deadline = time.monotonic() + 60.0
+        while not self._replies:  # the zygote answers every request, or its end of the socket closes
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SpawnFailed(f"the process spawner did not start {module} within 60 s; {self._log_tail()}")
+            self.receive(min(1.0, left))
+        reply = self._replies.pop(0)
+        if "pid" not in reply:
+            raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
+        return ForkedProcess(self, reply["pid"], [module, *args])
+
+    def receive(self, timeout: float) -> bool:
+        """Read what the zygote said (waiting up to ``timeout`` for a first message); whether it
+        said anything. End of file (the zygote died): its children died with it (SIGKILL)."""
+        try:  # waits without the lock: another thread may poll meanwhile
+            ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
+        except (OSError, ValueError):  # closed (the zygote is gone, or close() ran)
+            return False
+        with self._lock:
+            got = False
+            while ready and self._sock.fileno() >= 0:
+                try:
+                    data = self._sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    data = b""
+                if not data:
+                    self._sock.close()
+                    self._zygote_gone()
+                    return got
+                got = True
+                msg = json.loads(data)
+                if msg["kind"] == "exited":
+                    self.exit_codes[msg["pid"]] = msg["code"]
+                else:
+                    self._replies.append(msg)
+            return got
+
+    def _zygote_gone(self) -> None:
+        self._replies.append({"error": f"the spawner exited; {self._log_tail()}"})
+
+    def close(self, timeout: float = 5.0) -> None:
+        """No more requests: the zygote leaves once its children have (call after they exited)."""
+        with self._lock:
+            if self._sock.fileno() >= 0:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_WR)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        with self._lock:
+            self._sock.close()
+
+    def _log_tail(self) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            text = []
+        return "its log ends with:\n" + "\n".join(text[-15:]) if text else "its log is empty"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the zygote
+# ----------------------------------------------------------------------------------------------------
+
+
+def _preload() -> None:
+    """Import what workers and servers import, once, before any fork."""
+    import litz.ps.server  # noqa: F401
+    import litz.runtime.worker  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import numba  # noqa: F401 - the apps' kernels; 0.3 s of every worker's start otherwise
+
+
+def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # the launcher is gone: nothing to tell
+        sock.send(json.dumps(msg).encode())
+
+
+def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
+    """In the forked child: become ``python -m module args``. Never returns."""
+    code = 70
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in closing:
+            os.close(fd)
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        env = dict(request["env"])
+        env["LITZ_PARENT_PID"] = str(os.getppid())  # die_with_parent: with the zygote, which dies with the launcher
+        os.environ.clear()
+        os.environ.update(env)
+        with contextlib.suppress(OSError):
+            os.chdir(request["cwd"])
+        module, cls = ENTRY_POINTS[request["module"]]
+        sys.argv = [module, *request["args"]]
+        from litz.runtime.node import exit_process, main
+
+        node_cls = getattr(sys.modules[module], cls)
+        exit_process(main(node_cls, list(request["args"])))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported in the child's log, never back into the zygote's loop
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(fd: int) -> int:
+    """The zygote's loop: fork on request, report exits, leave when asked and childless."""
+    from litz.runtime.node import die_with_parent
+
+    die_with_parent()
+    _preload()
+    gc.collect()
+    gc.freeze()  # the imported objects stay shared with the children instead of being copied on write
+    warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select through the pipe
+    children: set[int] = set()
+    accepting = True
+    while accepting or children:
+        ready, _, _ = select.select([sock, wake_r] if accepting else [wake_r], [], [], 1.0)
+        with contextlib.suppress(BlockingIOError):
+            os.read(wake_r, 512)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            _send(sock, {"kind": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+        if sock not in ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
+        except OSError:
+            data, fds = b"", []
+        if not data:  # the launcher closed its end: no more requests
+            accepting = False
+            continue
+        try:
+            request = json.loads(data)
+            if request.get("module") not in ENTRY_POINTS or len(fds) != 3:
+                raise ValueError(f"a malformed request: {request.get('module')!r} with {len(fds)} descriptors")
+            pid = os.fork()
+        except (ValueError, OSError) as exc:
+            for f in fds:
+                os.close(f)
+            _send(sock, {"kind": "reply", "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        if pid == 0:
+            _child(request, fds, [sock.fileno(), wake_r, wake_w])
+        for f in fds:
+            os.close(f)
+        children.add(pid)
+        _send(sock, {"kind": "reply", "pid": pid})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="litz-spawner")
+    parser.add_argument("--job", required=True, help="the job whose processes it forks (shown by ps)")
+    parser.add_argument("--fd", type=int, required=True, help="its end of the launcher's socket pair")
+    args = parser.parse_args(argv)
+    return serve(args.fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Workers and servers forked from a zygote that imported them once (litz/runtime/spawner.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import litz
+from litz.errors import ConfigError, ProcessLost
+from litz.runtime import spawner
+from litz.runtime.launcher import LocalCluster
+from litz.runtime.node import kill_job_process
+from tests import testapps
+from tests.conftest import descendants
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def _wait_for(cond, timeout: float = 10.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_processes_are_forked_from_one_zygote_as_the_launcher_would_start_them(etcd, tmp_path, monkeypatch) -> None:
+    """Every worker and server is a child of the cluster's zygote, with the launcher's working directory
+    of the moment it was asked for (not the zygote's), a session of its own and its name
+    (``litz-<id>``), by which the master's fencing recognises it. A killed one is reported with its
+    signal, as a child of the launcher was; when the cluster stops, the zygote leaves too."""
+    monkeypatch.chdir(tmp_path)
+    job = f"spawn-{time.time_ns()}"
+    cluster = LocalCluster(job, workers=2, servers=1, etcd=etcd.url)
+    cluster.start()
+    try:
+        assert cluster._spawner is not None
+        zygote = cluster._spawner.process.pid
+        assert set(cluster.children) == {"s0", "w0", "w1"}
+        for ident, proc in cluster.children.items():
+            _wait_for(lambda p=proc, i=ident: _comm(p.pid) == f"litz-{i}", what=f"{ident}'s name")
+            assert _ppid(proc.pid) == zygote and os.getsid(proc.pid) == proc.pid
+            assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
+        assert job in descendants()[zygote]  # ps shows the job on the zygote's command line, and theirs
+        other = tmp_path / "later"
+        other.mkdir()
+        monkeypatch.chdir(other)  # a scale-out's process starts where the launcher is now
+        cluster.handle_spawn({"workers": ["w2"]})
+        w2 = cluster.children["w2"].pid
+        _wait_for(lambda: os.readlink(f"/proc/{w2}/cwd") == str(other), what="w2 to start in the new directory")
+        # the master fences a stalled process by pid, once it checked that the pid is still that process
+        assert not kill_job_process(cluster.children["w0"].pid, "w1", job)
+        assert not kill_job_process(cluster.children["w0"].pid, "w0", "another-job")
+        victim = cluster.children["w1"]
+        assert kill_job_process(victim.pid, "w1", job)
+        deadline = time.monotonic() + 10
+        with pytest.raises(ProcessLost, match=rf"process w1 \(pid {victim.pid}\) exited with code -9"):
+            while time.monotonic() < deadline:
+                cluster.check_children()
+                time.sleep(0.02)
+        assert victim.returncode == -signal.SIGKILL
+        assert cluster.children["w0"].poll() is None
+    finally:
+        cluster.stop(timeout=0.5)
+    assert all(p.poll() is not None for p in cluster.children.values())
+    assert zygote not in descendants()
+
+
+def test_the_zygote_refuses_a_malformed_request_and_goes_on(tmp_path, monkeypatch) -> None:
+    """A request for another module, or without its three descriptors, is answered with an error; the
+    zygote keeps serving, and a child that fails its arguments exits with argparse's code."""
+    monkeypatch.delenv("LITZ_SECRET_FILE", raising=False)
+    sp = spawner.Spawner("refusals", tmp_path / "spawner.log")
+    try:
+        with pytest.raises(ValueError, match="not 'os'"), open(os.devnull, "wb") as devnull:
+            sp.spawn("os", [], dict(os.environ), None, devnull)  # refused before it is sent
+        socket.send_fds(sp._sock, [json.dumps({"module": "os", "args": [], "env": {}, "cwd": "/"}).encode()],
+                        [0, 1, 2])
+        socket.send_fds(sp._sock, [json.dumps({"module": "litz.runtime.worker"}).encode()], [0])
+        deadline = time.monotonic() + 30
+        while len(sp._replies) < 2:
+            assert time.monotonic() < deadline, "the zygote did not answer"
+            sp.receive(0.1)
+        first, second = sp._replies
+        assert "'os' with 3 descriptors" in first["error"] and "with 1 descriptors" in second["error"]
+        sp._replies.clear()
+        with open(tmp_path / "w.log", "wb") as log:
+            child = sp.spawn("litz.runtime.worker", ["--bogus"], dict(os.environ), None, log)
+        assert child.wait(30) == 2
+        assert "litz-worker: error: the following arguments are required" in (tmp_path / "w.log").read_text()
+        # each child runs with the environment of its request, not the zygote's: here a secret file
+        # (read from the environment by the worker's options) that does not exist
+        missing = tmp_path / "missing.key"
+        with open(tmp_path / "w9.log", "wb") as log:
+            child = sp.spawn("litz.runtime.worker", ["--id", "w9", "--job", "j", "--etcd", "127.0.0.1:9"],
+                             {**os.environ, "LITZ_SECRET_FILE": str(missing)}, None, log)
+        assert child.wait(30) == 2
+        assert str(missing) in (tmp_path / "w9.log").read_text()
+    finally:
+        sp.close()
+    assert sp.process.returncode == 0
+
+
+def test_the_zygote_and_its_processes_die_with_the_launcher(etcd, tmp_path) -> None:
+    """``kill -9`` of the launcher: the zygote gets its parent-death signal, and its children theirs."""
+    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from litz.runtime.launcher import LocalCluster; "
+            f"c = LocalCluster('orphans-{time.time_ns()}', workers=1, servers=1, etcd={etcd.url!r}); c.start(); "
+            "print(c._spawner.process.pid, *[p.pid for p in c.children.values()], flush=True); time.sleep(60)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in launcher.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) == 3
+        launcher.kill()
+        launcher.wait()
+        _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in pids), 10.0,
+                  "the zygote and its children to die")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_litz_spawn_exec_starts_fresh_interpreters_and_a_bad_value_is_refused(etcd, monkeypatch) -> None:
+    monkeypatch.setenv("LITZ_SPAWN", "exec")
+    seen: dict[str, str] = {}
+    original = LocalCluster._spawn
+
+    def spawn(self: LocalCluster, module: str, ident: str) -> None:
+        original(self, module, ident)
+        seen[ident] = descendants()[self.children[ident].pid]
+
+    monkeypatch.setattr(LocalCluster, "_spawn", spawn)
+    res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, etcd=etcd.url)
+    assert res.tasks_completed > 0
+    assert "-m litz.runtime.worker --id w0" in seen["w0"] and "-m litz.ps.server --id s0" in seen["s0"]
+    monkeypatch.setenv("LITZ_SPAWN", "clone")
+    with pytest.raises(ConfigError, match="LITZ_SPAWN must be 'fork' or 'exec'"):
+        litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, etcd=etcd.url)
