@@ -83,6 +83,34 @@ def test_processes_are_forked_from_one_zygote_as_the_launcher_would_start_them(e
     assert zygote not in descendants()
 
 
+def test_a_lost_zygote_takes_its_children_and_later_processes_start_afresh(etcd) -> None:
+    """``kill -9`` of the zygote: its children die with it and the launcher reports them lost at once
+    (not after their leases); a process asked for afterwards starts as a fresh interpreter."""
+    job = f"zygote-lost-{time.time_ns()}"
+    cluster = LocalCluster(job, workers=1, servers=1, etcd=etcd.url)
+    cluster.start()
+    try:
+        assert cluster._spawner is not None
+        os.kill(cluster._spawner.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        lost: set[str] = set()
+        while lost != {"s0", "w0"}:
+            assert time.monotonic() < deadline, f"only {lost} reported lost"
+            try:
+                cluster.check_children()
+            except ProcessLost as exc:
+                assert "exited with code -9" in str(exc)
+                lost.add(exc.ident)
+            time.sleep(0.02)
+        cluster.handle_spawn({"workers": ["w1"]})
+        assert cluster._spawner is None
+        w1 = cluster.children["w1"]
+        assert isinstance(w1, subprocess.Popen) and w1.poll() is None
+        assert "-m litz.runtime.worker --id w1" in descendants()[w1.pid]
+    finally:
+        cluster.stop(timeout=0.5)
+
+
 def test_the_zygote_refuses_a_malformed_request_and_goes_on(tmp_path, monkeypatch) -> None:
     """A request for another module, or without its three descriptors, is answered with an error; the
     zygote keeps serving, and a child that fails its arguments exits with argparse's code."""

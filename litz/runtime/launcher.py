@@ -138,11 +138,17 @@ class LocalCluster:
         # the child still dies with it (PR_SET_PDEATHSIG, litz.runtime.node).
         with open(self.rundir / f"{ident}.log", "wb") as errlog:
             if self._spawner is not None:
-                self.children[ident] = self._spawner.spawn(module, args, env, None, errlog)
-            else:  # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
-                self.children[ident] = subprocess.Popen([sys.executable, "-m", module, *args], env=env,
-                                                        stdin=subprocess.DEVNULL, stderr=errlog,
-                                                        start_new_session=True)
+                try:
+                    self.children[ident] = self._spawner.spawn(module, args, env, None, errlog)
+                    return
+                except spawner.SpawnFailed as exc:  # its children died with it and are recovered as lost
+                    log.warning("%s; starting %s and the processes after it as fresh interpreters", exc, ident)
+                    self._spawner.close(timeout=1.0)
+                    self._spawner = None
+            # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
+            self.children[ident] = subprocess.Popen([sys.executable, "-m", module, *args], env=env,
+                                                    stdin=subprocess.DEVNULL, stderr=errlog,
+                                                    start_new_session=True)
 
     def stacks(self, idents: list[str], settle: float = 0.5) -> str:
         """Have the running children among ``idents`` print every thread's stack into their logs

@@ -105,6 +105,7 @@ class Spawner:
         self._lock = threading.Lock()
         self.exit_codes: dict[int, int] = {}
         self._replies: list[dict[str, Any]] = []
+        self._pids: set[int] = set()  # every child it started
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -140,6 +141,7 @@ class Spawner:
         reply = self._replies.pop(0)
         if "pid" not in reply:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
+        self._pids.add(reply["pid"])
         return ForkedProcess(self, reply["pid"], [module, *args])
 
     def receive(self, timeout: float) -> bool:
@@ -171,7 +173,12 @@ class Spawner:
             return got
 
     def _zygote_gone(self) -> None:
-        self._replies.append({"error": f"the spawner exited; {self._log_tail()}"})
+        """Its children got their parent-death signal (SIGKILL) with it: they count as killed, so the
+        launcher sees them lost at once; a pending request fails."""
+        code = self.process.poll()
+        self._replies.append({"error": f"the spawner exited (code {code}); {self._log_tail()}"})
+        for pid in self._pids - self.exit_codes.keys():
+            self.exit_codes[pid] = -signal.SIGKILL
 
     def close(self, timeout: float = 5.0) -> None:
         """No more requests: the zygote leaves once its children have (call after they exited)."""
