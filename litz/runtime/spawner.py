@@ -102,7 +102,8 @@ class Spawner:
     """The launcher's end: starts the zygote, asks it for processes, learns their exit codes."""
 
     def __init__(self, job: str, log_path: Path) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the socket and what was read from it
+        self._one_at_a_time = threading.Lock()  # a request and its answer (answers come in order)
         self.exit_codes: dict[int, int] = {}
         self._replies: list[dict[str, Any]] = []
         self._pids: set[int] = set()  # every child it started
@@ -125,23 +126,23 @@ class Spawner:
         if module not in ENTRY_POINTS:
             raise ValueError(f"the zygote starts {sorted(ENTRY_POINTS)}, not {module!r}")
         request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
-        with open(os.devnull, "rb") as devnull:
-            fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
-            with self._lock:
-                try:
-                    socket.send_fds(self._sock, [request], fds)
-                except OSError as exc:
-                    raise SpawnFailed(f"the process spawner is gone ({exc}); {self._log_tail()}") from exc
-        deadline = time.monotonic() + 60.0
-        while not self._replies:  # the zygote answers every request, or its end of the socket closes
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SpawnFailed(f"the process spawner did not start {module} within 60 s; {self._log_tail()}")
-            self.receive(min(1.0, left))
-        reply = self._replies.pop(0)
+        with self._one_at_a_time:
+            with open(os.devnull, "rb") as devnull:
+                fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
+                with self._lock:
+                    try:
+                        socket.send_fds(self._sock, [request], fds)
+                    except OSError as exc:
+                        raise SpawnFailed(f"the process spawner is gone ({exc}); {self._log_tail()}") from exc
+            deadline = time.monotonic() + 60.0
+            while not self._replies:  # the zygote answers every request, or its end of the socket closes
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SpawnFailed(f"the process spawner did not start {module} within 60 s; {self._log_tail()}")
+                self.receive(min(1.0, left))
+            reply = self._replies.pop(0)
         if "pid" not in reply:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
-        self._pids.add(reply["pid"])
         return ForkedProcess(self, reply["pid"], [module, *args])
 
     def receive(self, timeout: float) -> bool:
@@ -169,6 +170,8 @@ class Spawner:
                 if msg["kind"] == "exited":
                     self.exit_codes[msg["pid"]] = msg["code"]
                 else:
+                    if "pid" in msg:  # known before anything else is read: the zygote may die right after
+                        self._pids.add(msg["pid"])
                     self._replies.append(msg)
             return got
 
@@ -299,8 +302,9 @@ def serve(fd: int) -> int:
             continue
         try:
             request = json.loads(data)
-            if request.get("module") not in ENTRY_POINTS or len(fds) != 3:
-                raise ValueError(f"a malformed request: {request.get('module')!r} with {len(fds)} descriptors")
+            if not isinstance(request, dict) or request.get("module") not in ENTRY_POINTS or len(fds) != 3:
+                what = request.get("module") if isinstance(request, dict) else type(request).__name__
+                raise ValueError(f"a malformed request: {what!r} with {len(fds)} descriptors")
             pid = os.fork()
         except (ValueError, OSError) as exc:
             for f in fds:
