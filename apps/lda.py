@@ -288,6 +288,8 @@ class LDAExecutor(litz.Executor):
         return doc_list
 
     def get_state(self) -> dict[str, Any]:
+        """The state with its document lists current: a checkpoint or a move must carry lists that
+        agree with ``z``, whatever GPU tasks left behind."""
         self._doc_list()
         return self.state
 
