@@ -10,15 +10,17 @@ phase is timed from the start of ``litz.run``:
 - ``finished``: the driver finished;
 - ``returned``: the processes exited and ``litz.run`` returned.
 
-It also reports ``cpu``: the CPU seconds of the job's other processes (workers, servers, the
-process spawner, and the private etcd when there is one), from the start of ``litz.run`` to its
-return.
+It also reports ``cpu``: the CPU seconds of the job's other processes (workers, servers, and the
+private etcd when there is one, and the spawner: its imports are in the first job's),
+from the start of ``litz.run`` to its return.
 
 ``--compare PATH`` runs the same measurement with the Litz checkout at PATH, alternating with
 this one in separate processes, and prints the ratio of the medians (this machine is shared:
 only side-by-side numbers compare). ``--spawn`` alternates this checkout's two ways of starting
 processes instead: forked from a process that imported Litz once (the default) and fresh
-interpreters (``LITZ_SPAWN=exec``).
+interpreters (``LITZ_SPAWN=exec``). The spawner stays for a process's later jobs, so the jobs after
+the warm-up are forked without waiting for its imports; ``--first`` times each process's first
+job instead (``--repeats`` processes), which is what ``litz launch`` pays.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
-    """Run the trivial job ``repeats`` times (after one warm-up run); each phase's times in seconds."""
+def measure(repeats: int, embedded: bool, first: bool = False) -> dict[str, list[float]]:
+    """Run the trivial job ``repeats`` times (after one warm-up run); each phase's times in seconds.
+    ``first``: time only the first job of this process instead (what ``litz launch`` pays)."""
     import resource
 
     import litz
@@ -65,23 +68,25 @@ def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
     phases: dict[str, list[float]] = {k: [] for k in ("cluster", "registered", "ready", "finished", "returned",
                                                        "cpu")}
 
-    def children_cpu() -> float:
+    def children_cpu() -> float:  # forked ones are the spawner's children, which it reaps and counts
+        from litz.runtime import spawner
+
         use = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return use.ru_utime + use.ru_stime
+        return use.ru_utime + use.ru_stime + spawner.cpu_seconds()
 
     etcd = None if embedded else LocalEtcd()
     try:
         if etcd is not None:
             etcd.start()
         kw = {} if etcd is None else {"etcd": etcd.url}
-        for i in range(repeats + 1):
+        for i in range(1 if first else repeats + 1):
             marks.clear()
             cpu0 = children_cpu()
             t0[0] = time.perf_counter()
             litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=2, servers=1, **kw)
             marks["returned"] = time.perf_counter() - t0[0]
             marks["cpu"] = children_cpu() - cpu0  # they were all reaped when litz.run returned
-            if i:  # the first run warms the caches
+            if i or first:  # the first run warms the caches
                 for k in phases:
                     phases[k].append(marks[k])
     finally:
@@ -90,13 +95,18 @@ def measure(repeats: int, embedded: bool) -> dict[str, list[float]]:
     return phases
 
 
-def child(root: str, repeats: int, embedded: bool, spawn: str = "fork") -> dict[str, list[float]]:
-    """``measure`` in a fresh Python process importing Litz from ``root`` (``spawn``: ``LITZ_SPAWN``)."""
+def child(root: str, repeats: int, embedded: bool, spawn: str = "fork", first: bool = False) -> dict[str, list[float]]:
+    """``measure`` in a fresh Python process importing Litz from ``root`` (``spawn``: ``LITZ_SPAWN``);
+    with ``first``, ``repeats`` such processes, each timing its first job."""
     env = {**os.environ, "PYTHONPATH": root, "LITZ_SPAWN": spawn}
     code = (f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); "
-            f"import bench_startup; print(json.dumps(bench_startup.measure({repeats}, {embedded})))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+            f"import bench_startup; print(json.dumps(bench_startup.measure({repeats}, {embedded}, {first})))")
+    runs = []
+    for _ in range(repeats if first else 1):
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                             check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {k: [v for run in runs for v in run[k]] for k in runs[0]}
 
 
 def report(label: str, phases: dict[str, list[float]]) -> None:
@@ -110,13 +120,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternations with --compare")
     p.add_argument("--compare", metavar="PATH", help="another Litz checkout to run side by side")
     p.add_argument("--spawn", action="store_true", help="alternate forked processes with fresh interpreters")
+    p.add_argument("--first", action="store_true",
+                   help="time each process's first job (as litz launch runs), not its later ones")
     args = p.parse_args()
     for embedded in (True, False):
-        kind = "private etcd" if embedded else "etcd already running"
+        kind = ("private etcd" if embedded else "etcd already running") + (", first job" if args.first else "")
         if args.spawn:
             for _ in range(args.rounds):
-                forked = child(str(ROOT), args.repeats, embedded, "fork")
-                fresh = child(str(ROOT), args.repeats, embedded, "exec")
+                forked = child(str(ROOT), args.repeats, embedded, "fork", args.first)
+                fresh = child(str(ROOT), args.repeats, embedded, "exec", args.first)
                 report(f"{kind}, forked", forked)
                 report(f"{kind}, LITZ_SPAWN=exec", fresh)
                 ratios = (f"{k} {statistics.median(fresh[k]) / statistics.median(forked[k]):.2f}"

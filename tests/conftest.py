@@ -60,6 +60,10 @@ def descendants(root: int | None = None) -> dict[int, str]:
     return found
 
 
+#: this process's zygote (litz/runtime/spawner.py) stays for the next test's jobs, by design
+SPAWNER = "-m litz.runtime.spawner"
+
+
 @pytest.fixture(autouse=True)
 def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """Kill (by PID) whatever a test started and left running, so one failed test's job cannot
@@ -67,11 +71,13 @@ def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[No
 
     A test whose job stalls leaves the job's thread and processes behind (its assertion fails
     first); without this they would run on beside every later test. Module-scoped fixtures (the
-    shared etcd) are set up before this fixture and are not touched."""
+    shared etcd) are set up before this fixture and are not touched, nor is this process's
+    zygote, which the launcher keeps for its later jobs."""
     before = set(descendants())
     yield
     deadline = time.monotonic() + 10.0  # a job that just ended may still be stopping its children
-    while (left := {p: c for p, c in descendants().items() if p not in before}) and time.monotonic() < deadline:
+    while (left := {p: c for p, c in descendants().items() if p not in before and SPAWNER not in c}) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     if not left:
         return

@@ -34,6 +34,11 @@ def _comm(pid: int) -> str:
         return f.read().strip()
 
 
+def _argv(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]
+
+
 def _wait_for(cond, timeout: float = 10.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not cond():
@@ -41,11 +46,20 @@ def _wait_for(cond, timeout: float = 10.0, what: str = "") -> None:  # type: ign
         time.sleep(0.02)
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def test_processes_are_forked_from_one_zygote_as_the_launcher_would_start_them(etcd, tmp_path, monkeypatch) -> None:
-    """Every worker and server is a child of the cluster's zygote, with the launcher's working directory
-    of the moment it was asked for (not the zygote's), a session of its own and its name
-    (``litz-<id>``), by which the master's fencing recognises it. A killed one is reported with its
-    signal, as a child of the launcher was; when the cluster stops, the zygote leaves too."""
+    """Every worker and server is a child of this process's zygote, with the command line a fresh
+    interpreter would have (fencing checks it), the launcher's working directory of the moment it
+    was asked for, a session of its own and its name. A killed one is reported with its signal, as
+    a child of the launcher was. The zygote outlives the cluster and serves the next one; a change
+    of what its imports read (a ``NUMBA_`` setting) gets another zygote."""
     monkeypatch.chdir(tmp_path)
     job = f"spawn-{time.time_ns()}"
     cluster = LocalCluster(job, workers=2, servers=1, etcd=etcd.url)
@@ -57,8 +71,9 @@ def test_processes_are_forked_from_one_zygote_as_the_launcher_would_start_them(e
         for ident, proc in cluster.children.items():
             _wait_for(lambda p=proc, i=ident: _comm(p.pid) == f"litz-{i}", what=f"{ident}'s name")
             assert _ppid(proc.pid) == zygote and os.getsid(proc.pid) == proc.pid
+            module = "litz.ps.server" if ident == "s0" else "litz.runtime.worker"
+            assert _argv(proc.pid)[:7] == [sys.executable, "-m", module, "--id", ident, "--job", job]
             assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
-        assert job in descendants()[zygote]  # ps shows the job on the zygote's command line, and theirs
         other = tmp_path / "later"
         other.mkdir()
         monkeypatch.chdir(other)  # a scale-out's process starts where the launcher is now
@@ -80,18 +95,45 @@ def test_processes_are_forked_from_one_zygote_as_the_launcher_would_start_them(e
     finally:
         cluster.stop(timeout=0.5)
     assert all(p.poll() is not None for p in cluster.children.values())
-    assert zygote not in descendants()
+    assert zygote in descendants() and spawner.shared().process.pid == zygote  # kept for the next job
+    monkeypatch.setenv("NUMBA_LITZ_TEST_SETTING", "1")
+    assert spawner.shared().process.pid != zygote
+
+
+def test_the_zygote_outlives_the_thread_that_started_it_and_dies_with_the_launcher(etcd) -> None:
+    """Linux's parent-death signal follows the thread that forked: a job run in a thread that then ends
+    must not take the zygote, and the next job's processes, with it. ``kill -9`` of the launcher
+    process does: the zygote gets its parent-death signal, and its children theirs."""
+    code = (f"import sys, threading, time; sys.path.insert(0, {str(ROOT)!r}); "
+            "from litz.runtime.launcher import LocalCluster; "
+            f"c = LocalCluster('orphans-{time.time_ns()}', workers=1, servers=1, etcd={etcd.url!r}); "
+            "t = threading.Thread(target=c.start); t.start(); t.join(); time.sleep(1.0); "
+            "print(c._spawner.process.pid, *[p.pid for p in c.children.values() if p.poll() is None], flush=True); "
+            "time.sleep(60)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in launcher.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) == 3, "the zygote or its children died with the thread that started the cluster"
+        launcher.kill()
+        launcher.wait()
+        _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in pids), 10.0,
+                  "the zygote and its children to die")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 def test_a_lost_zygote_takes_its_children_and_later_processes_start_afresh(etcd) -> None:
     """``kill -9`` of the zygote: its children die with it and the launcher reports them lost at once
-    (not after their leases); a process asked for afterwards starts as a fresh interpreter."""
+    (not after their leases); a process asked for afterwards starts as a fresh interpreter, and the
+    next cluster gets a new zygote."""
     job = f"zygote-lost-{time.time_ns()}"
     cluster = LocalCluster(job, workers=1, servers=1, etcd=etcd.url)
     cluster.start()
     try:
         assert cluster._spawner is not None
-        os.kill(cluster._spawner.process.pid, signal.SIGKILL)
+        dead = cluster._spawner.process.pid
+        os.kill(dead, signal.SIGKILL)
         deadline = time.monotonic() + 10
         lost: set[str] = set()
         while lost != {"s0", "w0"}:
@@ -109,25 +151,28 @@ def test_a_lost_zygote_takes_its_children_and_later_processes_start_afresh(etcd)
         assert "-m litz.runtime.worker --id w1" in descendants()[w1.pid]
     finally:
         cluster.stop(timeout=0.5)
+    assert spawner.shared().process.pid != dead
 
 
 def test_the_zygote_refuses_a_malformed_request_and_goes_on(tmp_path, monkeypatch) -> None:
     """A request for another module, or without its three descriptors, is answered with an error; the
     zygote keeps serving, and a child that fails its arguments exits with argparse's code."""
     monkeypatch.delenv("LITZ_SECRET_FILE", raising=False)
-    sp = spawner.Spawner("refusals", tmp_path / "spawner.log")
+    sp = spawner.Spawner()
     try:
         with pytest.raises(ValueError, match="not 'os'"), open(os.devnull, "wb") as devnull:
             sp.spawn("os", [], dict(os.environ), None, devnull)  # refused before it is sent
         socket.send_fds(sp._sock, [json.dumps({"module": "os", "args": [], "env": {}, "cwd": "/"}).encode()],
                         [0, 1, 2])
         socket.send_fds(sp._sock, [json.dumps({"module": "litz.runtime.worker"}).encode()], [0])
+        socket.send_fds(sp._sock, [b"[1, 2]"], [0, 1, 2])
         deadline = time.monotonic() + 30
-        while len(sp._replies) < 2:
+        while len(sp._replies) < 3:
             assert time.monotonic() < deadline, "the zygote did not answer"
             sp.receive(0.1)
-        first, second = sp._replies
+        first, second, third = sp._replies
         assert "'os' with 3 descriptors" in first["error"] and "with 1 descriptors" in second["error"]
+        assert "'list' with 3 descriptors" in third["error"]
         sp._replies.clear()
         with open(tmp_path / "w.log", "wb") as log:
             child = sp.spawn("litz.runtime.worker", ["--bogus"], dict(os.environ), None, log)
@@ -143,48 +188,43 @@ def test_the_zygote_refuses_a_malformed_request_and_goes_on(tmp_path, monkeypatc
         assert str(missing) in (tmp_path / "w9.log").read_text()
     finally:
         sp.close()
-    assert sp.process.returncode == 0
-
-
-def test_the_zygote_and_its_processes_die_with_the_launcher(etcd, tmp_path) -> None:
-    """``kill -9`` of the launcher: the zygote gets its parent-death signal, and its children theirs."""
-    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from litz.runtime.launcher import LocalCluster; "
-            f"c = LocalCluster('orphans-{time.time_ns()}', workers=1, servers=1, etcd={etcd.url!r}); c.start(); "
-            "print(c._spawner.process.pid, *[p.pid for p in c.children.values()], flush=True); time.sleep(60)")
-    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = [int(x) for x in launcher.stdout.readline().split()]  # type: ignore[union-attr]
-        assert len(pids) == 3
-        launcher.kill()
-        launcher.wait()
-        _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in pids), 10.0,
-                  "the zygote and its children to die")
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    assert sp.process.returncode == 0 and not sp.alive()
 
 
 def test_litz_spawn_exec_starts_fresh_interpreters_and_a_bad_value_is_refused(etcd, monkeypatch) -> None:
     monkeypatch.setenv("LITZ_SPAWN", "exec")
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[int, str]] = {}
     original = LocalCluster._spawn
 
     def spawn(self: LocalCluster, module: str, ident: str) -> None:
         original(self, module, ident)
-        seen[ident] = descendants()[self.children[ident].pid]
+        pid = self.children[ident].pid
+        seen[ident] = (_ppid(pid), descendants()[pid])
 
     monkeypatch.setattr(LocalCluster, "_spawn", spawn)
     res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, etcd=etcd.url)
     assert res.tasks_completed > 0
-    assert "-m litz.runtime.worker --id w0" in seen["w0"] and "-m litz.ps.server --id s0" in seen["s0"]
+    assert seen["w0"][0] == seen["s0"][0] == os.getpid()  # the launcher's own children
+    assert "-m litz.runtime.worker --id w0" in seen["w0"][1] and "-m litz.ps.server --id s0" in seen["s0"][1]
     monkeypatch.setenv("LITZ_SPAWN", "clone")
     with pytest.raises(ConfigError, match="LITZ_SPAWN must be 'fork' or 'exec'"):
         litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, etcd=etcd.url)
+
+
+def test_jobs_run_one_after_another_share_the_zygote(etcd) -> None:
+    """The imports are paid once per launcher process: two jobs, one zygote, and both jobs' processes
+    were its children."""
+    parents: list[set[int]] = []
+    original = LocalCluster._spawn
+
+    def spawn(self: LocalCluster, module: str, ident: str) -> None:
+        original(self, module, ident)
+        parents[-1].add(_ppid(self.children[ident].pid))
+
+    for _ in range(2):
+        parents.append(set())
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(LocalCluster, "_spawn", spawn)
+            assert litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=2, servers=1,
+                            etcd=etcd.url).tasks_completed > 0
+    assert parents[0] == parents[1] == {spawner.shared().process.pid}

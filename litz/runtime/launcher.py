@@ -74,7 +74,7 @@ class LocalCluster:
         self._etcd: LocalEtcd | None = None
         self._agent: Membership | None = None
         self.children: dict[str, subprocess.Popen[bytes] | spawner.ForkedProcess] = {}
-        self._spawner: spawner.Spawner | None = None  # the zygote forking this host's processes
+        self._spawner: spawner.Spawner | None = None  # the zygote forking this host's processes (shared)
         self._reported: set[str] = set()  # children whose failure was reported
         self.rundir = Path(tempfile.mkdtemp(prefix=f"{job}-"))
         self._stopping = False
@@ -93,20 +93,27 @@ class LocalCluster:
 
     def start(self) -> None:
         if self.etcd_url is None:
-            # The processes start while etcd comes up: they retry their first connection for a few
-            # seconds, and their imports take about as long as etcd's start, so neither waits for the other.
+            # Fresh interpreters (LITZ_SPAWN=exec) start while etcd comes up: they retry their first
+            # connection for a few seconds, and their imports take about as long as etcd's start.
             self._etcd = LocalEtcd()
             self._etcd.start(wait=False)
             self.etcd_url = self._etcd.url
-        if spawner.enabled():  # imports once, then forks each process (litz.runtime.spawner)
-            self._spawner = spawner.Spawner(self.job, self.rundir / "spawner.log")
+        if spawner.enabled():  # this process's zygote: imported once, forks each process (litz.runtime.spawner)
+            self._spawner = spawner.shared()
+        etcd_waits = self._etcd
+        if self._spawner is not None and etcd_waits is not None:
+            # A forked process starts at once, with nothing to overlap with etcd's start: had it to
+            # retry its first connection, gRPC's reconnection back-off would cost it a second.
+            # (A first job's zygote imports meanwhile.)
+            etcd_waits.wait_ready()
+            etcd_waits = None
         if not self.join:  # a joining host's agent must not overwrite the job's own record
             for i in range(self.servers):
                 self._spawn("litz.ps.server", f"s{i}")
             for i in range(self.workers):
                 self._spawn("litz.runtime.worker", f"w{i}")
-        if self._etcd is not None:
-            self._etcd.wait_ready()
+        if etcd_waits is not None:
+            etcd_waits.wait_ready()
         self._agent = Membership(self.etcd_url, self.job)
         try:
             self._agent.start()
@@ -143,8 +150,7 @@ class LocalCluster:
                     return
                 except spawner.SpawnFailed as exc:  # its children died with it and are recovered as lost
                     log.warning("%s; starting %s and the processes after it as fresh interpreters", exc, ident)
-                    self._spawner.close(timeout=1.0)
-                    self._spawner = None
+                    self._spawner = None  # a later cluster gets a new zygote (spawner.shared)
             # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
             self.children[ident] = subprocess.Popen([sys.executable, "-m", module, *args], env=env,
                                                     stdin=subprocess.DEVNULL, stderr=errlog,
@@ -224,9 +230,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._spawner is not None:
-            self._spawner.close()
-            self._spawner = None
+        self._spawner = None  # the zygote stays for this process's next job
         if not self.join:
             jobs.forget(self.job)
         if self._agent is not None:

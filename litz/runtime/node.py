@@ -278,21 +278,17 @@ def kill_job_process(pid: int, ident: str, job: str) -> bool:
     """SIGKILL process ``pid`` if it still is ``ident`` of ``job`` on this machine; whether it was.
 
     The master fences a process it declared lost this way. A pid can be reused once its
-    process is gone, so its identity is checked first, and a stranger with the same pid is never
-    touched: its command line must name the job (``--job JOB``) and the process ``--id IDENT``,
-    as a fresh interpreter's does, or, forked by the job's spawner (whose command line it keeps),
-    its name must be ``litz-IDENT`` (``set_process_name``).
+    process is gone, so the command line (``--id IDENT --job JOB``, as the launcher starts them,
+    or as the spawner writes it over a forked one's) is checked first: a stranger with the same
+    pid is never touched.
     """
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            comm = f.read().strip()
     except OSError:  # gone already, or no /proc here
         return False
     pairs = set(zip(argv, argv[1:], strict=False))
-    named = (b"--id", ident.encode()) in pairs or comm == process_name(ident).encode()
-    if not named or (b"--job", job.encode()) not in pairs:
+    if (b"--id", ident.encode()) not in pairs or (b"--job", job.encode()) not in pairs:
         return False
     try:
         os.kill(pid, signal.SIGKILL)
@@ -335,8 +331,7 @@ def process_name(ident: str) -> str:
 
 
 def set_process_name(name: str) -> None:
-    """Name this process's main thread, so that forked processes, whose command line is their
-    zygote's, still show what they are."""
+    """Name this process's main thread (``top`` and ``ps -o comm`` show it)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

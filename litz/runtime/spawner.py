@@ -3,28 +3,37 @@
 Why: a fresh interpreter that imports a worker or a server (NumPy, ZeroMQ, gRPC and etcd, Numba,
 Litz) spends 0.6-1.1 s of CPU before it does anything, and a job starts several of them at once:
 on a small machine that was most of a short job's start, and a new worker of a scale-out took that
-CPU from the running training. A ``Spawner`` starts one such interpreter per local cluster (the
-*zygote*), which imports all of it once and then forks each process the launcher asks for, as
-``multiprocessing``'s forkserver does. A forked worker is running within milliseconds.
+CPU from the running training. Each launcher process keeps one *zygote* (per import environment,
+below), which imports all of it once and then forks each process asked for, as
+``multiprocessing``'s forkserver does. A forked worker is running within milliseconds, and the
+jobs a process runs one after another (a notebook, a test suite, ``litz.run`` in a loop) pay for
+the imports once.
 
 What a forked process gets is what ``python -m litz.runtime.worker ARGS`` would have: the
 launcher's environment and working directory at the time of the request, its own session, its
-standard streams (passed over the socket), and ``die_with_parent`` (the zygote dies with the
-launcher, a child with the zygote). Its command line is the zygote's, which names the job; its
-thread name (``ps -o comm``, ``top``) is ``litz-<id>``.
+standard streams (passed over the socket), that command line (written over the zygote's, which
+leaves room for it), the name ``litz-<id>``, and ``die_with_parent``: the zygote dies with the
+launcher process, a child with the zygote.
+
+What is read at import time (``NUMBA_*`` settings, ``sys.path``, the interpreter) is frozen in a
+zygote, so a launcher whose import environment changed gets a new one (``shared``).
 
 The zygote is fork-safe because it does nothing but import: no ZeroMQ context, no gRPC channel,
 no logging handler, no thread of its own (NumPy's BLAS may have started one; it handles forks).
 It talks to the launcher over a private socket pair: JSON requests with three file descriptors,
 JSON answers (``started``, and ``exited`` with the exit code when it reaps a child). It leaves once
-the launcher closed its end and its last child exited.
+the launcher closed its end and its last child exited, or when the launcher process dies: it is
+started from a thread that lives as long as it does, since Linux's parent-death signal follows the
+thread that forked, and the launcher's own threads come and go with its jobs.
 
 ``LITZ_SPAWN=exec`` turns it off: every process is then a fresh interpreter, as before.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -33,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -41,6 +51,10 @@ from pathlib import Path
 from typing import IO, Any
 
 SPAWN_ENV = "LITZ_SPAWN"
+#: environment variables read at import time: a zygote imported with other values cannot serve
+_IMPORT_ENV = ("NUMBA_", "PYTHON", "OPENBLAS_", "OMP_", "MKL_", "CUDA_", "NUMPY_", "LD_", "LITZ_CUPY_")
+#: bytes of the zygote's command line left for each child's own (``_set_command_line``)
+_ROOM = 4096
 #: what a forked child runs: the entry point of ``python -m MODULE``
 ENTRY_POINTS = {"litz.runtime.worker": ("litz.runtime.worker", "Worker"),
                 "litz.ps.server": ("litz.ps.server", "ServerNode")}
@@ -98,26 +112,90 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+_SHARED: dict[tuple[str, ...], Spawner] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _import_environment() -> tuple[str, ...]:
+    """What a zygote's imports depended on: the interpreter, ``sys.path`` and ``_IMPORT_ENV``."""
+    path = os.pathsep.join(p for p in sys.path if p)
+    return (sys.executable, path, *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(_IMPORT_ENV)))
+
+
+def cpu_seconds() -> float:
+    """CPU seconds spent so far by this process's running zygotes and by the processes they forked
+    that exited: the launcher's ``RUSAGE_CHILDREN`` counts neither (a zygote until it is reaped, its
+    children never, being the launcher's grandchildren)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    with _SHARED_LOCK:
+        for spawner in _SHARED.values():
+            total += spawner.children_cpu
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{spawner.process.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if spawner.process.returncode is None:
+                    total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
+    return total
+
+
+def shared() -> Spawner:
+    """This process's zygote for its current import environment, started on first use (and again
+    if it died)."""
+    key = _import_environment()
+    with _SHARED_LOCK:
+        spawner = _SHARED.get(key)
+        if spawner is None or not spawner.alive():
+            spawner = _SHARED[key] = Spawner()
+        return spawner
+
+
 class Spawner:
     """The launcher's end: starts the zygote, asks it for processes, learns their exit codes."""
 
-    def __init__(self, job: str, log_path: Path) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()  # the socket and what was read from it
         self._one_at_a_time = threading.Lock()  # a request and its answer (answers come in order)
         self.exit_codes: dict[int, int] = {}
         self._replies: list[dict[str, Any]] = []
         self._pids: set[int] = set()  # every child it started
+        self.children_cpu = 0.0  # CPU seconds of its children that exited (they are not the launcher's)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fd, name = tempfile.mkstemp(prefix="litz-spawner-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        atexit.register(self.log_path.unlink, missing_ok=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["LITZ_PARENT_PID"] = str(os.getpid())  # the zygote dies with the launcher
-        with open(log_path, "wb") as errlog:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "litz.runtime.spawner", "--job", job, "--fd", str(theirs.fileno())],
-                env=env, stdin=subprocess.DEVNULL, stderr=errlog, pass_fds=(theirs.fileno(),),
-                start_new_session=True)
+        cmd = [sys.executable, "-m", "litz.runtime.spawner", "--fd", str(theirs.fileno()), "--room", " " * _ROOM]
+        started: list[subprocess.Popen[bytes] | BaseException] = []
+        ready = threading.Event()
+
+        def keeper() -> None:
+            """Start the zygote, then outlive it: its parent-death signal follows this thread."""
+            try:
+                with open(self.log_path, "wb") as errlog:
+                    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=errlog,
+                                            pass_fds=(theirs.fileno(),), start_new_session=True)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                started.append(exc)
+                ready.set()
+                return
+            started.append(proc)
+            ready.set()
+            proc.wait()
+
+        threading.Thread(target=keeper, name="litz-spawner", daemon=True).start()
+        ready.wait()
         theirs.close()
-        self.log_path = log_path
+        if isinstance(started[0], BaseException):
+            raise started[0]
+        self.process: subprocess.Popen[bytes] = started[0]
+
+    def alive(self) -> bool:
+        """Whether it can still fork (the zygote runs and its socket is open)."""
+        return self.process.returncode is None and self._sock.fileno() >= 0
 
     def spawn(self, module: str, args: list[str], env: dict[str, str], stdout: int | None,
               stderr: IO[bytes]) -> ForkedProcess:
@@ -169,6 +247,7 @@ class Spawner:
                 msg = json.loads(data)
                 if msg["kind"] == "exited":
                     self.exit_codes[msg["pid"]] = msg["code"]
+                    self.children_cpu += msg.get("cpu", 0.0)
                 else:
                     if "pid" in msg:  # known before anything else is read: the zygote may die right after
                         self._pids.add(msg["pid"])
@@ -224,6 +303,21 @@ def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
         sock.send(json.dumps(msg).encode())
 
 
+def _set_command_line(argv: list[str]) -> None:
+    """Write ``argv`` over this process's command line (``/proc/self/cmdline``, what ``ps`` shows and
+    what the master's fencing checks, ``node.kill_job_process``), within the room the zygote's own
+    left (``--room``): it lies between ``arg_start`` and ``arg_end`` of ``/proc/self/stat``, in this
+    process's own memory. Longer than the room, it is cut."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49; the list starts at field 3
+    except (OSError, IndexError, ValueError):
+        return
+    data = b"\0".join(a.encode() for a in argv)[: end - start - 1]
+    ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
+
+
 def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
     """In the forked child: become ``python -m module args``. Never returns."""
     code = 70
@@ -246,6 +340,7 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
             os.chdir(request["cwd"])
         module, cls = ENTRY_POINTS[request["module"]]
         sys.argv = [module, *request["args"]]
+        _set_command_line([sys.executable, "-m", module, *request["args"]])
         from litz.runtime.node import exit_process, main
 
         node_cls = getattr(sys.modules[module], cls)
@@ -283,14 +378,15 @@ def serve(fd: int) -> int:
             os.read(wake_r, 512)
         while children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 children.clear()
                 break
             if pid == 0:
                 break
             children.discard(pid)
-            _send(sock, {"kind": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+            _send(sock, {"kind": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status),
+                         "cpu": usage.ru_utime + usage.ru_stime})
         if sock not in ready:
             continue
         try:
@@ -324,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="litz-spawner")
-    parser.add_argument("--job", required=True, help="the job whose processes it forks (shown by ps)")
     parser.add_argument("--fd", type=int, required=True, help="its end of the launcher's socket pair")
+    parser.add_argument("--room", default="", help="blanks: room for its children's command lines")
     args = parser.parse_args(argv)
     return serve(args.fd)
 
