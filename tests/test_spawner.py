@@ -54,6 +54,16 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def _started_cluster(name: str, etcd_url: str, workers: int) -> tuple[str, LocalCluster]:
+    """A started cluster of ``workers`` workers and a server, with no master, forked by this process's
+    zygote; the caller stops it."""
+    job = f"{name}-{time.time_ns()}"
+    cluster = LocalCluster(job, workers=workers, servers=1, etcd=etcd_url)
+    cluster.start()
+    assert cluster._spawner is not None
+    return job, cluster
+
+
 def test_processes_are_forked_from_one_zygote_as_the_launcher_would_start_them(etcd, tmp_path, monkeypatch) -> None:
     """Every worker and server is a child of this process's zygote, with the command line a fresh
     interpreter would have (fencing checks it), the launcher's working directory of the moment it
@@ -61,9 +71,7 @@ def test_processes_are_forked_from_one_zygote_as_the_launcher_would_start_them(e
     a child of the launcher was. The zygote outlives the cluster and serves the next one; a change
     of what its imports read (a ``NUMBA_`` setting) gets another zygote."""
     monkeypatch.chdir(tmp_path)
-    job = f"spawn-{time.time_ns()}"
-    cluster = LocalCluster(job, workers=2, servers=1, etcd=etcd.url)
-    cluster.start()
+    job, cluster = _started_cluster("spawn", etcd.url, 2)
     try:
         assert cluster._spawner is not None
         zygote = cluster._spawner.process.pid
@@ -127,9 +135,7 @@ def test_a_lost_zygote_takes_its_children_and_later_processes_start_afresh(etcd)
     """``kill -9`` of the zygote: its children die with it and the launcher reports them lost at once
     (not after their leases); a process asked for afterwards starts as a fresh interpreter, and the
     next cluster gets a new zygote."""
-    job = f"zygote-lost-{time.time_ns()}"
-    cluster = LocalCluster(job, workers=1, servers=1, etcd=etcd.url)
-    cluster.start()
+    _, cluster = _started_cluster("zygote-lost", etcd.url, 1)
     try:
         assert cluster._spawner is not None
         dead = cluster._spawner.process.pid
