@@ -196,6 +196,11 @@ class LDAExecutor(litz.Executor):
     ``self.state`` (migrates): ``z`` (topics, same order) and ``doc_list`` (the documents' counts).
     """
 
+    #: with ``--device cuda``: ``doc_list`` while GPU tasks left it behind ``z`` (see ``_doc_list``)
+    _stale_doc_list: np.ndarray | None = None
+    #: with ``--device cuda``: (input, z, doc_list) the GPU copy was made from, and that copy
+    _gpu_tokens: tuple[Any, np.ndarray, np.ndarray, Any] | None = None
+
     def load_input(self) -> dict[str, np.ndarray]:
         cfg = self.config
         corpus = load_corpus(cfg)
@@ -282,7 +287,7 @@ class LDAExecutor(litz.Executor):
         (checkpoints and moves) and a CPU sweep. Rebuilt in place, so the GPU copy, keyed on the
         array's identity, stays valid."""
         doc_list = self.state["doc_list"]
-        if doc_list is getattr(self, "_stale_doc_list", None):
+        if doc_list is self._stale_doc_list:
             self._doc_lists(self.state["z"], out=doc_list)
             self._stale_doc_list = None
         return doc_list
@@ -414,7 +419,7 @@ class LDAExecutor(litz.Executor):
         there, and again whenever its state changed other than by its own GPU tasks (a restore)."""
         from apps.lda_cuda import DeviceTokens  # imported only where a GPU is wanted (apps/gpu.py)
 
-        cached = getattr(self, "_gpu_tokens", None)
+        cached = self._gpu_tokens
         st = self.state
         if cached is None or cached[0] is not self.input or cached[1] is not st["z"] or cached[2] is not st["doc_list"]:
             inp = self.input
@@ -436,6 +441,9 @@ class LDADriver(litz.Driver):
     there ``S`` times (``--sweeps-per-task``, default 1), so a cycle is ``S`` iterations (the last cycle
     may do fewer).
     """
+
+    #: where the sampling tasks ran (``cpu``, ``cuda``), as they report it
+    devices: frozenset[str] = frozenset()
 
     def dispatch_initial_tasks(self) -> None:
         cfg = self.config
@@ -598,7 +606,7 @@ class LDADriver(litz.Driver):
 
     def _record(self, args: dict[str, Any], value: dict[str, Any]) -> None:
         cycle = args["cycle"]
-        self.devices = getattr(self, "devices", set()) | {value.get("device", "cpu")}
+        self.devices = self.devices | {value.get("device", "cpu")}
         self._changed[cycle] = self._changed.get(cycle, 0) + value["changed"]
         if not (args["report_docs"] or args["report_words"]):
             return
@@ -667,7 +675,7 @@ class LDADriver(litz.Driver):
             print(f"log-likelihood per token {self.loglik:.3f}", flush=True)
         result: dict[str, Any] = {
             "loglik": self.loglik, "history": self.history, "topics": top,
-            "sampling_seconds": self.sampling_seconds, "devices": sorted(getattr(self, "devices", set())),
+            "sampling_seconds": self.sampling_seconds, "devices": sorted(self.devices),
             "tokens_per_second": cfg["num_tokens"] * self.iterations / self.sampling_seconds,
             "seconds": time.perf_counter() - self._start}
         if cfg["collect"]:

@@ -59,9 +59,9 @@ cuda = cuda_module()  # the apps import this module only where a GPU is wanted
 
 #: Threads per block of the sweep kernel.
 THREADS = 256
-#: A sweep over a block's tokens runs in this many waves (token i in wave i mod WAVES), each wave a
-#: launch that sees the counts the waves before it left: a thread misses the moves of 1/WAVES of the
-#: tokens instead of all of them. See the module docstring for what it costs and gains.
+#: A sweep over a block's tokens runs in this many waves (token i in wave i mod WAVES), each wave
+#: seeing the counts the waves before it left: a thread misses the moves of 1/WAVES of the tokens
+#: instead of all of them. See the module docstring for what it costs and gains.
 WAVES = 16
 _U53 = 1.0 / 9007199254740992.0
 
@@ -188,8 +188,7 @@ class DeviceTokens:
         if free is not None and need > free:
             raise MemoryError(f"the GPU copy of this executor's tokens needs {need / 2**30:.2f} GiB (dense topic "
                               f"counts of {num_docs:,} documents x {num_topics} topics), and {free / 2**30:.2f} GiB "
-                              "is free: "
-                              "split the corpus over more executors, or use the CPU")
+                              "is free: split the corpus over more executors, or use the CPU")
         self.K = num_topics
         self.host_word = tok_word
         ndk = np.zeros((num_docs, num_topics), np.int32)

@@ -164,12 +164,18 @@ LDA_CORPUS = ["--corpus", "synthetic", "--synthetic-docs", "20000", "--synthetic
               "--synthetic-topics", "50"]
 
 
-def lda_sweep(repeats: int, topics: tuple[int, ...]) -> None:
-    corpus, _ = lda.synthetic_corpus(num_docs=20000, doc_len=50, num_topics=50)
+def _one_block(corpus: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A corpus's tokens as one block: their words and documents, grouped by word as an executor's
+    block is, and the documents' lengths."""
     doc_len = np.diff(corpus.doc_ptr)
     tok_doc = np.repeat(np.arange(len(doc_len)), doc_len)
-    order = np.lexsort((tok_doc, corpus.words))  # grouped by word, as an executor's block is
-    words, tok_doc = corpus.words[order].astype(np.int32), tok_doc[order].astype(np.int32)
+    order = np.lexsort((tok_doc, corpus.words))
+    return corpus.words[order].astype(np.int32), tok_doc[order].astype(np.int32), doc_len
+
+
+def lda_sweep(repeats: int, topics: tuple[int, ...]) -> None:
+    corpus, _ = lda.synthetic_corpus(num_docs=20000, doc_len=50, num_topics=50)
+    words, tok_doc, doc_len = _one_block(corpus)
     for K in topics:
         c, g = _lda_sweep_times(words, tok_doc, doc_len, corpus.num_words, K, repeats)
         print(f"LDA sweep, {len(words):,} tokens, K = {K}, from random topics: CPU sparse sampler {c * 1e3:.1f} ms, "
@@ -217,10 +223,7 @@ def lda_mixing(sweeps: int, waves: tuple[int, ...]) -> None:
 
     corpus, _ = lda.synthetic_corpus(num_docs=400, doc_len=40, num_topics=5)
     K, alpha, beta, V = 7, 0.1, 0.01, corpus.num_words
-    doc_len = np.diff(corpus.doc_ptr)
-    tok_doc = np.repeat(np.arange(len(doc_len)), doc_len)
-    order = np.lexsort((tok_doc, corpus.words))
-    words, tok_doc = corpus.words[order].astype(np.int32), tok_doc[order].astype(np.int32)
+    words, tok_doc, doc_len = _one_block(corpus)
     doc_off = lk.doc_offsets(doc_len, K)
     tok_off = doc_off[tok_doc].astype(np.int32)
     doc_table = lk.lgamma_table(alpha, int(doc_len.max()))

@@ -223,15 +223,14 @@ class Spawner:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
         return ForkedProcess(self, reply["pid"], [module, *args])
 
-    def receive(self, timeout: float) -> bool:
-        """Read what the zygote said (waiting up to ``timeout`` for a first message); whether it
-        said anything. End of file (the zygote died): its children died with it (SIGKILL)."""
+    def receive(self, timeout: float) -> None:
+        """Read what the zygote said (waiting up to ``timeout`` for a first message). End of file (the
+        zygote died): its children died with it (SIGKILL)."""
         try:  # waits without the lock: another thread may poll meanwhile
             ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
         except (OSError, ValueError):  # closed (the zygote is gone, or close() ran)
-            return False
+            return
         with self._lock:
-            got = False
             while ready and self._sock.fileno() >= 0:
                 try:
                     data = self._sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
@@ -242,8 +241,7 @@ class Spawner:
                 if not data:
                     self._sock.close()
                     self._zygote_gone()
-                    return got
-                got = True
+                    return
                 msg = json.loads(data)
                 if msg["kind"] == "exited":
                     self.exit_codes[msg["pid"]] = msg["code"]
@@ -252,7 +250,6 @@ class Spawner:
                     if "pid" in msg:  # known before anything else is read: the zygote may die right after
                         self._pids.add(msg["pid"])
                     self._replies.append(msg)
-            return got
 
     def _zygote_gone(self) -> None:
         """Its children got their parent-death signal (SIGKILL) with it: they count as killed, so the
