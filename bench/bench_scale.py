@@ -29,6 +29,14 @@ def run_static(workers: int, epochs: int, executors: int) -> float:
     return res.value["seconds"]
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (it may vanish between two reads)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:  # gone (FileNotFoundError, or ProcessLookupError mid-read)
+        return False
+
+
 def run_dynamic(start: int, target: int, at_epoch: int, epochs: int, executors: int) -> dict:
     job = f"bench-scale-{time.time_ns()}"
     out: dict = {}
@@ -48,8 +56,7 @@ def run_dynamic(start: int, target: int, at_epoch: int, epochs: int, executors: 
     leaving = [p["pid"] for p in st["processes"] if p["role"] == "worker"][target:]
     issued = time.monotonic()
     scale(["--job", job, "--workers", str(target)])  # returns once accepted; then watch the processes
-    while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-              for pid in leaving):
+    while any(_running(pid) for pid in leaving):
         time.sleep(0.002)
     exited = time.monotonic() - issued
     t.join()

@@ -234,3 +234,30 @@ def test_jobs_run_one_after_another_share_the_zygote(etcd) -> None:
             assert litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=2, servers=1,
                             etcd=etcd.url).tasks_completed > 0
     assert parents[0] == parents[1] == {spawner.shared().process.pid}
+
+
+def test_workers_inherit_numba_warmed_up_when_the_launcher_uses_it(etcd, monkeypatch) -> None:
+    """A launcher with Numba loaded gets workers whose Numba target is initialised before their first
+    task (the zygote did it once); without Numba, the zygote does not pay for it until a request asks;
+    fresh interpreters (``LITZ_SPAWN=exec``) start cold."""
+    import numba  # noqa: F401 - what an application with kernels has loaded
+
+    def states() -> list[dict]:
+        res = litz.run(testapps.numba_state_app(2), workers=2, servers=1, etcd=etcd.url)
+        assert len({v["pid"] for v in res.value.values()}) == 2  # one executor in each worker
+        return list(res.value.values())
+
+    assert all(s["target_ready"] for s in states())  # the shared zygote
+    monkeypatch.setattr(spawner, "_wants_numba", lambda: False)
+    own = spawner.Spawner()
+    try:
+        monkeypatch.setattr(spawner, "shared", lambda: own)
+        cold = states()
+        assert all(s["numba_imported"] and not s["target_ready"] for s in cold)  # imported, not warmed
+        monkeypatch.setattr(spawner, "_wants_numba", lambda: True)  # now a request asks for it
+        assert all(s["target_ready"] for s in states())
+    finally:
+        own.close()
+    monkeypatch.undo()
+    monkeypatch.setenv("LITZ_SPAWN", "exec")
+    assert not any(s["target_ready"] for s in states())

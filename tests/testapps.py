@@ -693,3 +693,34 @@ class StuckWarmUp(BrokenWarmUp):
     def warm_up(self) -> None:
         if "s0" in sys.argv:  # the launcher starts it with ``--id s0``
             time.sleep(600)
+
+
+class NumbaStateDriver(litz.Driver):
+    """One task per executor; finishes with what each reported (executor id -> value)."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.values: dict[int, Any] = {}
+        for e in range(self.num_executors):
+            self.dispatch_task(e, {})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.values[result.executor_id] = result.value
+        if len(self.values) == self.num_executors:
+            self.finish(self.values)
+
+
+class NumbaStateExecutor(litz.Executor):
+    """Reports whether its process found Numba's CPU target initialised (without touching Numba): a
+    process forked from a zygote that warmed Numba up did (litz/runtime/spawner.py)."""
+
+    def run_task(self, args: dict) -> dict[str, Any]:
+        registry = sys.modules.get("numba.core.registry")
+        # Numba's typing context is created empty and fills its registries at the first compilation
+        # or cache load (what costs 0.6 s): look without creating it
+        typing = vars(registry.cpu_target).get("_toplevel_typing_context") if registry is not None else None
+        return {"pid": os.getpid(), "numba_imported": "numba" in sys.modules,
+                "target_ready": typing is not None and len(typing._functions) > 0}
+
+
+def numba_state_app(executors: int = 2) -> litz.App:
+    return litz.App(NumbaStateDriver, NumbaStateExecutor, num_executors=executors)

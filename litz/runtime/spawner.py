@@ -18,8 +18,13 @@ launcher process, a child with the zygote.
 What is read at import time (``NUMBA_*`` settings, ``sys.path``, the interpreter) is frozen in a
 zygote, so a launcher whose import environment changed gets a new one (``shared``).
 
-The zygote is fork-safe because it does nothing but import: no ZeroMQ context, no gRPC channel,
-no logging handler, no thread of its own (NumPy's BLAS may have started one; it handles forks).
+When the launcher has Numba loaded (its application has kernels), the zygote also initialises
+Numba's compiler once (``_warm_numba``): a process's first compilation or cache load costs 0.6 s of
+CPU whatever the kernels, and a forked worker inherits it, so it loads its kernels in milliseconds.
+
+The zygote is fork-safe because it does nothing but import (and compile one trivial function): no
+ZeroMQ context, no gRPC channel, no logging handler, no thread of its own (NumPy's and SciPy's BLAS
+may have started one each; they handle forks).
 It talks to the launcher over a private socket pair: JSON requests with three file descriptors,
 JSON answers (``started``, and ``exited`` with the exit code when it reaps a child). It leaves once
 the launcher closed its end and its last child exited, or when the launcher process dies: it is
@@ -122,6 +127,11 @@ def _import_environment() -> tuple[str, ...]:
     return (sys.executable, path, *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(_IMPORT_ENV)))
 
 
+def _wants_numba() -> bool:
+    """Whether the children will use Numba: the launcher's application imported it (its kernels)."""
+    return "numba" in sys.modules
+
+
 def cpu_seconds() -> float:
     """CPU seconds spent so far by this process's running zygotes and by the processes they forked
     that exited: the launcher's ``RUSAGE_CHILDREN`` counts neither (a zygote until it is reaped, its
@@ -169,6 +179,8 @@ class Spawner:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["LITZ_PARENT_PID"] = str(os.getpid())  # the zygote dies with the launcher
         cmd = [sys.executable, "-m", "litz.runtime.spawner", "--fd", str(theirs.fileno()), "--room", " " * _ROOM]
+        if _wants_numba():
+            cmd.append("--numba")
         started: list[subprocess.Popen[bytes] | BaseException] = []
         ready = threading.Event()
 
@@ -203,7 +215,8 @@ class Spawner:
         once it exists (the first request waits for the zygote's imports)."""
         if module not in ENTRY_POINTS:
             raise ValueError(f"the zygote starts {sorted(ENTRY_POINTS)}, not {module!r}")
-        request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
+        request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd(),
+                              "numba": _wants_numba()}).encode()
         with self._one_at_a_time:
             with open(os.devnull, "rb") as devnull:
                 fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
@@ -295,6 +308,38 @@ def _preload() -> None:
         import numba  # noqa: F401 - the apps' kernels; 0.3 s of every worker's start otherwise
 
 
+_NUMBA_WARM: list[bool] = []
+
+
+def _warm_numba() -> None:
+    """Initialise Numba's CPU target in the zygote, once, by compiling a trivial function.
+
+    Why: a process's first compilation *or cache load* builds Numba's typing and target contexts
+    (its registries, LLVM, SciPy's BLAS bindings): 0.6-0.7 s of CPU here, against 25 ms for MLR's
+    whole set of cached kernels after it. Every worker of an application with Numba kernels paid
+    it, at the job's start and, in a scale-out, while the job trained on the same cores. Forked
+    from a zygote that did it, they inherit it. It starts no thread of its own: the one new thread,
+    SciPy's OpenBLAS server, handles forks as NumPy's does. Done only when the launcher has Numba
+    loaded (``numba`` in its ``sys.modules``: its application imports kernels), since a job without
+    Numba would pay it for nothing; a failure leaves the children to do it themselves.
+    """
+    if _NUMBA_WARM:
+        return
+    _NUMBA_WARM.append(True)
+    try:
+        import numba
+
+        @numba.njit(nogil=True)
+        def one(x: int) -> int:
+            return x + 1
+
+        one(1)
+    except Exception:  # noqa: BLE001 - only an optimisation: the children compile as they would have
+        traceback.print_exc()
+    gc.collect()
+    gc.freeze()  # what it built stays shared with the children
+
+
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):  # the launcher is gone: nothing to tell
         sock.send(json.dumps(msg).encode())
@@ -352,14 +397,17 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         os._exit(code)
 
 
-def serve(fd: int) -> int:
-    """The zygote's loop: fork on request, report exits, leave when asked and childless."""
+def serve(fd: int, numba: bool = False) -> int:
+    """The zygote's loop: fork on request, report exits, leave when asked and childless. ``numba``:
+    warm Numba up at once (:func:`_warm_numba`; a request can also ask for it)."""
     from litz.runtime.node import die_with_parent
 
     die_with_parent()
     _preload()
     gc.collect()
     gc.freeze()  # the imported objects stay shared with the children instead of being copied on write
+    if numba:  # while the launcher waits for etcd: its first job needs it
+        _warm_numba()
     warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
@@ -398,6 +446,8 @@ def serve(fd: int) -> int:
             if not isinstance(request, dict) or request.get("module") not in ENTRY_POINTS or len(fds) != 3:
                 what = request.get("module") if isinstance(request, dict) else type(request).__name__
                 raise ValueError(f"a malformed request: {what!r} with {len(fds)} descriptors")
+            if request.get("numba") is True:
+                _warm_numba()
             pid = os.fork()
         except (ValueError, OSError) as exc:
             for f in fds:
@@ -419,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="litz-spawner")
     parser.add_argument("--fd", type=int, required=True, help="its end of the launcher's socket pair")
     parser.add_argument("--room", default="", help="blanks: room for its children's command lines")
+    parser.add_argument("--numba", action="store_true", help="initialise Numba before the first fork")
     args = parser.parse_args(argv)
-    return serve(args.fd)
+    return serve(args.fd, args.numba)
 
 
 if __name__ == "__main__":
