@@ -14,6 +14,10 @@ It also reports ``cpu``: the CPU seconds of the job's other processes (workers, 
 private etcd when there is one, and the spawner: its imports are in the first job's),
 from the start of ``litz.run`` to its return.
 
+``--kernels`` has the executors load Numba kernels (MLR's, cached) before their first task, and the
+measuring process import them, as an application with kernels does: the spawner then initialises Numba
+once, and every forked worker inherits it.
+
 ``--compare PATH`` runs the same measurement with the Litz checkout at PATH, alternating with
 this one in separate processes, and prints the ratio of the medians (this machine is shared:
 only side-by-side numbers compare). ``--spawn`` alternates this checkout's two ways of starting
@@ -37,9 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(repeats: int, embedded: bool, first: bool = False) -> dict[str, list[float]]:
+def measure(repeats: int, embedded: bool, first: bool = False, kernels: bool = False) -> dict[str, list[float]]:
     """Run the trivial job ``repeats`` times (after one warm-up run); each phase's times in seconds.
-    ``first``: time only the first job of this process instead (what ``litz launch`` pays)."""
+    ``first``: time only the first job of this process instead (what ``litz launch`` pays).
+    ``kernels``: the executors load Numba kernels first (MLR's, cached), and this process imports Numba,
+    as an application with kernels does."""
     import resource
 
     import litz
@@ -47,6 +53,8 @@ def measure(repeats: int, embedded: bool, first: bool = False) -> dict[str, list
     from litz.runtime.etcd_server import LocalEtcd
     from tests import testapps
 
+    if kernels:
+        import apps.mlr_kernels  # noqa: F401 - the launcher of such an app has them (and Numba) loaded
     marks: dict[str, float] = {}
     t0 = [0.0]
 
@@ -85,7 +93,7 @@ def measure(repeats: int, embedded: bool, first: bool = False) -> dict[str, list
             marks.clear()
             cpu0 = children_cpu()
             t0[0] = time.perf_counter()
-            litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=2, servers=1, **kw)
+            litz.run(testapps.sum_app(rows=4, tasks=20, executors=2, kernels=kernels), workers=2, servers=1, **kw)
             marks["returned"] = time.perf_counter() - t0[0]
             marks["cpu"] = children_cpu() - cpu0  # they were all reaped when litz.run returned
             if i or first:  # the first run warms the caches
@@ -97,12 +105,14 @@ def measure(repeats: int, embedded: bool, first: bool = False) -> dict[str, list
     return phases
 
 
-def child(root: str, repeats: int, embedded: bool, spawn: str = "fork", first: bool = False) -> dict[str, list[float]]:
+def child(root: str, repeats: int, embedded: bool, spawn: str = "fork", first: bool = False,
+          kernels: bool = False) -> dict[str, list[float]]:
     """``measure`` in a fresh Python process importing Litz from ``root`` (``spawn``: ``LITZ_SPAWN``);
     with ``first``, ``repeats`` such processes, each timing its first job."""
     env = {**os.environ, "PYTHONPATH": root, "LITZ_SPAWN": spawn}
     code = (f"import json, sys; sys.path.insert(0, {root!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); "
-            f"import bench_startup; print(json.dumps(bench_startup.measure({repeats}, {embedded}, {first})))")
+            f"import bench_startup; "
+            f"print(json.dumps(bench_startup.measure({repeats}, {embedded}, {first}, {kernels})))")
     runs = []
     for _ in range(repeats if first else 1):
         out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
@@ -124,13 +134,17 @@ def main() -> None:
     p.add_argument("--spawn", action="store_true", help="alternate forked processes with fresh interpreters")
     p.add_argument("--first", action="store_true",
                    help="time each process's first job (as litz launch runs), not its later ones")
+    p.add_argument("--kernels", action="store_true",
+                   help="executors load Numba kernels before their first task, as an application's do")
     args = p.parse_args()
+    opts = {"first": args.first, "kernels": args.kernels}
     for embedded in (True, False):
-        kind = ("private etcd" if embedded else "etcd already running") + (", first job" if args.first else "")
+        kind = ("private etcd" if embedded else "etcd already running") + (", first job" if args.first else "") \
+            + (", kernels" if args.kernels else "")
         if args.spawn:
             for _ in range(args.rounds):
-                forked = child(str(ROOT), args.repeats, embedded, "fork", args.first)
-                fresh = child(str(ROOT), args.repeats, embedded, "exec", args.first)
+                forked = child(str(ROOT), args.repeats, embedded, "fork", **opts)
+                fresh = child(str(ROOT), args.repeats, embedded, "exec", **opts)
                 report(f"{kind}, forked", forked)
                 report(f"{kind}, LITZ_SPAWN=exec", fresh)
                 ratios = (f"{k} {statistics.median(fresh[k]) / statistics.median(forked[k]):.2f}"
@@ -138,11 +152,11 @@ def main() -> None:
                 print("  exec / fork: " + ", ".join(ratios))
             continue
         if not args.compare:
-            report(kind, child(str(ROOT), args.repeats, embedded))
+            report(kind, child(str(ROOT), args.repeats, embedded, **opts))
             continue
         for _ in range(args.rounds):
-            this = child(str(ROOT), args.repeats, embedded)
-            other = child(args.compare, args.repeats, embedded)
+            this = child(str(ROOT), args.repeats, embedded, **opts)
+            other = child(args.compare, args.repeats, embedded, **opts)
             report(f"{kind}, this", this)
             report(f"{kind}, {Path(args.compare).name}", other)
             ratio = statistics.median(other["returned"]) / statistics.median(this["returned"])

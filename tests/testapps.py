@@ -200,8 +200,20 @@ class SumExecutor(litz.Executor):
         return keys, deltas
 
 
-def sum_app(rows: int = 20, tasks: int = 400, executors: int = 6, bad: tuple[int, ...] = ()) -> litz.App:
-    return litz.App(SumDriver, SumExecutor, tables=[litz.Table("s", (3,), "float64", num_rows=rows)],
+class KernelSumExecutor(SumExecutor):
+    """A SumExecutor that loads Numba kernels before its first task, as an application's executor does
+    (MLR's, from Numba's cache): what a job of an application with kernels starts with."""
+
+    def setup(self) -> None:
+        from apps.mlr_kernels import warmup
+
+        warmup()
+
+
+def sum_app(rows: int = 20, tasks: int = 400, executors: int = 6, bad: tuple[int, ...] = (),
+            kernels: bool = False) -> litz.App:
+    return litz.App(SumDriver, KernelSumExecutor if kernels else SumExecutor,
+                    tables=[litz.Table("s", (3,), "float64", num_rows=rows)],
                     num_executors=executors, config={"rows": rows, "tasks": tasks, "bad": list(bad)})
 
 
