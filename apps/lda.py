@@ -404,6 +404,10 @@ class LDAExecutor(litz.Executor):
             self.ps.update_many("word_topic", np.asarray(chunks)[moved], delta[moved])
             self.ps.update("topic_totals", 0, dtotals)
         out: dict[str, Any] = {"tokens": int(hi - lo), "changed": changed, "totals": dtotals, "device": device}
+        if device == "cuda":
+            from apps.lda_cuda import launch_mode
+
+            out["launch"] = launch_mode()
         if cfg["collect"]:  # for tests: the n_k this task sampled with
             out["totals_seen"] = totals_before
         if args.get("report_words"):
@@ -444,6 +448,8 @@ class LDADriver(litz.Driver):
 
     #: where the sampling tasks ran (``cpu``, ``cuda``), as they report it
     devices: frozenset[str] = frozenset()
+    #: how GPU tasks ran their sweeps (``apps.lda_cuda.launch_mode``), each printed when first seen
+    gpu_launches: frozenset[str] = frozenset()
 
     def dispatch_initial_tasks(self) -> None:
         cfg = self.config
@@ -607,6 +613,11 @@ class LDADriver(litz.Driver):
     def _record(self, args: dict[str, Any], value: dict[str, Any]) -> None:
         cycle = args["cycle"]
         self.devices = self.devices | {value.get("device", "cpu")}
+        launch = value.get("launch")
+        if launch is not None and launch not in self.gpu_launches:
+            self.gpu_launches = self.gpu_launches | {launch}
+            if not self.config["quiet"]:
+                print(f"GPU sweeps: {launch}", flush=True)
         self._changed[cycle] = self._changed.get(cycle, 0) + value["changed"]
         if not (args["report_docs"] or args["report_words"]):
             return
@@ -676,6 +687,7 @@ class LDADriver(litz.Driver):
         result: dict[str, Any] = {
             "loglik": self.loglik, "history": self.history, "topics": top,
             "sampling_seconds": self.sampling_seconds, "devices": sorted(self.devices),
+            "gpu_launches": sorted(self.gpu_launches),
             "tokens_per_second": cfg["num_tokens"] * self.iterations / self.sampling_seconds,
             "seconds": time.perf_counter() - self._start}
         if cfg["collect"]:

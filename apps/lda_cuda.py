@@ -164,6 +164,14 @@ def cooperative_blocks(threads: int) -> int:
     return _COOPERATIVE[threads]
 
 
+def launch_mode(threads: int = THREADS) -> str:
+    """How a sweep runs on this GPU, in words, with the reason where it cannot be one cooperative launch
+    (what a job reports: a GPU without them is slower on small tasks, not wrong)."""
+    if cooperative_blocks(threads):
+        return "one cooperative launch per sweep"
+    return f"a launch per wave (cooperative launches fail here: {cooperative_unavailable})"
+
+
 def _free_memory() -> int | None:
     """Bytes free on the current GPU, or None where it is not known (the simulator says infinity)."""
     try:

@@ -37,8 +37,14 @@ SIMULATED_CHECK = textwrap.dedent("""
     # 1. a block of tokens, two sweeps, fewer threads than tokens: every count is exact afterwards, with
     # a sweep in one cooperative launch (the simulator's grid is one block: the threads stride) and
     # with a launch per wave
+    from apps import lda_cuda
     from apps.lda_cuda import cooperative_blocks
-    assert cooperative_blocks(32) == 1
+    assert cooperative_blocks(32) == 1 and lda_cuda.launch_mode(32) == "one cooperative launch per sweep"
+    saved = lda_cuda._COOPERATIVE.pop(32), lda_cuda.cooperative_unavailable
+    lda_cuda._COOPERATIVE[32], lda_cuda.cooperative_unavailable = 0, "CudaSupportError: no cooperative launch"
+    assert lda_cuda.launch_mode(32) == ("a launch per wave (cooperative launches fail here: CudaSupportError: "
+                                        "no cooperative launch)")
+    lda_cuda._COOPERATIVE[32], lda_cuda.cooperative_unavailable = saved
     for cooperative in (False, True):
         z0 = z.copy()
         changed = dev.sweep(rows, totals, 60, 330, z, alpha, beta, 100 * beta, seed=11, sweeps=2, threads=32,
@@ -124,6 +130,7 @@ JOB_CHECK = textwrap.dedent("""
                         "--collect", "--quiet", "--device", "cuda"])
     out = litz.run(app, workers=2, servers=1, num_executors=2).value
     assert out["devices"] == ["cuda"], out["devices"]
+    assert out["gpu_launches"] == ["one cooperative launch per sweep"], out["gpu_launches"]
     _assert_counts_exact(out)
     assert out["totals"].sum() == 600
     print("simulated lda job ok", out["loglik"])
@@ -172,6 +179,7 @@ def test_without_a_gpu_device_cuda_is_refused_and_auto_samples_on_the_cpu(etcd) 
                         "--quiet", "--device", "auto"])
     out = litz.run(app, workers=1, servers=1, num_executors=2, etcd=etcd.url).value
     assert out["devices"] == ["cuda" if gpu.available() else "cpu"]
+    assert len(out["gpu_launches"]) == (1 if gpu.available() else 0)  # a CPU job names no GPU launch
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (the simulator checks above run everywhere)")
@@ -187,6 +195,7 @@ def test_on_a_gpu_the_sampler_learns_as_well_as_the_cpus(etcd) -> None:
         out = litz.run(lda.make_app([*argv, "--device", device]), workers=2, servers=1, num_executors=3,
                        etcd=etcd.url).value
         assert out["devices"] == [device]
+        assert len(out["gpu_launches"]) == (device == "cuda")
         _assert_counts_exact(out)
         assert _topic_similarity(out["word_topic"], phi, 0.01).min() > 0.85
         ll[device] = out["loglik"]
