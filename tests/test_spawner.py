@@ -248,16 +248,47 @@ def test_workers_inherit_numba_warmed_up_when_the_launcher_uses_it(etcd, monkeyp
         return list(res.value.values())
 
     assert all(s["target_ready"] for s in states())  # the shared zygote
-    monkeypatch.setattr(spawner, "_wants_numba", lambda: False)
+    monkeypatch.setattr(spawner, "numba_loaded", lambda: False)
     own = spawner.Spawner()
     try:
         monkeypatch.setattr(spawner, "shared", lambda: own)
         cold = states()
         assert all(s["numba_imported"] and not s["target_ready"] for s in cold)  # imported, not warmed
-        monkeypatch.setattr(spawner, "_wants_numba", lambda: True)  # now a request asks for it
+        monkeypatch.setattr(spawner, "numba_loaded", lambda: True)  # now a request asks for it
         assert all(s["target_ready"] for s in states())
     finally:
         own.close()
     monkeypatch.undo()
     monkeypatch.setenv("LITZ_SPAWN", "exec")
     assert not any(s["target_ready"] for s in states())
+
+
+def test_a_node_agent_without_the_application_warms_numba_when_the_master_asks(etcd, monkeypatch) -> None:
+    """A joined host's agent has not imported the application: the master's spawn requests say whether
+    it uses Numba, and the agent's zygote initialises it before forking those workers (not before)."""
+    from litz.runtime.elastic import Elasticity, ScaleOp
+
+    monkeypatch.setattr(spawner, "numba_loaded", lambda: False)  # the agent's process
+    own = spawner.Spawner()
+    monkeypatch.setattr(spawner, "shared", lambda: own)
+    job, cluster = _started_cluster("agent-numba", etcd.url, 1)
+    try:
+        assert not any(p.numba_ready for p in cluster.children.values())
+        cluster.handle_spawn({"command": "c1", "workers": ["w1"]})
+        assert not cluster.children["w1"].numba_ready
+        cluster.handle_spawn({"command": "c2", "workers": ["w2"], "numba": True})
+        assert cluster.children["w2"].numba_ready
+        cluster.handle_spawn({"command": "c3", "servers": ["s1"]})  # the zygote stays warm
+        assert cluster.children["s1"].numba_ready
+    finally:
+        cluster.stop(timeout=0.5)
+        own.close()
+    # the master's side: its requests carry whether its own process has Numba loaded
+    put: list[tuple[str, dict]] = []
+    master = type("M", (), {"procs": {"w0": {}}, "lost": set(),
+                            "membership": type("E", (), {"put": lambda self, k, v: put.append((k, v))})()})()
+    for loaded in (False, True):
+        monkeypatch.setattr(spawner, "numba_loaded", lambda loaded=loaded: loaded)
+        Elasticity(master)._spawn(ScaleOp(cid="c", started=0.0), "host-b", workers=1)  # type: ignore[arg-type]
+    assert [(k, v["numba"], v["workers"]) for k, v in put] == [("agents/host-b/spawn", False, ["w1"]),
+                                                                ("agents/host-b/spawn", True, ["w1"])]

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from litz.runtime import spawner
+
 if TYPE_CHECKING:  # pragma: no cover
     from litz.runtime.master import Master
 
@@ -176,7 +178,7 @@ class Elasticity:
 
     def _spawn(self, op: ScaleOp, agent: str, workers: int = 0, servers: int = 0) -> None:
         """Ask a node agent for new processes, with fresh ids."""
-        request: dict[str, Any] = {"command": op.cid}
+        request: dict[str, Any] = {"command": op.cid, "numba": spawner.numba_loaded()}  # see handle_spawn
         for kind, prefix, n in (("workers", "w", workers), ("servers", "s", servers)):
             if n:
                 known = (*self.m.procs, *self.m.lost)  # a lost id stays fenced: never given again

@@ -130,7 +130,7 @@ class LocalCluster:
             "pid": os.getpid(), "children": {k: p.pid for k, p in self.children.items()},
         })
 
-    def _spawn(self, module: str, ident: str) -> None:
+    def _spawn(self, module: str, ident: str, numba: bool = False) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -146,7 +146,7 @@ class LocalCluster:
         with open(self.rundir / f"{ident}.log", "wb") as errlog:
             if self._spawner is not None:
                 try:
-                    self.children[ident] = self._spawner.spawn(module, args, env, None, errlog)
+                    self.children[ident] = self._spawner.spawn(module, args, env, None, errlog, numba=numba)
                     return
                 except spawner.SpawnFailed as exc:  # its children died with it and are recovered as lost
                     log.warning("%s; starting %s and the processes after it as fresh interpreters", exc, ident)
@@ -198,11 +198,13 @@ class LocalCluster:
         self.check_children()
 
     def handle_spawn(self, request: dict[str, Any]) -> None:
-        """Start the processes the master asked this agent for (each id once)."""
+        """Start the processes the master asked this agent for (each id once). ``numba``: the master's
+        application uses Numba, which a joined host's agent, without the application, cannot know:
+        the spawner initialises it once for them (litz.runtime.spawner)."""
         for kind, module in (("workers", "litz.runtime.worker"), ("servers", "litz.ps.server")):
             for ident in request.get(kind, []):
                 if ident not in self.children:
-                    self._spawn(module, ident)
+                    self._spawn(module, ident, numba=request.get("numba") is True)
 
     def check_children(self) -> None:
         """Raise ProcessLost if a child failed (exit code 0 means it left on request)."""

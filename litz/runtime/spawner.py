@@ -18,8 +18,9 @@ launcher process, a child with the zygote.
 What is read at import time (``NUMBA_*`` settings, ``sys.path``, the interpreter) is frozen in a
 zygote, so a launcher whose import environment changed gets a new one (``shared``).
 
-When the launcher has Numba loaded (its application has kernels), the zygote also initialises
-Numba's compiler once (``_warm_numba``): a process's first compilation or cache load costs 0.6 s of
+When the launcher has Numba loaded (its application has kernels), or the master's spawn request
+says its application has (a joined host's agent never loads the application), the zygote also
+initialises Numba's compiler once (``_warm_numba``): a process's first compilation or cache load costs 0.6 s of
 CPU whatever the kernels, and a forked worker inherits it, so it loads its kernels in milliseconds.
 
 The zygote is fork-safe because it does nothing but import (and compile one trivial function): no
@@ -88,6 +89,7 @@ class ForkedProcess:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        self.numba_ready = False  # forked with Numba initialised (the zygote's answer)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -127,8 +129,9 @@ def _import_environment() -> tuple[str, ...]:
     return (sys.executable, path, *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(_IMPORT_ENV)))
 
 
-def _wants_numba() -> bool:
-    """Whether the children will use Numba: the launcher's application imported it (its kernels)."""
+def numba_loaded() -> bool:
+    """Whether this process has Numba loaded: its application imported kernels, so the workers it
+    starts, or asks a node agent for (``litz.runtime.elastic``), will use Numba too."""
     return "numba" in sys.modules
 
 
@@ -179,7 +182,7 @@ class Spawner:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["LITZ_PARENT_PID"] = str(os.getpid())  # the zygote dies with the launcher
         cmd = [sys.executable, "-m", "litz.runtime.spawner", "--fd", str(theirs.fileno()), "--room", " " * _ROOM]
-        if _wants_numba():
+        if numba_loaded():
             cmd.append("--numba")
         started: list[subprocess.Popen[bytes] | BaseException] = []
         ready = threading.Event()
@@ -210,13 +213,14 @@ class Spawner:
         return self.process.returncode is None and self._sock.fileno() >= 0
 
     def spawn(self, module: str, args: list[str], env: dict[str, str], stdout: int | None,
-              stderr: IO[bytes]) -> ForkedProcess:
+              stderr: IO[bytes], numba: bool = False) -> ForkedProcess:
         """Fork ``python -m module args`` with this environment and these streams; the child's pid
-        once it exists (the first request waits for the zygote's imports)."""
+        once it exists (the first request waits for the zygote's imports). Numba is initialised in the
+        zygote first (once) if ``numba`` or if this process has it loaded (:func:`numba_loaded`)."""
         if module not in ENTRY_POINTS:
             raise ValueError(f"the zygote starts {sorted(ENTRY_POINTS)}, not {module!r}")
         request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd(),
-                              "numba": _wants_numba()}).encode()
+                              "numba": numba or numba_loaded()}).encode()
         with self._one_at_a_time:
             with open(os.devnull, "rb") as devnull:
                 fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
@@ -234,7 +238,9 @@ class Spawner:
             reply = self._replies.pop(0)
         if "pid" not in reply:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
-        return ForkedProcess(self, reply["pid"], [module, *args])
+        child = ForkedProcess(self, reply["pid"], [module, *args])
+        child.numba_ready = bool(reply.get("numba"))
+        return child
 
     def receive(self, timeout: float) -> None:
         """Read what the zygote said (waiting up to ``timeout`` for a first message). End of file (the
@@ -459,7 +465,7 @@ def serve(fd: int, numba: bool = False) -> int:
         for f in fds:
             os.close(f)
         children.add(pid)
-        _send(sock, {"kind": "reply", "pid": pid})
+        _send(sock, {"kind": "reply", "pid": pid, "numba": bool(_NUMBA_WARM)})
     return 0
 
 
