@@ -20,8 +20,9 @@ zygote, so a launcher whose import environment changed gets a new one (``shared`
 
 When the launcher has Numba loaded (its application has kernels), or the master's spawn request
 says its application has (a joined host's agent never loads the application), the zygote also
-initialises Numba's compiler once (``_warm_numba``): a process's first compilation or cache load costs 0.6 s of
-CPU whatever the kernels, and a forked worker inherits it, so it loads its kernels in milliseconds.
+initialises Numba's compiler once (``_warm_numba``): a process's first compilation or cache load
+costs 0.6 s of CPU whatever the kernels, and a forked worker inherits it, so it loads its kernels
+in milliseconds.
 
 The zygote is fork-safe because it does nothing but import (and compile one trivial function): no
 ZeroMQ context, no gRPC channel, no logging handler, no thread of its own (NumPy's and SciPy's BLAS
@@ -314,6 +315,7 @@ def _preload() -> None:
         import numba  # noqa: F401 - the apps' kernels; 0.3 s of every worker's start otherwise
 
 
+#: ``[True]`` once Numba is initialised here, ``[False]`` if that failed, empty before it was tried
 _NUMBA_WARM: list[bool] = []
 
 
@@ -326,12 +328,12 @@ def _warm_numba() -> None:
     it, at the job's start and, in a scale-out, while the job trained on the same cores. Forked
     from a zygote that did it, they inherit it. It starts no thread of its own: the one new thread,
     SciPy's OpenBLAS server, handles forks as NumPy's does. Done only when the launcher has Numba
-    loaded (``numba`` in its ``sys.modules``: its application imports kernels), since a job without
-    Numba would pay it for nothing; a failure leaves the children to do it themselves.
+    loaded (``numba`` in its ``sys.modules``: its application imports kernels) or a request says the
+    master's has, since a job without Numba would pay it for nothing. Tried once; a failure (in the
+    zygote's log) leaves the children to do it themselves, as before.
     """
     if _NUMBA_WARM:
         return
-    _NUMBA_WARM.append(True)
     try:
         import numba
 
@@ -339,9 +341,10 @@ def _warm_numba() -> None:
         def one(x: int) -> int:
             return x + 1
 
-        one(1)
+        _NUMBA_WARM.append(one(1) == 2)
     except Exception:  # noqa: BLE001 - only an optimisation: the children compile as they would have
         traceback.print_exc()
+        _NUMBA_WARM.append(False)
     gc.collect()
     gc.freeze()  # what it built stays shared with the children
 
@@ -465,7 +468,7 @@ def serve(fd: int, numba: bool = False) -> int:
         for f in fds:
             os.close(f)
         children.add(pid)
-        _send(sock, {"kind": "reply", "pid": pid, "numba": bool(_NUMBA_WARM)})
+        _send(sock, {"kind": "reply", "pid": pid, "numba": _NUMBA_WARM == [True]})
     return 0
 
 
