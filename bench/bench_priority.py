@@ -5,12 +5,16 @@ needs one worker's worth of resources until it finishes. Two ways to make room, 
 
 * **elastic**: ``litz scale --workers 3`` on L, H runs (1 worker), then ``litz scale --workers 4``;
   L never stops.
-* **kill and restart**: L (a ``litz launch`` process) is stopped, H runs, L starts again on 4
-  workers. Litz has no checkpoints yet (issue 4), so L starts over; the line "restart from a
-  checkpoint taken at the kill" is computed, not measured: the time until the kill, plus H,
-  plus a fresh start-up, plus static L's time for the remaining epochs.
+* **kill and restart**: L (a ``litz launch`` process) is stopped, H runs, and the same command
+  starts L again on 4 workers, from scratch.
+* **preempt and resume**: L (``litz launch --checkpoint-dir D --resume auto``) gets SIGTERM, as a
+  scheduler sends before it takes the machines: it stops after a consistent checkpoint (exit 75),
+  H runs, and the same command line resumes L from that checkpoint.
 
-Reported: L's completion time from its start, and H's run time, for each way.
+Reported: L's completion time from its start, and H's run time, for each way. The elastic run
+learns the switch epoch from its driver (a byte on a pipe, ``bench_scale.TriggeredMLRDriver``):
+polling the job's status every 10 ms from the master's process slowed L before the switch. The
+other two poll the status of a job in another process every 50 ms.
 
 Run: ``python bench/bench_priority.py [--epochs 100] [--h-epochs 15]``
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,6 +31,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+from bench_scale import TriggeredMLRDriver
 
 import litz
 from apps import mlr
@@ -56,35 +64,76 @@ def static(epochs: int) -> float:
 
 def elastic(epochs: int, at: int, h_epochs: int) -> dict[str, float]:
     job = f"bench-prio-{time.time_ns()}"
-    out: dict = {}
+    out: dict[str, Any] = {}
+    app = mlr.make_app(["--epochs", str(epochs), "--quiet"])
+    trigger, fired = os.pipe()
+    app.driver = TriggeredMLRDriver
+    app.config.update(trigger_fd=fired, trigger_epoch=at)
     t0 = time.monotonic()
-    t = threading.Thread(target=lambda: out.update(res=litz.run(
-        mlr.make_app(["--epochs", str(epochs), "--quiet"]), workers=4, num_executors=8, job=job)))
+    t = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=4, num_executors=8, job=job)))
     t.start()
-    while _epoch(job) < at:
-        time.sleep(0.01)
+    try:
+        while not select.select([trigger], [], [], 0.5)[0]:
+            if not t.is_alive():
+                raise RuntimeError(f"L ended before epoch {at}")
+    finally:
+        os.close(trigger)
     assert scale(["--job", job, "--workers", "3", "--wait", "--timeout", "60"]) == 0
     h = _run_h(h_epochs)
     if t.is_alive():
         assert scale(["--job", job, "--workers", "4"]) == 0, "L finished before H: give L more epochs"
     t.join()
+    os.close(fired)
     return {"total": time.monotonic() - t0, "h": h}
+
+
+def _launch_l(job: str, epochs: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "litz.cli", "launch", str(ROOT / "apps" / "mlr.py"), "--workers", "4",
+            "--executors", "8", "--job", job, "--epochs", str(epochs), "--quiet", *extra]
+
+
+def _until_epoch(job: str, at: int, proc: subprocess.Popen[bytes]) -> None:
+    while _epoch(job) < at:
+        if proc.poll() is not None:
+            raise RuntimeError(f"L exited with {proc.returncode} before epoch {at}")
+        time.sleep(0.05)
 
 
 def kill_restart(epochs: int, at: int, h_epochs: int) -> dict[str, float]:
     job = f"bench-prio-kill-{time.time_ns()}"
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "litz.cli", "launch", str(ROOT / "apps" / "mlr.py"), "--workers", "4",
-           "--executors", "8", "--job", job, "--epochs", str(epochs), "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while _epoch(job) < at:
-        time.sleep(0.01)
+    proc = subprocess.Popen(_launch_l(job, epochs), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _until_epoch(job, at, proc)
     killed_at = time.monotonic() - t0
     proc.send_signal(signal.SIGINT)  # the launcher stops its processes and its etcd
     proc.wait(30)
     h = _run_h(h_epochs)
-    static(epochs)
+    subprocess.run(_launch_l(job, epochs), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=600, check=True)  # started again as a scheduler would: the same command
     return {"total": time.monotonic() - t0, "h": h, "killed_at": killed_at}
+
+
+def preempt_resume(epochs: int, at: int, h_epochs: int) -> dict[str, float]:
+    """SIGTERM to L's launcher (it stops after a checkpoint, exit 75), H, then L's same command line,
+    which resumes from that checkpoint (``--resume auto``)."""
+    job = f"bench-prio-ckpt-{time.time_ns()}"
+    cmd = _launch_l(job, epochs, "--checkpoint-dir", tempfile.mkdtemp(prefix="litz-prio-ckpt-"), "--resume", "auto")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _until_epoch(job, at, proc)
+    preempted_at = time.monotonic() - t0
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode != 75:
+        raise RuntimeError(f"L exited with {proc.returncode} on SIGTERM, not 75 (stopped after a checkpoint): "
+                           f"{err.decode(errors='replace')[-2000:]}")
+    stopped = time.monotonic() - t0 - preempted_at
+    h = _run_h(h_epochs)
+    again = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600)
+    if again.returncode != 0:
+        raise RuntimeError(f"L's resumed run exited with {again.returncode}: "
+                           f"{again.stderr.decode(errors='replace')[-2000:]}")
+    return {"total": time.monotonic() - t0, "h": h, "preempted_at": preempted_at, "stop_seconds": stopped}
 
 
 def main() -> None:
@@ -97,14 +146,15 @@ def main() -> None:
     base = static(args.epochs)
     el = elastic(args.epochs, at, args.h_epochs)
     kr = kill_restart(args.epochs, at, args.h_epochs)
-    ckpt = kr["killed_at"] + kr["h"] + base * (args.epochs - at) / args.epochs
+    pr = preempt_resume(args.epochs, at, args.h_epochs)
     print(f"L: MLR {args.epochs} epochs on 4 workers, alone: {base:.2f} s (with start-up); "
           f"H: MLR {args.h_epochs} epochs on 1 worker, arriving at L's epoch {at}")
     print(f"elastic (4 -> 3 -> 4): L done after {el['total']:.2f} s, H took {el['h']:.2f} s")
     print(f"kill and restart from scratch: L done after {kr['total']:.2f} s, H took {kr['h']:.2f} s; "
           f"elastic / kill-restart = {el['total'] / kr['total']:.2f}")
-    print(f"restart from a checkpoint taken at the kill (computed): {ckpt:.2f} s; elastic / that = "
-          f"{el['total'] / ckpt:.2f}")
+    print(f"preempt (SIGTERM: checkpoint, stop) and resume: L done after {pr['total']:.2f} s, H took "
+          f"{pr['h']:.2f} s, the stop {pr['stop_seconds']:.2f} s; elastic / preempt-resume = "
+          f"{el['total'] / pr['total']:.2f}")
 
 
 if __name__ == "__main__":
