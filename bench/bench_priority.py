@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_scale import TriggeredMLRDriver
+from bench_scale import triggered, wait_for_epoch
 
 import litz
 from apps import mlr
@@ -66,18 +65,11 @@ def elastic(epochs: int, at: int, h_epochs: int) -> dict[str, float]:
     job = f"bench-prio-{time.time_ns()}"
     out: dict[str, Any] = {}
     app = mlr.make_app(["--epochs", str(epochs), "--quiet"])
-    trigger, fired = os.pipe()
-    app.driver = TriggeredMLRDriver
-    app.config.update(trigger_fd=fired, trigger_epoch=at)
+    trigger, fired = triggered(app, at)
     t0 = time.monotonic()
     t = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=4, num_executors=8, job=job)))
     t.start()
-    try:
-        while not select.select([trigger], [], [], 0.5)[0]:
-            if not t.is_alive():
-                raise RuntimeError(f"L ended before epoch {at}")
-    finally:
-        os.close(trigger)
+    wait_for_epoch(trigger, t, at)
     assert scale(["--job", job, "--workers", "3", "--wait", "--timeout", "60"]) == 0
     h = _run_h(h_epochs)
     if t.is_alive():

@@ -47,6 +47,25 @@ class TriggeredMLRDriver(mlr.MLRDriver):
             os.write(self.config["trigger_fd"], b"x")
 
 
+def triggered(app: litz.App, epoch: int) -> tuple[int, int]:
+    """Give ``app`` (MLR's) the driver that writes a byte when ``epoch`` ends: the pipe's ``(read end,
+    write end)``; close the write end after the job."""
+    trigger, fired = os.pipe()
+    app.driver = TriggeredMLRDriver
+    app.config.update(trigger_fd=fired, trigger_epoch=epoch)
+    return trigger, fired
+
+
+def wait_for_epoch(trigger: int, job: threading.Thread, epoch: int) -> None:
+    """Block until the driver wrote its byte (then close ``trigger``); raise if the job ended first."""
+    try:
+        while not select.select([trigger], [], [], 0.5)[0]:
+            if not job.is_alive():
+                raise RuntimeError(f"the job ended before epoch {epoch}")
+    finally:
+        os.close(trigger)
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (it may vanish between two reads)."""
     try:
@@ -59,18 +78,11 @@ def run_dynamic(start: int, target: int, at_epoch: int, epochs: int, executors: 
     job = f"bench-scale-{time.time_ns()}"
     out: dict[str, Any] = {}
     app = mlr.make_app(["--epochs", str(epochs), "--quiet"])
-    trigger, fired = os.pipe()
-    app.driver = TriggeredMLRDriver
-    app.config.update(trigger_fd=fired, trigger_epoch=at_epoch)
+    trigger, fired = triggered(app, at_epoch)
     t = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=start, num_executors=executors,
                                                                 job=job)))
     t.start()
-    try:
-        while not select.select([trigger], [], [], 0.5)[0]:
-            if not t.is_alive():
-                raise RuntimeError(f"the job ended before epoch {at_epoch}")
-    finally:
-        os.close(trigger)
+    wait_for_epoch(trigger, t, at_epoch)
     st = job_status(job)
     leaving = [p["pid"] for p in st["processes"] if p["role"] == "worker"][target:]
     issued = time.monotonic()
