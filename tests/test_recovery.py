@@ -436,16 +436,18 @@ def test_a_process_lost_during_a_scale_in_is_recovered_and_the_scale_in_complete
     assert processes_mentioning(job) == []
 
 
-@pytest.mark.parametrize("moving", [False, True])
-def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, monkeypatch, moving: bool) -> None:
+@pytest.mark.parametrize("case", ["still", "moving", "empty worker"])
+def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, monkeypatch, case: str) -> None:
     """A machine running a worker and a server dies: one role's partial recovery waits for the
     other's, and both complete. Without moves, executors elsewhere never roll back. With
     executors and shards moving at random all the time (a stress test that found two
     bookkeeping bugs the targeted tests above had missed), whatever was moving, no task is
     lost and none counted twice: either leaves a gap in an executor's counts (and the second
-    also fails the master)."""
-    victims = ("w0", "s2") if moving else ("w1", "s1")
-    executors = 8 if moving else 6
+    also fails the master). A worker that held no executor (3 workers, 2 executors) has nothing
+    to restore: its recovery, which waited for the server's, completes at once (the stress test
+    found the master recovering it a second time from inside that completion, and failing)."""
+    moving = case == "moving"
+    executors = {"still": 6, "moving": 8, "empty worker": 2}[case]
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar-ws", executors, driver_reads=True)
     if moving:
         app.config.update(move_prob=0.3, shard_move_prob=0.15, seed=13)
@@ -455,6 +457,11 @@ def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, m
         _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
         time.sleep(0.3)
         procs = {p["id"]: p for p in job_status(job)["processes"]}
+        if case == "empty worker":
+            [idle] = [i for i, p in procs.items() if p["role"] == "worker" and not p["executors"]]
+            victims = ("s1", idle)  # the server first: the agent notices servers first, so its recovery leads
+        else:
+            victims = ("w0", "s2") if moving else ("w1", "s1")
         for victim in victims:
             os.kill(procs[victim]["pid"], signal.SIGKILL)
         st = _status_when(job, lambda s: len(s["master"].get("recoveries", [])) == 2)
@@ -469,8 +476,9 @@ def test_a_worker_and_a_server_lost_at_once_are_both_recovered(tmp_path: Path, m
     assert sorted(s for p in live if p["role"] == "server" for s in p["shards"]) == list(range(64))
     res = out["res"].value
     assert res["moves"] > 20 or not moving
+    worker = next(v for v in victims if v.startswith("w"))
     for e, seqs in enumerate(res["done_seq"]):
-        if moving or e in procs[victims[0]]["executors"]:  # maybe restored: counts repeat, with no gap
+        if moving or e in procs[worker]["executors"]:  # maybe restored: counts repeat, with no gap
             assert set(seqs) == set(range(max(seqs) + 1)), (e, sorted(set(range(max(seqs) + 1)) - set(seqs)))
         else:
             assert sorted(seqs) == list(range(len(seqs))), (e, seqs)

@@ -868,7 +868,7 @@ class Master:
                 with contextlib.suppress(Exception):
                     self.endpoint.send(peer, "fence", ident=ident)
 
-    def _recover(self, lost: str, role: str) -> None:
+    def _recover(self, lost: str, role: str, plan: bool = True) -> None:
         """SCAR: restore only what the dead held, from the running checkpoint, on the survivors.
 
         A server's shards get their checkpointed rows; a worker's executors their checkpointed
@@ -877,7 +877,8 @@ class Master:
         (``_settle``): their items count as the dead's only if they were there. Placement and
         routes change only once every part is restored, so a second loss during the recovery
         can still re-plan everything: its round number tells the answers to the first plan from
-        those to the second.
+        those to the second. ``plan=False``: more losses join this recovery at once; the last one
+        plans for all.
         """
         st = self.state
         assert st is not None
@@ -897,7 +898,7 @@ class Master:
                 st.release_paused()
             if ck.written(r.cid, lost, [], f"{lost} died during the checkpoint"):
                 self._finish_checkpoint()
-        if not rec.settling:
+        if plan and not rec.settling:
             self._plan_restore(rec)
 
     def _settle(self, lost: str, rec: _Restoring) -> None:
@@ -1029,10 +1030,12 @@ class Master:
         log.warning("recovered from the loss of %s: %d %s restored from %s", lost, len(restored),
                     "shards" if rec.role == "server" else "executors", rec.source or "scratch")
         if self._waiting_losses:  # the other role's losses, noticed meanwhile, recover together now
-            role = self._waiting_losses[0][1]
-            for ident, _ in self._waiting_losses:
-                self._recover(ident, role)
-            self._waiting_losses = []
+            # Taken off the list first, and planned once with all of them: a recovery with nothing
+            # to restore (a worker that held no executor) completes inside ``_recover``, and comes
+            # back here, which must neither recover them again nor end before the rest were added
+            waiting, self._waiting_losses = self._waiting_losses, []
+            for n, (ident, role) in enumerate(waiting):
+                self._recover(ident, role, plan=n == len(waiting) - 1)
             return
         self.elastic.recovered()
 
