@@ -85,12 +85,12 @@ class SpawnFailed(RuntimeError):
 class ForkedProcess:
     """A child of the zygote, with the part of ``subprocess.Popen``'s interface the launcher uses."""
 
-    def __init__(self, spawner: Spawner, pid: int, args: list[str]) -> None:
+    def __init__(self, spawner: Spawner, pid: int, args: list[str], numba_ready: bool = False) -> None:
         self.spawner = spawner
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
-        self.numba_ready = False  # forked with Numba initialised (the zygote's answer)
+        self.numba_ready = numba_ready  # forked with Numba initialised (the zygote's answer)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -239,9 +239,7 @@ class Spawner:
             reply = self._replies.pop(0)
         if "pid" not in reply:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
-        child = ForkedProcess(self, reply["pid"], [module, *args])
-        child.numba_ready = bool(reply.get("numba"))
-        return child
+        return ForkedProcess(self, reply["pid"], [module, *args], numba_ready=bool(reply.get("numba")))
 
     def receive(self, timeout: float) -> None:
         """Read what the zygote said (waiting up to ``timeout`` for a first message). End of file (the
