@@ -39,6 +39,17 @@ def _argv(pid: int) -> list[str]:
         return [a.decode() for a in f.read().split(b"\0") if a]
 
 
+def _exec_cmdline(pid: int, timeout: float = 10.0) -> str:
+    """The command line of a child just started by ``subprocess.Popen``. Popen returns when the
+    exec closes its error pipe, which the kernel does before the new image's argument pages are
+    set up, so /proc/PID/cmdline can read empty for a moment (a CI run failed on that)."""
+    deadline = time.monotonic() + timeout
+    while not (cmd := descendants().get(pid)):
+        assert time.monotonic() < deadline, f"process {pid} never showed a command line"
+        time.sleep(0.005)
+    return cmd
+
+
 def _wait_for(cond, timeout: float = 10.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not cond():
@@ -154,7 +165,7 @@ def test_a_lost_zygote_takes_its_children_and_later_processes_start_afresh(etcd)
         assert cluster._spawner is None
         w1 = cluster.children["w1"]
         assert isinstance(w1, subprocess.Popen) and w1.poll() is None
-        assert "-m litz.runtime.worker --id w1" in descendants()[w1.pid]
+        assert "-m litz.runtime.worker --id w1" in _exec_cmdline(w1.pid)
     finally:
         cluster.stop(timeout=0.5)
     assert spawner.shared().process.pid != dead
@@ -205,7 +216,7 @@ def test_litz_spawn_exec_starts_fresh_interpreters_and_a_bad_value_is_refused(et
     def spawn(self: LocalCluster, module: str, ident: str) -> None:
         original(self, module, ident)
         pid = self.children[ident].pid
-        seen[ident] = (_ppid(pid), descendants()[pid])
+        seen[ident] = (_ppid(pid), _exec_cmdline(pid))
 
     monkeypatch.setattr(LocalCluster, "_spawn", spawn)
     res = litz.run(testapps.sum_app(rows=4, tasks=20, executors=2), workers=1, servers=1, etcd=etcd.url)
