@@ -336,8 +336,8 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
 
     ``wants`` (bool, one per point, scratch) says which points are owned and got a new candidate,
     once the first pass is done. The second pass asks that of both ends of every old edge of the
-    graph; read from the owner index and the candidate lists, each question was two reads at
-    random in memory, from one dense byte vector that stays in cache it is one. Sampling an
+    graph. Each answer used to take two reads at random in memory (the owner index, then the
+    candidate list); now it is one read of a dense byte vector that stays in cache. Sampling an
     eighth of 2**19 10-d blobs (the graphs a run had at the start of each of its 5 rounds, median
     of 4, the same candidates; two runs): 24-32% less time in rounds 4-5 (0.073 -> 0.050 s in
     round 5), 9-14% in rounds 2-3, the same in round 1 (few old edges yet)."""
