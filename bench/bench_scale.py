@@ -40,9 +40,11 @@ class TriggeredMLRDriver(mlr.MLRDriver):
     """MLR's driver, writing a byte to ``config["trigger_fd"]`` once epoch ``config["trigger_epoch"]``
     has ended (the driver runs in this process): the moment to scale, without polling."""
 
+    _fired = False  # the byte was written
+
     def on_iteration_end(self, iteration: int, results: list[litz.TaskResult]) -> None:
         super().on_iteration_end(iteration, results)
-        if len(self.history) == self.config["trigger_epoch"] and not getattr(self, "_fired", False):
+        if len(self.history) == self.config["trigger_epoch"] and not self._fired:
             self._fired = True
             os.write(self.config["trigger_fd"], b"x")
 
