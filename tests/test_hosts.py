@@ -108,9 +108,15 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
             joiners.append(_joiner(net, 2, job, etcd.url, other_secret, "--workers", "1", log=tmp_path / "d.log"))
             # host C joins with one worker (its offer waits behind D's until D's times out)
             joiners.append(_joiner(net, 1, job, etcd.url, secret, "--workers", "1", log=tmp_path / "c.log"))
-            lay = _until(lambda: (lay := _layout(job, etcd.url)) and c in lay.get("worker", {})
-                         and sorted(map(len, lay["executors"].values())) == [2, 2, 2, 2] and lay,
-                         "host C's worker", timeout=60)
+            try:
+                lay = _until(lambda: (lay := _layout(job, etcd.url)) and c in lay.get("worker", {})
+                             and sorted(map(len, lay["executors"].values())) == [2, 2, 2, 2] and lay,
+                             "host C's worker", timeout=60)
+            except AssertionError as exc:  # say what the hosts' agents saw
+                logs = "\n".join(f"--- {h}.log:\n{(tmp_path / f'{h}.log').read_text(errors='replace')[-3000:]}"
+                                  for h in ("b", "c", "d"))
+                raise AssertionError(f"{exc}; scale history: {job_status(job, etcd.url)['master'].get('scale_history')}"
+                                     f"\n{logs}") from None
             _until(lambda: not job_status(job, etcd.url)["master"].get("scaling"), "D's offer to time out")
             # drain host B: its executors and its server's shards move away, its processes and agent exit
             assert scale(["--job", job, "--etcd", etcd.url, "--drain-host", b, "--wait", "--timeout", "60"]) == 0

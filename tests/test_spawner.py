@@ -303,3 +303,54 @@ def test_a_node_agent_without_the_application_warms_numba_when_the_master_asks(e
         Elasticity(master)._spawn(ScaleOp(cid="c", started=0.0), "host-b", workers=1)  # type: ignore[arg-type]
     assert [(k, v["numba"], v["workers"]) for k, v in put] == [("agents/host-b/spawn", False, ["w1"]),
                                                                 ("agents/host-b/spawn", True, ["w1"])]
+
+
+def test_a_joining_agent_gets_its_zygote_ready_before_it_offers(monkeypatch) -> None:
+    """``prepare`` answers once the zygote has imported, and has initialised Numba only when asked; the
+    workers forked after it inherit that. ``launch --join`` calls it with the master's record's word
+    on Numba before it offers its processes (the master's clock for them starts at its request)."""
+    monkeypatch.setattr(spawner, "numba_loaded", lambda: False)  # an agent without the application
+    own = spawner.Spawner()
+    try:
+        assert own.prepare() is False
+        socket.send_fds(own._sock, [json.dumps({"prepare": True}).encode()], [0])  # descriptors: refused
+        deadline = time.monotonic() + 30
+        while not own._replies:
+            assert time.monotonic() < deadline, "the zygote did not answer"
+            own.receive(0.1)
+        assert "request: None with 1 descriptors" in own._replies.pop()["error"]
+        assert own.prepare(numba=True) is True
+        with open(os.devnull, "wb") as devnull:
+            child = own.spawn("litz.runtime.worker", ["--bogus"], dict(os.environ), None, devnull)
+        assert child.numba_ready and child.wait(30) == 2
+    finally:
+        own.close()
+    assert own.process.returncode == 0
+    # the master's record says whether its process has Numba loaded; the agent reads it before offering
+    from litz.runtime import launcher
+
+    seen: list[tuple[str, object]] = []
+    monkeypatch.setattr(LocalCluster, "prepare", lambda self, numba=False: seen.append(("prepare", numba)))
+    monkeypatch.setattr(LocalCluster, "start", lambda self: setattr(self, "_agent", _OneKey({"numba": True}, seen)))
+    monkeypatch.setattr(LocalCluster, "stop", lambda self, timeout=5.0: None)
+    monkeypatch.setattr(launcher, "_join_step", lambda *a: (_ for _ in ()).throw(RuntimeError("offered")))
+    with pytest.raises(RuntimeError, match="offered"):
+        launcher.join("j", "127.0.0.1:9")
+    assert seen[0] == ("prepare", True) and seen[1][0] == "put" and str(seen[1][1]).startswith("commands/join/")
+
+
+class _OneKey:
+    """An agent's etcd view holding only the master's record (for the join test above)."""
+
+    def __init__(self, master: dict, seen: list[tuple[str, object]]) -> None:
+        self.master = master
+        self.seen = seen
+
+    def get(self, key: str) -> dict:
+        return self.master
+
+    def watch_prefix(self, prefix: str) -> None:
+        pass
+
+    def put(self, key: str, value: dict) -> None:
+        self.seen.append(("put", key))

@@ -156,6 +156,17 @@ class LocalCluster:
                                                     stdin=subprocess.DEVNULL, stderr=errlog,
                                                     start_new_session=True)
 
+    def prepare(self, numba: bool = False) -> None:
+        """Return once this host can start processes at once: its zygote has imported (and initialised
+        Numba, if ``numba``). A joining host offers itself only then (see :meth:`Spawner.prepare`)."""
+        if self._spawner is None:  # fresh interpreters: nothing to get ready ahead
+            return
+        try:
+            self._spawner.prepare(numba)
+        except spawner.SpawnFailed as exc:
+            log.warning("%s; this host's processes start as fresh interpreters", exc)
+            self._spawner = None
+
     def stacks(self, idents: list[str], settle: float = 0.5) -> str:
         """Have the running children among ``idents`` print every thread's stack into their logs
         (SIGUSR1; see node.main) and return the logs' ends: why processes that did not answer were stuck."""
@@ -376,8 +387,12 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                       join=True) as cluster:
         agent = cluster._agent
         assert agent is not None
-        if not agent.get(proc_key("master", "master")):
+        master = agent.get(proc_key("master", "master"))
+        if not master:
             raise ConfigError(f"no running job {job!r} on etcd {etcd} (no master registered)")
+        # The master gives the processes it asks for join_timeout to be ready: offer them only once
+        # they can start at once, not while the zygote still imports on a host that may be busy.
+        cluster.prepare(numba=master.get("numba") is True)
         cid = f"join-{cluster.node}-{secrets.token_hex(3)}"
         agent.watch_prefix(f"commands/result/{cid}")
         agent.watch_prefix(proc_key("master", "master"))

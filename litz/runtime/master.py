@@ -31,6 +31,7 @@ from litz.errors import JobStopped, LitzError, ProcessLost, TableError
 from litz.ft.checkpoint import CheckpointCoordinator, select_top
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, lookup, shard_of, table_index
+from litz.runtime import spawner
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
 from litz.runtime.node import PROCS, kill_job_process, proc_key
@@ -1531,6 +1532,7 @@ class Master:
         self.membership.register(proc_key("master", "master"), {
             "role": "master", "id": "master", "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
+            "numba": spawner.numba_loaded(),  # a joining host's agent warms its zygote up for our kernels
         })
         stats: dict[str, dict[str, Any]] = {}
         stopped: dict[str, Any] | None = None  # a `litz stop` that ended the job

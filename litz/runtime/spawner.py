@@ -27,8 +27,9 @@ in milliseconds.
 The zygote is fork-safe because it does nothing but import (and compile one trivial function): no
 ZeroMQ context, no gRPC channel, no logging handler, no thread of its own (NumPy's and SciPy's BLAS
 may have started one each; they handle forks).
-It talks to the launcher over a private socket pair: JSON requests with three file descriptors,
-JSON answers (``started``, and ``exited`` with the exit code when it reaps a child). It leaves once
+It talks to the launcher over a private socket pair: JSON requests with three file descriptors
+(or none: ``prepare``, answered once the imports are done), JSON answers (``started``, and
+``exited`` with the exit code when it reaps a child). It leaves once
 the launcher closed its end and its last child exited, or when the launcher process dies: it is
 started from a thread that lives as long as it does, since Linux's parent-death signal follows the
 thread that forked, and the launcher's own threads come and go with its jobs.
@@ -220,26 +221,41 @@ class Spawner:
         zygote first (once) if ``numba`` or if this process has it loaded (:func:`numba_loaded`)."""
         if module not in ENTRY_POINTS:
             raise ValueError(f"the zygote starts {sorted(ENTRY_POINTS)}, not {module!r}")
-        request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd(),
-                              "numba": numba or numba_loaded()}).encode()
-        with self._one_at_a_time:
-            with open(os.devnull, "rb") as devnull:
-                fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
-                with self._lock:
-                    try:
-                        socket.send_fds(self._sock, [request], fds)
-                    except OSError as exc:
-                        raise SpawnFailed(f"the process spawner is gone ({exc}); {self._log_tail()}") from exc
-            deadline = time.monotonic() + 60.0
-            while not self._replies:  # the zygote answers every request, or its end of the socket closes
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise SpawnFailed(f"the process spawner did not start {module} within 60 s; {self._log_tail()}")
-                self.receive(min(1.0, left))
-            reply = self._replies.pop(0)
+        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd(), "numba": numba or numba_loaded()}
+        with open(os.devnull, "rb") as devnull:
+            fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
+            reply = self._ask(request, fds, f"start {module}")
         if "pid" not in reply:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
         return ForkedProcess(self, reply["pid"], [module, *args], numba_ready=bool(reply.get("numba")))
+
+    def prepare(self, numba: bool = False, timeout: float = 60.0) -> bool:
+        """Wait until the zygote has done its imports (and initialised Numba, if ``numba``), so that
+        the next :meth:`spawn` forks at once; whether Numba is initialised.
+
+        Why: a joining host's agent offers its processes to a running job, whose master gives them
+        ``join_timeout`` from its request to be ready. A zygote still importing spends seconds of that
+        on a busy host (a CI run lost a join to it), so the agent offers only once this returns."""
+        reply = self._ask({"prepare": True, "numba": numba}, [], "get ready", timeout)
+        if not reply.get("prepared"):
+            raise SpawnFailed(f"the process spawner could not get ready: {reply.get('error')}")
+        return bool(reply.get("numba"))
+
+    def _ask(self, request: dict[str, Any], fds: list[int], what: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Send one request with these descriptors and wait for its answer (answers come in order)."""
+        with self._one_at_a_time:
+            with self._lock:
+                try:
+                    socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+                except OSError as exc:
+                    raise SpawnFailed(f"the process spawner is gone ({exc}); {self._log_tail()}") from exc
+            deadline = time.monotonic() + timeout
+            while not self._replies:  # the zygote answers every request, or its end of the socket closes
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SpawnFailed(f"the process spawner did not {what} within {timeout:.0f} s; {self._log_tail()}")
+                self.receive(min(1.0, left))
+            return self._replies.pop(0)
 
     def receive(self, timeout: float) -> None:
         """Read what the zygote said (waiting up to ``timeout`` for a first message). End of file (the
@@ -450,6 +466,12 @@ def serve(fd: int, numba: bool = False) -> int:
             continue
         try:
             request = json.loads(data)
+            if isinstance(request, dict) and request.get("prepare") is True and not fds:
+                # answered once the imports above are done (and Numba, if asked): the launcher is ready
+                if request.get("numba") is True:
+                    _warm_numba()
+                _send(sock, {"kind": "reply", "prepared": True, "numba": _NUMBA_WARM == [True]})
+                continue
             if not isinstance(request, dict) or request.get("module") not in ENTRY_POINTS or len(fds) != 3:
                 what = request.get("module") if isinstance(request, dict) else type(request).__name__
                 raise ValueError(f"a malformed request: {what!r} with {len(fds)} descriptors")
