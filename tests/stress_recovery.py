@@ -8,25 +8,31 @@ counted twice, would make one) and, under full recovery, that the final sums are
 hang it prints the master's bookkeeping. The tests in test_recovery.py pin down the cases
 that runs of this script found.
 
-Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0]``
+With ``--scale`` a scale command (workers or servers in or out) starts just before the kill, so
+the loss strikes before, during or after its migrations and new processes' start.
+
+Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0] [--scale]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import os
 import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
 
-from litz.cli import job_status
+from litz.cli import job_status, scale
 from tests import testapps
 from tests.conftest import run_in_thread
 from tests.conftest import status_when as _status_when
@@ -49,7 +55,24 @@ def _dump_master(thread_id: int | None) -> None:
         print("checkpoint round:", m.checkpoints.round, "restoring:", m._restoring)
 
 
-def one(seed: int, recovery: str) -> bool:
+def _scale_at_random(rng: random.Random, job: str, said: list[str]) -> threading.Thread:
+    """Start a random scale-out or scale-in of the job's 3 workers or 3 servers (``--scale``), from
+    a thread: the kill that follows lands before, during or after its migrations."""
+    kind, want = rng.choice([("workers", 2), ("workers", 4), ("workers", 5), ("servers", 2), ("servers", 4)])
+
+    def command() -> None:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):  # (a refusal goes to stderr, with the master's log)
+            code = scale(["--job", job, f"--{kind}", str(want), "--wait", "--timeout", "40"])
+        lines = buf.getvalue().strip().splitlines() or ["(nothing)"]
+        said.append(f"{kind} {want}: {'done' if code == 0 else 'refused or unfinished'}: {lines[-1]}")
+
+    th = threading.Thread(target=command, daemon=True)
+    th.start()
+    return th
+
+
+def one(seed: int, recovery: str, scaling: bool = False) -> bool:
     rng = random.Random(seed)
     tmp = Path(tempfile.mkdtemp(prefix="litz-stress-"))
     os.environ["LITZ_JOBS_DIR"] = str(tmp / "jobs")
@@ -61,16 +84,23 @@ def one(seed: int, recovery: str) -> bool:
     t, out = run_in_thread(app, workers=3, servers=3, job=job, checkpoint_dir=str(tmp / "ckpt"),
                            checkpoint_every="0.4s", recovery=recovery)
     killed: list[str] = []
+    said: list[str] = []  # what the scale command reported (--scale)
+    scaler: threading.Thread | None = None
     try:
         _status_when(job, lambda s: not t.is_alive() or any(c.get("ok") for c in s["master"].get("checkpoints", [])))
-        time.sleep(rng.uniform(0.1, 1.0))
-        procs = [p for p in job_status(job)["processes"] if p["role"] in ("worker", "server")]
+        if scaling:
+            scaler = _scale_at_random(rng, job, said)
+        time.sleep(rng.uniform(0.0, 0.6) if scaling else rng.uniform(0.1, 1.0))
+        procs = [p for p in job_status(job)["processes"] if p["role"] in ("worker", "server")
+                 and p.get("state", "member") == "member"]
         for kind in rng.choice([["w"], ["s"], ["w", "s"]]):
             victim = rng.choice([p for p in procs if p["id"].startswith(kind)])
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(victim["id"])
         recoveries = len(killed) if recovery == "partial" else 1  # a full one rolls back for all at once
         _status_when(job, lambda s: not t.is_alive() or len(s["master"].get("recoveries", [])) >= recoveries)
+        if scaler is not None:
+            scaler.join(45)
         time.sleep(1.0)
     except AssertionError as exc:  # no checkpoint or no recovery in time: where is the master?
         print(exc, flush=True)
@@ -91,8 +121,11 @@ def one(seed: int, recovery: str) -> bool:
                 problem = f"executor {e} never reported counts {sorted(set(range(max(seqs) + 1)) - set(seqs))}"
         if recovery == "full" and not np.array_equal(res["final"], res["truth"]):
             problem = "the final sums differ from the driver's"
+    if scaling and not problem and not said:
+        problem = "the scale command never returned"
     moves = out["res"].value["moves"] if "res" in out else "-"
-    print(f"seed {seed} {recovery}: killed {', '.join(killed)}, {moves} moves: {problem or 'ok'}", flush=True)
+    scaled = f", scale {said[0] if said else '-'}" if scaling else ""
+    print(f"seed {seed} {recovery}: killed {', '.join(killed)}, {moves} moves{scaled}: {problem or 'ok'}", flush=True)
     return not problem
 
 
@@ -101,8 +134,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--recovery", choices=("partial", "full"), default="partial")
     ap.add_argument("--seed", type=int, default=0, help="first seed (runs use seed, seed + 1, ...)")
+    ap.add_argument("--scale", action="store_true",
+                    help="also scale the workers or servers in or out as the process is killed")
     args = ap.parse_args()
-    failed = sum(not one(s, args.recovery) for s in range(args.seed, args.seed + args.runs))
+    failed = sum(not one(s, args.recovery, args.scale) for s in range(args.seed, args.seed + args.runs))
     print(f"{failed} of {args.runs} runs failed")
     sys.exit(1 if failed else 0)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from litz.cli import job_status, scale
 from tests import testapps
-from tests.conftest import processes_mentioning, wait_running
+from tests.conftest import processes_mentioning, status_when, wait_running
 from tests.conftest import run_in_thread as _run_in_thread
 from tests.test_mlr_app import needs_data
 
@@ -144,5 +146,70 @@ def test_a_worker_killed_as_it_joins_leaves_the_scale_out_which_completes(tmp_pa
     for seqs in res["done_seq"]:
         assert set(seqs) == set(range(max(seqs) + 1)) and (recovered or len(seqs) == len(set(seqs)))
     if not recovered:  # it died before it held anything: nothing was redone, the sums are exact
+        np.testing.assert_array_equal(res["final"], res["truth"])
+    assert processes_mentioning(job) == []
+
+
+@pytest.mark.parametrize("recovery", ["partial", "full"])
+def test_a_server_lost_while_a_new_worker_joins_is_routed_around_by_it(tmp_path: Path, monkeypatch,
+                                                                       recovery: str) -> None:
+    """A scale-out's new worker was initialised with the shard map of its registration; a server
+    dies before it is ready. Once ready it gets executors, whose reads must go to the servers that
+    took the dead one's shards, not to the dead one (where they would wait for ever: a stress run
+    with ``--scale`` found that hang). The worker's readiness is held back here until the
+    recovery is over, which makes that order certain."""
+    import os
+    import signal
+
+    import numpy as np
+
+    from litz.runtime.elastic import Elasticity
+
+    held: list[tuple[Elasticity, str, str | None]] = []
+    on_ready, recovered = Elasticity.on_ready, Elasticity.recovered
+
+    def hold_w2(self: Elasticity, ident: str, error: str | None) -> None:
+        if ident == "w2" and not self.m.recoveries:
+            held.append((self, ident, error))
+        else:
+            on_ready(self, ident, error)
+
+    def then_release(self: Elasticity) -> None:
+        recovered(self)
+        while held:
+            on_ready(*held.pop())
+
+    monkeypatch.setattr(Elasticity, "on_ready", hold_w2)
+    monkeypatch.setattr(Elasticity, "recovered", then_release)
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"scale-lost-{time.time_ns()}"
+    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    stop = tmp_path / "stop"
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    t, out = _run_in_thread(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+                            checkpoint_every="0.5s", recovery=recovery)
+    try:
+        status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        assert scale(["--job", job, "--workers", "3"]) == 0
+        deadline = time.monotonic() + 30
+        while not held:
+            assert time.monotonic() < deadline, "the new worker never finished initialising"
+            time.sleep(0.01)
+        [s1] = [p for p in job_status(job)["processes"] if p["id"] == "s1"]
+        os.kill(s1["pid"], signal.SIGKILL)
+        st = status_when(job, lambda s: s["master"].get("scale_history") and len(_workers(s).get("w2", [])) == 2)
+        # w2's executors (moved there after the recovery) read and update; their tasks end, so
+        # the job can stop (before the fix they waited for the dead server, and so did the job)
+        status_when(job, lambda s: s["master"]["completed"] > st["master"]["completed"] + 60, timeout=20)
+    finally:
+        stop.touch()
+        t.join(30)
+    assert not t.is_alive(), "the job hung after the server's loss"
+    assert "error" not in out, out.get("traceback")
+    res = out["res"].value
+    for seqs in res["done_seq"]:
+        assert set(seqs) == set(range(max(seqs) + 1))
+    if recovery == "full":
         np.testing.assert_array_equal(res["final"], res["truth"])
     assert processes_mentioning(job) == []

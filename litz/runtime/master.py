@@ -988,6 +988,13 @@ class Master:
         if not rec.assign:
             self._restored("", rec.round)
 
+    def _joining_initialised(self) -> list[str]:
+        """The new processes of a scale-out that registered (so were initialised, with the shard map
+        as it stood then) and are not ready yet: not among the job's workers and servers, but they
+        will get executors or shards once ready, so a server's loss must re-route them too (else
+        their first reads go to the dead server and wait for ever: a stress run found it)."""
+        return sorted(i for i in self.procs if self.elastic.joining(i) and i not in self.lost)
+
     def _restored(self, sender: str, round_: int | None) -> None:
         """A survivor took its part; once all did, route to them and carry on."""
         rec, st = self._restoring, self.state
@@ -1000,7 +1007,8 @@ class Master:
             for dest, shards in rec.assign.items():
                 for shard in shards:
                     st.shard_map[shard] = dest
-            for ident in st.workers + st.servers:  # only now may requests reach the new owners
+            # only now may requests reach the new owners
+            for ident in st.workers + st.servers + self._joining_initialised():
                 if ident in self.lost:  # a worker lost meanwhile, its recovery waiting for this one
                     continue
                 for lost in rec.losts:
@@ -1097,6 +1105,9 @@ class Master:
             except _Rollback as again:
                 losses.append(again)
                 leftover = again.received
+        for ident in self._joining_initialised():  # they roll nothing back, but must route around the dead
+            for lost_server in lost_servers:
+                self.endpoint.send(ident, "server_lost", server=lost_server, shard_map=st.shard_map)
         if saved is not None:
             self._set_driver_state(driver, saved["driver"])
             st.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
