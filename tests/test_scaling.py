@@ -213,3 +213,28 @@ def test_a_server_lost_while_a_new_worker_joins_is_routed_around_by_it(tmp_path:
     if recovery == "full":
         np.testing.assert_array_equal(res["final"], res["truth"])
     assert processes_mentioning(job) == []
+
+
+def test_a_servers_loss_reaches_the_processes_a_scale_operation_adds_or_removes() -> None:
+    """Without sockets: when a partial recovery of a lost server completes, ``server_lost`` goes to
+    the job's workers and servers, to a scale-out's new worker that registered but is not ready,
+    and to a scale-in's server that is out of the job but has not said goodbye (it may have
+    forwarded requests to the dead server); not to the dead, nor to a process that already left."""
+    from litz.runtime.elastic import Elasticity, ScaleOp
+    from litz.runtime.master import Master, MasterState, _Restoring
+
+    sent: list[tuple[str, str, dict]] = []
+    m = object.__new__(Master)  # the state machine alone: sends are recorded
+    m.endpoint = type("E", (), {"send": lambda self, to, kind, **f: sent.append((to, kind, f))})()
+    m.state = MasterState(4, ["w0", "w1"], ["s0", "s1"], num_shards=4)
+    m.lost, m.retiring, m._byes = {"s1"}, {"s3"}, {"s4": {}}
+    m.procs = {i: {"role": "worker" if i[0] == "w" else "server"} for i in ("w0", "w1", "w2", "s0", "s2", "s3", "s4")}
+    m.recoveries, m._recovered, m._waiting_losses = [], [], []
+    m.elastic = Elasticity(m)
+    m.elastic.op = ScaleOp("c", 0.0, joining={"w2", "w3"}, retiring={"s2", "s4"})  # w3 not registered yet
+    m._restoring = _Restoring("server", 0.0, losts=["s1"], assign={"s0": [1, 3]}, waiting={"s0"}, round=7)
+    m._restored("s0", 7)
+    told = sorted(to for to, kind, f in sent if kind == "server_lost" and f["server"] == "s1")
+    assert told == ["s0", "s2", "s3", "w0", "w1", "w2"]
+    assert all(f["shard_map"] == ["s0"] * 4 for _, _, f in sent)
+    assert m._restoring is None and m.recoveries[-1]["lost"] == "s1"

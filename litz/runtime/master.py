@@ -995,6 +995,17 @@ class Master:
         their first reads go to the dead server and wait for ever: a stress run found it)."""
         return sorted(i for i in self.procs if self.elastic.joining(i) and i not in self.lost)
 
+    def _leaving(self) -> list[str]:
+        """Processes a scale-in took out of the job's workers and servers that have not said goodbye:
+        empty, but a server among them may still have forwarded requests to answer, and a worker
+        updates to see acknowledged. A server's loss must reach them too, or what they sent to it
+        keeps them waiting until they leave anyway (``LEAVE_TIMEOUT``; a stress run saw 10 s)."""
+        st = self.state
+        assert st is not None
+        return sorted(i for i in self.elastic.retiring() | self.retiring
+                      if i not in st.workers and i not in st.servers and i in self.procs
+                      and i not in self.lost and i not in self._byes)
+
     def _restored(self, sender: str, round_: int | None) -> None:
         """A survivor took its part; once all did, route to them and carry on."""
         rec, st = self._restoring, self.state
@@ -1008,7 +1019,7 @@ class Master:
                 for shard in shards:
                     st.shard_map[shard] = dest
             # only now may requests reach the new owners
-            for ident in st.workers + st.servers + self._joining_initialised():
+            for ident in st.workers + st.servers + self._joining_initialised() + self._leaving():
                 if ident in self.lost:  # a worker lost meanwhile, its recovery waiting for this one
                     continue
                 for lost in rec.losts:
@@ -1097,7 +1108,10 @@ class Master:
                 waiting.clear()  # answers still owed by the dead are never coming
                 waiting.update(st.workers)
                 self._restore_round += 1
-                for p in st.servers + st.workers:  # servers first: workers may wait for their acks
+                # servers first: workers may wait for their acks; a leaving server (a scale-in's, empty
+                # now) may owe answers to forwards too, and drops those to the dead as the others do
+                leaving = [p for p in self._leaving() if self.procs[p].get("role") == "server"]
+                for p in st.servers + leaving + st.workers:
                     self.endpoint.send(p, "rollback", lost=lost_servers, round=self._restore_round,
                                        abandoned=st.last_mid)
                 self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
