@@ -1108,10 +1108,10 @@ class Master:
                 waiting.clear()  # answers still owed by the dead are never coming
                 waiting.update(st.workers)
                 self._restore_round += 1
-                # servers first: workers may wait for their acks; a leaving server (a scale-in's, empty
-                # now) may owe answers to forwards too, and drops those to the dead as the others do
-                leaving = [p for p in self._leaving() if self.procs[p].get("role") == "server"]
-                for p in st.servers + leaving + st.workers:
+                # servers first: workers may wait for their acks. A scale-in's processes that are
+                # empty but not gone abandon the timeline too: a server answers what it forwarded to
+                # the dead, a worker drops its updates sent there (it is in nobody's `waiting`)
+                for p in st.servers + self._leaving() + st.workers:
                     self.endpoint.send(p, "rollback", lost=lost_servers, round=self._restore_round,
                                        abandoned=st.last_mid)
                 self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
