@@ -61,10 +61,13 @@ def _scale_at_random(rng: random.Random, job: str, said: list[str]) -> threading
     kind, want = rng.choice([("workers", 2), ("workers", 4), ("workers", 5), ("servers", 2), ("servers", 4)])
 
     def command() -> None:
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):  # (a refusal goes to stderr, with the master's log)
+        buf, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
             code = scale(["--job", job, f"--{kind}", str(want), "--wait", "--timeout", "40"])
-        lines = buf.getvalue().strip().splitlines() or ["(nothing)"]
+        # stderr also caught the log of the master (same process) meanwhile: that goes on to stderr
+        refusal = [ln for ln in err.getvalue().splitlines() if ln.startswith("litz:")]
+        sys.stderr.write("".join(f"{ln}\n" for ln in err.getvalue().splitlines() if not ln.startswith("litz:")))
+        lines = buf.getvalue().strip().splitlines() + refusal or ["(nothing)"]
         said.append(f"{kind} {want}: {'done' if code == 0 else 'refused or unfinished'}: {lines[-1]}")
 
     th = threading.Thread(target=command, daemon=True)
