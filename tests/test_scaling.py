@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,14 +33,23 @@ def _wait_exit(pids: list[int], what: str, timeout: float = 10) -> None:
         time.sleep(0.05)
 
 
-def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path, monkeypatch) -> None:
+def _start_timed(tmp_path: Path, monkeypatch, name: str, tasks: int, executors: int,
+                 **kw: object) -> tuple[str, Path, Any, Any]:
+    """A migrating job (no random moves) that trains until the file ``stop`` exists, at most 60 s,
+    started on a thread: its name, that file, the thread and its outcome."""
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
-    job = f"scale-{time.time_ns()}"
-    app = testapps.migrating_app(tasks=100_000, executors=8, move_prob=0.0)
+    job = f"{name}-{time.time_ns()}"
+    app = testapps.migrating_app(tasks=tasks, executors=executors, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
     stop = tmp_path / "stop"
-    app.config.update(stop_after=60.0, stop_file=str(stop))  # it trains until the checks are done
-    t, out = _run_in_thread(app, workers=2, servers=1, job=job)
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    t, out = _run_in_thread(app, job=job, **kw)
+    return job, stop, t, out
+
+
+def test_scale_out_and_in_keeps_state_and_retired_processes_exit(tmp_path: Path, monkeypatch) -> None:
+    # it trains until the checks are done
+    job, stop, t, out = _start_timed(tmp_path, monkeypatch, "scale", 100_000, 8, workers=2, servers=1)
     try:
         wait_running(job, out)
         assert scale(["--job", job, "--workers", "4", "--wait", "--timeout", "30"]) == 0
@@ -114,14 +124,9 @@ def test_a_worker_killed_as_it_joins_leaves_the_scale_out_which_completes(tmp_pa
 
     import numpy as np
 
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
-    job = f"scale-kill-{time.time_ns()}"
-    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    stop = tmp_path / "stop"
-    app.config.update(stop_after=60.0, stop_file=str(stop))
-    t, out = _run_in_thread(app, workers=2, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                            checkpoint_every="1s", recovery="partial")
+    job, stop, t, out = _start_timed(tmp_path, monkeypatch, "scale-kill", 10**7, 6, workers=2, servers=1,
+                                     checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="1s",
+                                     recovery="partial")
     try:
         wait_running(job, out)
         assert scale(["--job", job, "--workers", "3"]) == 0
@@ -181,14 +186,9 @@ def test_a_server_lost_while_a_new_worker_joins_is_routed_around_by_it(tmp_path:
 
     monkeypatch.setattr(Elasticity, "on_ready", hold_w2)
     monkeypatch.setattr(Elasticity, "recovered", then_release)
-    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
-    job = f"scale-lost-{time.time_ns()}"
-    app = testapps.migrating_app(tasks=10**7, executors=6, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    stop = tmp_path / "stop"
-    app.config.update(stop_after=60.0, stop_file=str(stop))
-    t, out = _run_in_thread(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                            checkpoint_every="0.5s", recovery=recovery)
+    job, stop, t, out = _start_timed(tmp_path, monkeypatch, "scale-lost", 10**7, 6, workers=2, servers=2,
+                                     checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every="0.5s",
+                                     recovery=recovery)
     try:
         status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
         assert scale(["--job", job, "--workers", "3"]) == 0
