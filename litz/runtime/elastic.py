@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 from litz.runtime import spawner
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
     from litz.runtime.master import Master
 
 log = logging.getLogger(__name__)
@@ -73,15 +75,7 @@ class Elasticity:
 
     def on_command(self, cmd: dict[str, Any]) -> None:
         """A ``litz scale`` command: accepted (and started) or refused with a reason, at once."""
-        cid = str(cmd.get("id", ""))
-        try:
-            text = self._start(cid, cmd)
-        except _Refused as exc:
-            self.reply(cid, False, str(exc))
-            return
-        self.reply(cid, True, text)
-        log.info("scale %s: %s", cid, text)
-        self.tick()
+        self._answer("scale", cmd, self._start)
 
     def on_join(self, cmd: dict[str, Any]) -> None:
         """A node agent (``litz launch --join``) offers processes; queued while another scale runs."""
@@ -90,16 +84,20 @@ class Elasticity:
 
     def _next_join(self) -> None:
         while self.op is None and self._joins and self.m.state is not None and not self.m.recovering:
-            cmd = self._joins.pop(0)
-            cid = str(cmd.get("id", ""))
-            try:
-                text = self._start_join(cid, cmd)
-            except _Refused as exc:
-                self.reply(cid, False, str(exc))
-                continue
-            self.reply(cid, True, text)
-            log.info("join %s: %s", cid, text)
-            self.tick()
+            self._answer("join", self._joins.pop(0), self._start_join)
+
+    def _answer(self, kind: str, cmd: dict[str, Any], start: Callable[[str, dict[str, Any]], str]) -> None:
+        """Start a command or an offer and tell its sender, in one place so both kinds are answered
+        alike: refused with the reason, or accepted with what was started (then driven at once)."""
+        cid = str(cmd.get("id", ""))
+        try:
+            text = start(cid, cmd)
+        except _Refused as exc:
+            self.reply(cid, False, str(exc))
+            return
+        self.reply(cid, True, text)
+        log.info("%s %s: %s", kind, cid, text)
+        self.tick()
 
     def _start(self, cid: str, cmd: dict[str, Any]) -> str:
         st = self.m.state
