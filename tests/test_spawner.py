@@ -208,6 +208,35 @@ def test_the_zygote_refuses_a_malformed_request_and_goes_on(tmp_path, monkeypatc
     assert sp.process.returncode == 0 and not sp.alive()
 
 
+def test_a_late_answer_to_a_request_that_timed_out_is_not_taken_for_the_next_ones(tmp_path) -> None:
+    """A zygote too slow to answer in time (stopped here) still answers later. That answer must not be
+    taken for the next request's: the next spawn gets the pid of its own child, and the child started
+    for the request that gave up is killed, since no one will ever use it."""
+    sp = spawner.Spawner()
+    try:
+        sp.prepare(timeout=60)  # imports done: what follows times only the stop
+        args = ["--id", "w9", "--job", "j", "--etcd", "127.0.0.1:9"]
+        os.kill(sp.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(spawner.SpawnFailed, match="did not start litz.runtime.worker within 0 s"), \
+                    open(tmp_path / "late.log", "wb") as log:
+                sp.spawn("litz.runtime.worker", args, dict(os.environ), None, log, timeout=0.3)
+            with pytest.raises(spawner.SpawnFailed, match="did not get ready within 0 s"):
+                sp.prepare(timeout=0.3)
+        finally:
+            os.kill(sp.process.pid, signal.SIGCONT)
+        with open(tmp_path / "w.log", "wb") as log:  # answered after the two late answers
+            child = sp.spawn("litz.runtime.worker", ["--bogus"], dict(os.environ), None, log)
+        assert child.wait(30) == 2  # its own child: argparse's exit code, not the late one's
+        assert "the following arguments are required" in (tmp_path / "w.log").read_text()
+        late = [pid for pid in sp._pids if pid != child.pid]
+        assert len(late) == 1
+        _wait_for(lambda: sp.exit_codes.get(late[0]) is not None or sp.receive(0.1), what="the late child's end")
+        assert sp.exit_codes[late[0]] == -signal.SIGKILL
+    finally:
+        sp.close()
+
+
 def test_litz_spawn_exec_starts_fresh_interpreters_and_a_bad_value_is_refused(etcd, monkeypatch) -> None:
     monkeypatch.setenv("LITZ_SPAWN", "exec")
     seen: dict[str, tuple[int, str]] = {}

@@ -173,6 +173,7 @@ class Spawner:
         self._one_at_a_time = threading.Lock()  # a request and its answer (answers come in order)
         self.exit_codes: dict[int, int] = {}
         self._replies: list[dict[str, Any]] = []
+        self._seq = 0  # numbers the requests: a late answer to one that timed out is told from the next's
         self._pids: set[int] = set()  # every child it started
         self.children_cpu = 0.0  # CPU seconds of its children that exited (they are not the launcher's)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -215,7 +216,7 @@ class Spawner:
         return self.process.returncode is None and self._sock.fileno() >= 0
 
     def spawn(self, module: str, args: list[str], env: dict[str, str], stdout: int | None,
-              stderr: IO[bytes], numba: bool = False) -> ForkedProcess:
+              stderr: IO[bytes], numba: bool = False, timeout: float = 60.0) -> ForkedProcess:
         """Fork ``python -m module args`` with this environment and these streams; the child's pid
         once it exists (the first request waits for the zygote's imports). Numba is initialised in the
         zygote first (once) if ``numba`` or if this process has it loaded (:func:`numba_loaded`)."""
@@ -224,7 +225,7 @@ class Spawner:
         request = {"module": module, "args": args, "env": env, "cwd": os.getcwd(), "numba": numba or numba_loaded()}
         with open(os.devnull, "rb") as devnull:
             fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
-            reply = self._ask(request, fds, f"start {module}")
+            reply = self._ask(request, fds, f"start {module}", timeout)
         if "pid" not in reply:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
         return ForkedProcess(self, reply["pid"], [module, *args], numba_ready=bool(reply.get("numba")))
@@ -242,20 +243,33 @@ class Spawner:
         return bool(reply.get("numba"))
 
     def _ask(self, request: dict[str, Any], fds: list[int], what: str, timeout: float = 60.0) -> dict[str, Any]:
-        """Send one request with these descriptors and wait for its answer (answers come in order)."""
+        """Send one request with these descriptors and wait for its answer.
+
+        Answers come in order, but a request that timed out is still answered later. Each request
+        carries a number the zygote sends back, so such a late answer is never taken for the next
+        request's (a shared zygote serves later jobs too); a process it reports was started for no
+        one, and is killed."""
         with self._one_at_a_time:
+            self._seq += 1
+            seq = self._seq
             with self._lock:
                 try:
-                    socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+                    socket.send_fds(self._sock, [json.dumps({**request, "seq": seq}).encode()], fds)
                 except OSError as exc:
                     raise SpawnFailed(f"the process spawner is gone ({exc}); {self._log_tail()}") from exc
             deadline = time.monotonic() + timeout
-            while not self._replies:  # the zygote answers every request, or its end of the socket closes
+            while True:  # the zygote answers every request, or its end of the socket closes
+                while self._replies:
+                    reply = self._replies.pop(0)
+                    if reply.get("seq") == seq:
+                        return reply
+                    if "pid" in reply:  # started for a request that gave up waiting
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(reply["pid"], signal.SIGKILL)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SpawnFailed(f"the process spawner did not {what} within {timeout:.0f} s; {self._log_tail()}")
                 self.receive(min(1.0, left))
-            return self._replies.pop(0)
 
     def receive(self, timeout: float) -> None:
         """Read what the zygote said (waiting up to ``timeout`` for a first message). End of file (the
@@ -464,13 +478,15 @@ def serve(fd: int, numba: bool = False) -> int:
         if not data:  # the launcher closed its end: no more requests
             accepting = False
             continue
+        request: Any = None
         try:
             request = json.loads(data)
             if isinstance(request, dict) and request.get("prepare") is True and not fds:
                 # answered once the imports above are done (and Numba, if asked): the launcher is ready
                 if request.get("numba") is True:
                     _warm_numba()
-                _send(sock, {"kind": "reply", "prepared": True, "numba": _NUMBA_WARM == [True]})
+                _send(sock, {"kind": "reply", "seq": request.get("seq"), "prepared": True,
+                             "numba": _NUMBA_WARM == [True]})
                 continue
             if not isinstance(request, dict) or request.get("module") not in ENTRY_POINTS or len(fds) != 3:
                 what = request.get("module") if isinstance(request, dict) else type(request).__name__
@@ -481,14 +497,15 @@ def serve(fd: int, numba: bool = False) -> int:
         except (ValueError, OSError) as exc:
             for f in fds:
                 os.close(f)
-            _send(sock, {"kind": "reply", "error": f"{type(exc).__name__}: {exc}"})
+            seq = request.get("seq") if isinstance(request, dict) else None
+            _send(sock, {"kind": "reply", "seq": seq, "error": f"{type(exc).__name__}: {exc}"})
             continue
         if pid == 0:
             _child(request, fds, [sock.fileno(), wake_r, wake_w])
         for f in fds:
             os.close(f)
         children.add(pid)
-        _send(sock, {"kind": "reply", "pid": pid, "numba": _NUMBA_WARM == [True]})
+        _send(sock, {"kind": "reply", "seq": request.get("seq"), "pid": pid, "numba": _NUMBA_WARM == [True]})
     return 0
 
 
