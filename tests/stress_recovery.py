@@ -9,9 +9,11 @@ hang it prints the master's bookkeeping. The tests in test_recovery.py pin down 
 that runs of this script found.
 
 With ``--scale`` a scale command (workers or servers in or out) starts just before the kill, so
-the loss strikes before, during or after its migrations and new processes' start.
+the loss strikes before, during or after its migrations and new processes' start. With
+``--cascade`` one more process is killed a moment after the first loss, so the second loss
+strikes while the first is being recovered (or just after).
 
-Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0] [--scale]``
+Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0] [--scale] [--cascade]``
 """
 
 from __future__ import annotations
@@ -75,7 +77,28 @@ def _scale_at_random(rng: random.Random, job: str, said: list[str]) -> threading
     return th
 
 
-def one(seed: int, recovery: str, scaling: bool = False) -> bool:
+def _kill_another(rng: random.Random, job: str, killed: list[str]) -> None:
+    """``--cascade``: kill one more member, of a role that keeps at least one process afterwards."""
+    procs = [p for p in job_status(job)["processes"] if p["role"] in ("worker", "server")
+             and p.get("state", "member") == "member" and p["id"] not in killed]
+    roles = [r for r in ("worker", "server") if sum(p["role"] == r for p in procs) >= 2]
+    if not roles:
+        return
+    role = rng.choice(roles)
+    victim = rng.choice([p for p in procs if p["role"] == role])
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.append(victim["id"])
+
+
+def _all_recovered(status: dict, killed: list[str]) -> bool:
+    """Whether every killed process is named by a completed recovery (losses noticed together
+    are recovered together, so one recovery may name several)."""
+    named = {ident for r in status["master"].get("recoveries", []) for ident in r["lost"].split(", ")}
+    return set(killed) <= named
+
+
+def one(seed: int, recovery: str, scaling: bool = False, cascade: bool = False) -> bool:
     rng = random.Random(seed)
     tmp = Path(tempfile.mkdtemp(prefix="litz-stress-"))
     os.environ["LITZ_JOBS_DIR"] = str(tmp / "jobs")
@@ -100,8 +123,10 @@ def one(seed: int, recovery: str, scaling: bool = False) -> bool:
             victim = rng.choice([p for p in procs if p["id"].startswith(kind)])
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(victim["id"])
-        recoveries = len(killed) if recovery == "partial" else 1  # a full one rolls back for all at once
-        _status_when(job, lambda s: not t.is_alive() or len(s["master"].get("recoveries", [])) >= recoveries)
+        if cascade:
+            time.sleep(rng.uniform(0.0, 0.8))
+            _kill_another(rng, job, killed)
+        _status_when(job, lambda s: not t.is_alive() or _all_recovered(s, killed))
         if scaler is not None:
             scaler.join(45)
         time.sleep(1.0)
@@ -139,8 +164,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="first seed (runs use seed, seed + 1, ...)")
     ap.add_argument("--scale", action="store_true",
                     help="also scale the workers or servers in or out as the process is killed")
+    ap.add_argument("--cascade", action="store_true",
+                    help="kill one more process a moment after the first loss, while it is recovered")
     args = ap.parse_args()
-    failed = sum(not one(s, args.recovery, args.scale) for s in range(args.seed, args.seed + args.runs))
+    failed = sum(not one(s, args.recovery, args.scale, args.cascade) for s in range(args.seed, args.seed + args.runs))
     print(f"{failed} of {args.runs} runs failed")
     sys.exit(1 if failed else 0)
 
