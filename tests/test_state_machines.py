@@ -635,3 +635,46 @@ def test_lost_processes_are_reported_in_id_order() -> None:
     from litz.runtime.master import _id_order
 
     assert sorted(["s10", "w1", "s2", "s1"], key=_id_order) == ["s1", "s2", "s10", "w1"]
+
+
+def test_an_unreachable_etcd_is_reported_once_per_outage_by_the_status_publisher(caplog) -> None:
+    """The master publishes its status every few hundred ms. While etcd is down that write fails each
+    time: the first failure is a warning, the next ones are not repeated, and the first write that
+    succeeds again says so (and the status it wrote is the current one)."""
+    import logging
+
+    from litz.errors import EtcdUnreachable
+    from litz.runtime.master import STATUS_KEY, Master
+    from tests import testapps
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.down = False
+            self.puts: list[dict] = []
+
+        def put(self, key: str, value: dict) -> None:
+            if self.down:
+                raise EtcdUnreachable("cannot reach etcd at 127.0.0.1:1 (put status)")
+            assert key == STATUS_KEY
+            self.puts.append(value)
+
+    etcd = Flaky()
+    m = Master(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), "j", etcd,  # type: ignore[arg-type]
+               workers=1, servers=1, num_executors=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="litz.runtime.master"):
+            m.publish_status("running")
+            etcd.down = True
+            for _ in range(5):
+                m.publish_status("running")
+            etcd.down = False
+            m.publish_status("finishing")
+            etcd.down = True
+            m.publish_status("finishing")  # a second outage is reported again
+        said = [r.getMessage() for r in caplog.records]
+        assert said == ["could not publish the job status: cannot reach etcd at 127.0.0.1:1 (put status)",
+                        "the job status is published again",
+                        "could not publish the job status: cannot reach etcd at 127.0.0.1:1 (put status)"]
+        assert [p["phase"] for p in etcd.puts] == ["running", "finishing"]
+    finally:
+        m.endpoint.close()

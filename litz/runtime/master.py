@@ -489,6 +489,7 @@ class Master:
         self.lost: set[str] = set()  # fenced: declared lost, never heard again (see _fence)
         self._fenced_told: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
+        self._status_unpublished = False  # the last status write failed (etcd unreachable)
         self._restoring: _Restoring | None = None  # the partial recovery in progress
         self._waiting_losses: list[tuple[str, str]] = []  # (ident, role) lost during the other role's recovery
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
@@ -567,7 +568,13 @@ class Master:
         try:
             self.membership.put(STATUS_KEY, status)
         except LitzError as exc:  # status is informative: never stop the job for it
-            log.warning("could not publish the job status: %s", exc)
+            # said once per outage: the status is published every few hundred ms
+            (log.debug if self._status_unpublished else log.warning)("could not publish the job status: %s", exc)
+            self._status_unpublished = True
+            return
+        if self._status_unpublished:
+            self._status_unpublished = False
+            log.warning("the job status is published again")
 
     def _check_health(self) -> None:
         while self.health_check is not None:  # each failure is reported once: all of them, in turn
