@@ -16,7 +16,7 @@ setup(
         "greenlet>=3.0",
         "cloudpickle>=3.0",
         "pyarrow>=14",
-        "etcd3aio>=0.3",
+        "etcd3aio>=0.3,<0.4",  # litz/runtime/membership.py builds on its watch service (_Watch)
     ],
     extras_require={
         # the apps' GPU kernels: Numba-CUDA (MLR, NN-Descent) and CuPy (MF) (apps/gpu.py); pick the extra of

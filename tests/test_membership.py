@@ -315,6 +315,34 @@ def test_register_survives_etcd_restart(etcd: LocalEtcd, members: Callable[..., 
     assert Event("put", "procs/after-restart", {"ok": True}) in events
 
 
+def test_a_watch_through_an_etcd_restart_leaves_no_task_behind_and_logs_the_outage_once(
+        etcd: LocalEtcd, members: Callable[..., Membership], caplog: pytest.LogCaptureFixture) -> None:
+    """Each watch stream that an etcd restart breaks must let go of gRPC's task that feeds its
+    requests. Left waiting, those tasks are destroyed later while pending, and the process prints
+    "Task was destroyed but it is pending!" for each (they were collected here at the end, under
+    ``gc.collect()``). The outage is logged once, and once again when the watch is back."""
+    import gc
+    import logging
+
+    a, b = members(), members()
+    b.watch_prefix("procs/")
+    with caplog.at_level(logging.DEBUG, logger="asyncio"), \
+            caplog.at_level(logging.WARNING, logger="litz.runtime.membership"):
+        etcd.restart()
+        time.sleep(1.0)  # the watch fails and retries meanwhile
+        a.put("procs/after-restart", {"ok": True})
+        events = _events_until(b, _has("put", "procs/after-restart"), timeout=5)
+        assert Event("put", "procs/after-restart", {"ok": True}) in events
+        b.close()
+        for _ in range(3):
+            gc.collect()
+            time.sleep(0.1)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "destroyed but it is pending" in m or "never retrieved" in m], said
+    assert sum(f"watch on /litz/{JOB}/procs/ failed" in m for m in said) == 1, said
+    assert sum(f"watch on /litz/{JOB}/procs/ resumed" in m for m in said) == 1, said
+
+
 def test_close_does_not_wait_long_for_an_etcd_known_to_be_gone(etcd: LocalEtcd,
                                                               members: Callable[..., Membership]) -> None:
     """Once the keep-alive finds etcd gone, ``close()`` tries the revoke once, briefly, instead of for

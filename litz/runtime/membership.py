@@ -6,8 +6,9 @@ default) and keeps it alive; when a process dies or hangs, etcd deletes the key 
 asyncio gRPC client) can be swapped without touching the rest of Litz.
 
 Threading model: the rest of a Litz process runs a greenlet/ZeroMQ hub loop that must never block on etcd,
-and asyncio cannot share that loop.  So each ``Membership`` owns a daemon thread running its own asyncio
-loop; the lease keep-alive and the watches live there as tasks.  Watch events cross to the hub through a
+and asyncio cannot share that loop.  So the etcd clients of a process run on one daemon thread with an
+asyncio loop of its own (gRPC's asyncio layer binds to one loop per process); each ``Membership``'s lease
+keep-alive and watches live there as tasks.  Watch events cross to the hub through a
 thread-safe ``queue.Queue`` plus an ``on_event()`` wake-up callback (the hub's writes a byte to a pipe it
 polls).  The synchronous methods submit a coroutine to that loop and wait for its result; they block the
 caller for at most about the configured timeout, and ``poll_events()`` never blocks.
@@ -21,20 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError, prefix_range_end
+from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError, WatchFilter, prefix_range_end
+from etcd3aio.watch import WatchCreateRequest, WatchRequest, WatchResponse, WatchService
 
 from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProtocolError
 
@@ -153,6 +156,57 @@ def _is_transient(exc: BaseException) -> bool:
 def _is_lease_not_found(exc: BaseException) -> bool:
     """A put with a lease that etcd has already expired fails with NOT_FOUND; we then grant a new lease."""
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
+
+
+class _Watch(WatchService):
+    """One watch stream per call, which lets go of everything it holds when it ends.
+
+    etcd3aio's own watch reconnects by itself, and every stream it gives up leaves gRPC's task that
+    feeds the stream's requests waiting for ever on the request generator (gRPC cancels that task only
+    for a call that has not failed yet). After an etcd restart those tasks are destroyed while pending,
+    and the process prints "Task was destroyed but it is pending!" and "aclose(): asynchronous generator
+    is already running" for each. Here the request generator ends with its stream, and reconnecting is
+    left to :meth:`Membership._watch_loop`, which resumes at the next revision anyway."""
+
+    async def watch(  # noqa: PLR0913 - etcd3aio's signature
+        self,
+        key: str | bytes,
+        range_end: str | bytes | None = None,
+        start_revision: int = 0,
+        prev_kv: bool = False,
+        *,
+        filters: Sequence[WatchFilter] = (),
+        progress_notify: bool = False,
+    ) -> AsyncIterator[WatchResponse]:
+        """The responses of one watch stream, until it ends or fails (the error is raised)."""
+        create = WatchCreateRequest(key=self._to_bytes(key),
+                                    range_end=b"" if range_end is None else self._to_bytes(range_end),
+                                    start_revision=start_revision, prev_kv=prev_kv,
+                                    filters=[int(f) for f in filters], progress_notify=progress_notify)
+        ended = asyncio.Event()
+
+        async def requests() -> AsyncIterator[WatchRequest]:
+            yield WatchRequest(create_request=create)
+            await ended.wait()  # the stream stays open for responses until it ends
+
+        call = self._stub.Watch(requests(), metadata=self._metadata or None)  # type: ignore[call-arg]
+        try:
+            async for response in call:
+                yield response
+        finally:
+            ended.set()
+            call.cancel()
+
+
+class _Client(Etcd3Client):
+    """etcd3aio's client with :class:`_Watch` as its watch service."""
+
+    async def connect(self) -> None:
+        await super().connect()
+        assert self._channel is not None
+        self.watch = _Watch(self._channel, max_attempts=self._rpc_max_attempts)
+        if self._token:
+            self.watch.set_token(self._token)
 
 
 _SHARED_LOCK = threading.Lock()
@@ -477,14 +531,8 @@ class Membership:
     async def _connect(self) -> None:
         """Create the client and make one read, retrying until ``connect_timeout`` (etcd may be starting)."""
         self._lease_lock = asyncio.Lock()
-        # rpc_max_attempts=1: we retry ourselves (see _retry).  Watches reconnect with short back-off so
-        # they resume within about a second of etcd coming back.
-        self._client = Etcd3Client(
-            self._endpoints,
-            rpc_max_attempts=1,
-            watch_reconnect_backoff_seconds=0.1,
-            watch_max_reconnect_backoff_seconds=1.0,
-        )
+        # rpc_max_attempts=1: we retry ourselves (see _retry); watches too (_watch_loop).
+        self._client = _Client(self._endpoints, rpc_max_attempts=1)
         await self._client.connect()
         kv = self._client.kv
         assert kv is not None
@@ -695,59 +743,70 @@ class Membership:
     async def _watch_loop(self, full_prefix: str, created: asyncio.Future[None]) -> None:
         """Feed watch responses into the event queue for ever, re-creating the watch whenever it ends.
 
-        etcd3aio's watch already reconnects after UNAVAILABLE (what an etcd restart looks like); this loop
-        covers what it does not: a watch that etcd cancels (e.g. after compaction), a stream that ends
-        cleanly, or any other error.  It resumes at the revision after the last event it delivered.
+        A stream ends on UNAVAILABLE (what an etcd restart looks like), when etcd cancels it (e.g. after
+        compaction), cleanly, or on any other error; each is closed at once and a new one resumes at the
+        revision after the last event delivered, after a short back-off (0.1 s doubling to 1 s, so a
+        watch resumes within about a second of etcd coming back). An outage is logged once, and again
+        when the watch is back.
         """
         watch_svc = self._kv_client().watch
         assert watch_svc is not None
         range_end = prefix_range_end(full_prefix)
         next_rev = 0
         delay = 0.1
+        failing = False
         while True:
             try:
-                async for resp in watch_svc.watch(full_prefix, range_end=range_end, start_revision=next_rev):
-                    if resp.created:
-                        if next_rev > resp.header.revision + 1:
-                            # The store's revision went backwards: etcd came back with a fresh data
-                            # directory.  Waiting for our old revision would hide every change for ages;
-                            # replaying the new store's whole (short) history delivers what it holds.
-                            _log.warning("etcd %s: revision went back from %d to %d (data lost?); "
-                                         "replaying %s from revision 1", self._url, next_rev - 1,
-                                         resp.header.revision, full_prefix)  # fmt: skip
-                            next_rev = 1
+                async with contextlib.aclosing(
+                    watch_svc.watch(full_prefix, range_end=range_end, start_revision=next_rev)
+                ) as stream:
+                    async for resp in stream:
+                        if resp.created:
+                            if failing:
+                                _log.warning("etcd %s: watch on %s resumed at revision %d", self._url, full_prefix,
+                                             max(next_rev, 1))
+                                failing = False
+                            if next_rev > resp.header.revision + 1:
+                                # The store's revision went backwards: etcd came back with a fresh data
+                                # directory.  Waiting for our old revision would hide every change for ages;
+                                # replaying the new store's whole (short) history delivers what it holds.
+                                _log.warning("etcd %s: revision went back from %d to %d (data lost?); "
+                                             "replaying %s from revision 1", self._url, next_rev - 1,
+                                             resp.header.revision, full_prefix)  # fmt: skip
+                                next_rev = 1
+                                break
+                            if next_rev == 0:  # no history requested: nothing before header.revision is owed
+                                next_rev = resp.header.revision + 1
+                            if not created.done():
+                                created.set_result(None)
+                        if resp.canceled:
+                            if resp.compact_revision > 0:
+                                _log.warning(
+                                    "etcd %s: watch on %s fell behind compaction; lost changes before rev %d",
+                                    self._url, full_prefix, resp.compact_revision,
+                                )  # fmt: skip
+                                next_rev = resp.compact_revision
+                            else:
+                                _log.warning("etcd %s: watch on %s cancelled (%s); re-creating it",
+                                             self._url, full_prefix, resp.cancel_reason)  # fmt: skip
                             break
-                        if next_rev == 0:  # no history requested: nothing before header.revision is owed
-                            next_rev = resp.header.revision + 1
-                        if not created.done():
-                            created.set_result(None)
-                    if resp.canceled:
-                        if resp.compact_revision > 0:
-                            _log.warning(
-                                "etcd %s: watch on %s fell behind compaction; lost changes before rev %d",
-                                self._url, full_prefix, resp.compact_revision,
-                            )  # fmt: skip
-                            next_rev = resp.compact_revision
-                        else:
-                            _log.warning("etcd %s: watch on %s cancelled (%s); re-creating it",
-                                         self._url, full_prefix, resp.cancel_reason)  # fmt: skip
-                        break
-                    events = []
-                    for ev in resp.events:
-                        next_rev = max(next_rev, ev.kv.mod_revision + 1)
-                        event = self._to_event(ev)
-                        if event is not None:
-                            events.append(event)
-                    if events:
-                        for event in events:
-                            self._events.put(event)
-                        self._wake()
-                    delay = 0.1
+                        events = []
+                        for ev in resp.events:
+                            next_rev = max(next_rev, ev.kv.mod_revision + 1)
+                            event = self._to_event(ev)
+                            if event is not None:
+                                events.append(event)
+                        if events:
+                            for event in events:
+                                self._events.put(event)
+                            self._wake()
+                        delay = 0.1
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                _log.warning("etcd %s: watch on %s failed (%s); re-creating it in %.1f s",
-                             self._url, full_prefix, _describe(exc), delay)  # fmt: skip
+            except Exception as exc:  # said once per outage: the stream is re-created every second
+                (_log.debug if failing else _log.warning)("etcd %s: watch on %s failed (%s); re-creating it",
+                                                          self._url, full_prefix, _describe(exc))
+                failing = True
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
