@@ -11,9 +11,13 @@ that runs of this script found.
 With ``--scale`` a scale command (workers or servers in or out) starts just before the kill, so
 the loss strikes before, during or after its migrations and new processes' start. With
 ``--cascade`` one more process is killed a moment after the first loss, so the second loss
-strikes while the first is being recovered (or just after).
+strikes while the first is being recovered (or just after). With ``--etcd-restart`` the job
+uses an etcd of its own that is restarted around the kill (just before, or while the loss is
+noticed), so the loss must be detected and recovered while clients reconnect and leases are
+re-established.
 
-Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0] [--scale] [--cascade]``
+Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0] [--scale] [--cascade]
+[--etcd-restart]``
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -91,6 +96,12 @@ def _kill_another(rng: random.Random, job: str, killed: list[str]) -> None:
         killed.append(victim["id"])
 
 
+def _kill(victims: list[dict], killed: list[str]) -> None:
+    for victim in victims:
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.append(victim["id"])
+
+
 def _all_recovered(status: dict, killed: list[str]) -> bool:
     """Whether every killed process is named by a completed recovery (losses noticed together
     are recovered together, so one recovery may name several)."""
@@ -98,8 +109,17 @@ def _all_recovered(status: dict, killed: list[str]) -> bool:
     return set(killed) <= named
 
 
-def one(seed: int, recovery: str, scaling: bool = False, cascade: bool = False) -> bool:
+def one(seed: int, recovery: str, scaling: bool = False, cascade: bool = False, etcd_restart: bool = False) -> bool:
     rng = random.Random(seed)
+    if etcd_restart:
+        from litz.runtime.etcd_server import LocalEtcd
+
+        with LocalEtcd() as etcd:
+            return _one(rng, seed, recovery, scaling, cascade, etcd)
+    return _one(rng, seed, recovery, scaling, cascade, None)
+
+
+def _one(rng: random.Random, seed: int, recovery: str, scaling: bool, cascade: bool, etcd: Any) -> bool:
     tmp = Path(tempfile.mkdtemp(prefix="litz-stress-"))
     os.environ["LITZ_JOBS_DIR"] = str(tmp / "jobs")
     stop = tmp / "stop"
@@ -108,7 +128,7 @@ def one(seed: int, recovery: str, scaling: bool = False, cascade: bool = False) 
     app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=rng.random() < 0.5)
     job = f"stress-{seed}-{time.time_ns()}"
     t, out = run_in_thread(app, workers=3, servers=3, job=job, checkpoint_dir=str(tmp / "ckpt"),
-                           checkpoint_every="0.4s", recovery=recovery)
+                           checkpoint_every="0.4s", recovery=recovery, etcd=etcd.url if etcd else None)
     killed: list[str] = []
     said: list[str] = []  # what the scale command reported (--scale)
     scaler: threading.Thread | None = None
@@ -119,10 +139,17 @@ def one(seed: int, recovery: str, scaling: bool = False, cascade: bool = False) 
         time.sleep(rng.uniform(0.0, 0.6) if scaling else rng.uniform(0.1, 1.0))
         procs = [p for p in job_status(job)["processes"] if p["role"] in ("worker", "server")
                  and p.get("state", "member") == "member"]
-        for kind in rng.choice([["w"], ["s"], ["w", "s"]]):
-            victim = rng.choice([p for p in procs if p["id"].startswith(kind)])
-            os.kill(victim["pid"], signal.SIGKILL)
-            killed.append(victim["id"])
+        victims = [rng.choice([p for p in procs if p["id"].startswith(kind)])
+                   for kind in rng.choice([["w"], ["s"], ["w", "s"]])]
+        if etcd is None:
+            _kill(victims, killed)
+        else:  # the kill lands during the restart or a moment after it
+            # etcd is restarted by this thread, which outlives it: Linux ties etcd's parent-death
+            # signal to the thread that started it, so the kill comes from another one
+            killer = threading.Timer(rng.uniform(0.0, 1.5), _kill, (victims, killed))
+            killer.start()
+            etcd.restart()
+            killer.join()
         if cascade:
             time.sleep(rng.uniform(0.0, 0.8))
             _kill_another(rng, job, killed)
@@ -166,8 +193,11 @@ def main() -> None:
                     help="also scale the workers or servers in or out as the process is killed")
     ap.add_argument("--cascade", action="store_true",
                     help="kill one more process a moment after the first loss, while it is recovered")
+    ap.add_argument("--etcd-restart", action="store_true",
+                    help="the job's own etcd is restarted around the kill")
     args = ap.parse_args()
-    failed = sum(not one(s, args.recovery, args.scale, args.cascade) for s in range(args.seed, args.seed + args.runs))
+    failed = sum(not one(s, args.recovery, args.scale, args.cascade, args.etcd_restart)
+                 for s in range(args.seed, args.seed + args.runs))
     print(f"{failed} of {args.runs} runs failed")
     sys.exit(1 if failed else 0)
 
