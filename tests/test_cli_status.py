@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import litz
@@ -181,7 +182,7 @@ def test_a_command_whose_job_ends_with_its_etcd_is_told_from_an_unreachable_etcd
         etcd = LocalEtcd()
         etcd.start()
         try:
-            jobs.record("cmd", etcd.url)
+            jobs.claim("cmd", etcd.url)
             with Membership(etcd.url, "cmd", connect_timeout=1.0) as cli:  # gone etcd: told in 1 s, not 5
                 if not recorded:
                     jobs.forget("cmd")
@@ -192,3 +193,68 @@ def test_a_command_whose_job_ends_with_its_etcd_is_told_from_an_unreachable_etcd
         finally:
             etcd.stop()
             jobs.forget("cmd")
+
+
+def test_a_job_name_in_use_is_refused_on_its_host_and_on_a_shared_etcd(tmp_path: Path, monkeypatch, etcd) -> None:
+    """A second job may not take the name of a running one: on the same host (one record per name, or
+    the first to end would take the other's away from `litz status`), nor on the same etcd from another
+    host (the second job's processes would replace the first's keys, and their exit would look to the
+    first job like its master's loss: it failed so before). Both are refused before any process starts,
+    the first job runs on with exact sums and no recovery, and the name is free once it ends."""
+    from litz.errors import ConfigError
+    from litz.runtime import jobs
+    from tests.conftest import processes_mentioning, run_in_thread, wait_running
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "here"))
+    job = f"dup-{time.time_ns()}"
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    t, out = run_in_thread(app, workers=1, servers=1, job=job, etcd=etcd.url)
+    try:
+        wait_running(job, out)
+        small = testapps.migrating_app(tasks=20, executors=2, move_prob=0.0)
+        with pytest.raises(ConfigError, match=f"a job named '{job}' is already running on this host"):
+            litz.run(small, workers=1, servers=1, job=job)  # its own etcd: the record is what collides
+        # another host (its own jobs folder) on the same etcd
+        env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "there"))
+        other = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "--job", job, "--etcd", etcd.url,
+                                "examples/sum.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert other.returncode == 1, other.stderr
+        assert f"a job named '{job}' is already running on etcd {etcd.url}" in other.stderr
+        assert f"pid {os.getpid()}" in other.stderr
+        assert jobs.lookup(job)["pid"] == os.getpid()  # the refused ones took nothing away
+        done = out.get("res")
+        assert done is None, "the first job ended early"
+    finally:
+        stop.touch()
+        t.join(60)
+    assert "error" not in out, out.get("traceback")
+    res = out["res"]
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    assert res.stats["master"]["recoveries"] == []
+    again = litz.run(small, workers=1, servers=1, job=job, etcd=etcd.url)  # the name is free again
+    np.testing.assert_array_equal(again.value["final"], again.value["truth"])
+    assert processes_mentioning(job) == []
+
+
+def test_a_stale_job_record_is_replaced_and_a_refused_launcher_removes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A record whose launcher is gone, or whose pid now belongs to another process (it started at
+    another time), is replaced; a live one is kept; forget() with another record's token leaves it."""
+    from litz.errors import ConfigError
+    from litz.runtime import jobs
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    path = tmp_path / "j.json"
+    for stale in ({"job": "j", "etcd": "x", "pid": 2**22 + 7},  # above any pid_max
+                  {"job": "j", "etcd": "x", "pid": 1, "started": -1}):  # pid 1 did not start then
+        path.write_text(json.dumps(stale))
+        token = jobs.claim("j", "http://127.0.0.1:1")
+        assert jobs.lookup("j")["token"] == token and jobs.lookup("j")["pid"] == os.getpid()
+        with pytest.raises(ConfigError, match="already running on this host"):
+            jobs.claim("j", "http://127.0.0.1:2")
+        jobs.forget("j", "another token")
+        assert jobs.lookup("j")["etcd"] == "http://127.0.0.1:1"
+        jobs.forget("j", token)
+        assert not path.exists()

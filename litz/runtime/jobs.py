@@ -4,12 +4,20 @@
 
 The launcher writes ``<jobs dir>/<job>.json`` (etcd URL, launcher pid) when a job starts and
 removes it when the job ends. The folder is ``$LITZ_JOBS_DIR`` or ``~/.cache/litz/jobs``.
+
+A name is one job's at a time on a host: :func:`claim` refuses a name whose record belongs to a
+launcher that still runs. Two jobs of one name would share the record, and the first to end would
+take it away from the other (``litz status``, ``scale`` and ``stop`` could no longer find it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +34,57 @@ def _path(job: str) -> Path:
     return jobs_dir() / f"{job}.json"
 
 
-def record(job: str, etcd: str) -> None:
-    """Remember that ``job`` runs on ``etcd`` (written atomically)."""
-    path = _path(job)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"job": job, "etcd": etcd, "pid": os.getpid()}))
-    tmp.replace(path)
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """The jobs folder to this process alone (an advisory lock), so that two launchers cannot both
+    find a name free and both take it."""
+    folder = jobs_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def forget(job: str) -> None:
+def _read(path: Path) -> dict[str, Any] | None:
     try:
-        _path(job).unlink()
-    except FileNotFoundError:
-        pass
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def claim(job: str, etcd: str) -> str:
+    """Record that ``job`` runs on ``etcd``, for this process; the record's token (for :func:`forget`).
+
+    ConfigError if a launcher that still runs holds the name. A record left by one that is gone
+    (``kill -9``) is stale and replaced."""
+    path = _path(job)
+    with _locked():
+        held = _read(path)
+        if held is not None and _launcher_alive(held):
+            raise ConfigError(f"a job named {job!r} is already running on this host (its launcher is pid "
+                              f"{held.get('pid')}, etcd {held.get('etcd')}): pick another --job name, or stop "
+                              f"that job first (litz stop --job {job})")
+        token = secrets.token_hex(8)
+        pid = os.getpid()
+        tmp = path.with_suffix(f".tmp{pid}")
+        tmp.write_text(json.dumps({"job": job, "etcd": etcd, "pid": pid, "started": _start_time(pid),
+                                   "token": token}))
+        tmp.replace(path)
+    return token
+
+
+def forget(job: str, token: str | None = None) -> None:
+    """Remove the record of ``job``: only the one :func:`claim` returned ``token`` for, if given
+    (a launcher refused the name must not remove the record of the job that has it)."""
+    path = _path(job)
+    with _locked():
+        if token is not None and (_read(path) or {}).get("token") != token:
+            return
+        path.unlink(missing_ok=True)
 
 
 def local_jobs() -> list[dict[str, Any]]:
@@ -49,15 +94,33 @@ def local_jobs() -> list[dict[str, Any]]:
     is stale, and is removed here."""
     out = []
     for path in sorted(jobs_dir().glob("*.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
+        rec = _read(path)
+        if rec is None:
             continue
-        if pid_alive(int(rec.get("pid", 0))):
+        if _launcher_alive(rec):
             out.append(rec)
         else:
             path.unlink(missing_ok=True)
     return out
+
+
+def _launcher_alive(rec: dict[str, Any]) -> bool:
+    """Whether the launcher that wrote ``rec`` still runs: its pid exists and, where the record says
+    when that process started, it is the same process (pids are reused)."""
+    pid = int(rec.get("pid", 0))
+    if not pid_alive(pid):
+        return False
+    started = rec.get("started")
+    return started is None or started == _start_time(pid)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux ``/proc``); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name before ")" may hold spaces
 
 
 def pid_alive(pid: int) -> bool:

@@ -33,11 +33,13 @@ from litz.runtime import jobs, security, spawner
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import Master, Resume, StartupTimeout
-from litz.runtime.membership import Membership, lease_ttl
+from litz.runtime.membership import KeyHeld, Membership, lease_ttl
 from litz.runtime.node import proc_key
 from litz.runtime.transport import check_bind_host, host_name
 
 log = logging.getLogger(__name__)
+
+LAUNCHER_KEY = "launcher"  # on a shared etcd, the job's name: held under its launcher's lease
 
 
 def new_job_name() -> str:
@@ -78,6 +80,7 @@ class LocalCluster:
         self._reported: set[str] = set()  # children whose failure was reported
         self.rundir = Path(tempfile.mkdtemp(prefix=f"{job}-"))
         self._stopping = False
+        self._record: str | None = None  # the token of this job's record in the local jobs folder
 
     # -- start --------------------------------------------------------------------------------
     def __enter__(self) -> LocalCluster:
@@ -98,6 +101,10 @@ class LocalCluster:
             self._etcd = LocalEtcd()
             self._etcd.start(wait=False)
             self.etcd_url = self._etcd.url
+        if not self.join:  # before any process starts: the name must be this job's alone
+            self._record = jobs.claim(self.job, self.etcd_url)
+            if self._etcd is None:  # a shared etcd: no other job of this name may run on it either
+                self._claim_on_etcd()
         if spawner.enabled():  # this process's zygote: imported once, forks each process (litz.runtime.spawner)
             self._spawner = spawner.shared()
         etcd_waits = self._etcd
@@ -114,21 +121,52 @@ class LocalCluster:
                 self._spawn("litz.runtime.worker", f"w{i}")
         if etcd_waits is not None:
             etcd_waits.wait_ready()
-        self._agent = Membership(self.etcd_url, self.job)
+        if self._agent is None:
+            self._agent = self._connect()
+        self._agent.watch_prefix(f"{AGENTS}{self.node}/")
+        agent = {"role": "agent", "id": f"agent-{self.node}", "host": self.node,
+                 "pid": os.getpid(), "children": {k: p.pid for k, p in self.children.items()}}
+        if self._agent.registered:  # under the lease of the job's name (_claim_on_etcd)
+            self._agent.put(proc_key("agent", self.node), agent, lease=True)
+        else:
+            self._agent.register(proc_key("agent", self.node), agent)
+
+    def _connect(self) -> Membership:
+        agent = Membership(self.etcd_url or "", self.job)
         try:
-            self._agent.start()
+            agent.start()
         except EtcdUnreachable as exc:
             if self._etcd is None:
                 raise
             # our own etcd answered /health a moment ago: say what became of it
             raise EtcdUnreachable(f"{exc}\n{self._etcd.diagnosis()}") from exc
-        if not self.join:
-            jobs.record(self.job, self.etcd_url)
-        self._agent.watch_prefix(f"{AGENTS}{self.node}/")
-        self._agent.register(proc_key("agent", self.node), {
-            "role": "agent", "id": f"agent-{self.node}", "host": self.node,
-            "pid": os.getpid(), "children": {k: p.pid for k, p in self.children.items()},
-        })
+        return agent
+
+    def _claim_on_etcd(self) -> None:
+        """Take the job's name on a shared etcd (its ``launcher`` key, under this agent's lease), or
+        ConfigError naming the launcher that has it.
+
+        Two jobs of one name would share their keys: the processes of the second would replace the
+        first's, and the first job's processes would take the second's exit for their master's loss.
+        A launcher killed with ``kill -9`` holds the name until its lease expires, so a taken name is
+        tried again for a lease's time-to-live before it is refused (``--resume`` right after a kill)."""
+        self._agent = self._connect()
+        me = {"pid": os.getpid(), "host": self.node, "since": time.time()}
+        deadline = time.monotonic() + lease_ttl() + 1.0
+        while True:
+            try:
+                self._agent.register(LAUNCHER_KEY, me, exclusive=True)
+                return
+            except KeyHeld as exc:
+                if time.monotonic() >= deadline:
+                    held = exc.holder
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("since", 0)))
+                    raise ConfigError(
+                        f"a job named {self.job!r} is already running on etcd {self.etcd_url} (its launcher "
+                        f"is pid {held.get('pid')} on {held.get('host')}, since {since}): pick another --job "
+                        f"name, or stop that job first (litz stop --job {self.job} --etcd {self.etcd_url})"
+                    ) from None
+            time.sleep(0.25)
 
     def _spawn(self, module: str, ident: str, numba: bool = False) -> None:
         env = dict(os.environ)
@@ -244,8 +282,9 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         self._spawner = None  # the zygote stays for this process's next job
-        if not self.join:
-            jobs.forget(self.job)
+        if self._record is not None:
+            jobs.forget(self.job, self._record)
+            self._record = None
         if self._agent is not None:
             try:
                 self._agent.close()

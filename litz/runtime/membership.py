@@ -158,6 +158,15 @@ def _is_lease_not_found(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
 
 
+class KeyHeld(LitzError):
+    """``register(..., exclusive=True)`` found the key held by someone else (``holder``: its value)."""
+
+    def __init__(self, key: str, holder: dict) -> None:
+        super().__init__(f"etcd key {key} is held by {holder}")
+        self.key = key
+        self.holder = holder
+
+
 class _Watch(WatchService):
     """One watch stream per call, which lets go of everything it holds when it ends.
 
@@ -363,8 +372,11 @@ class Membership:
 
     # -- public operations ------------------------------------------------------------------------------
 
-    def register(self, key: str, value: dict, ttl: int | None = None) -> None:
+    def register(self, key: str, value: dict, ttl: int | None = None, *, exclusive: bool = False) -> None:
         """Put ``key`` = ``value`` under a new lease of ``ttl`` seconds and keep that lease alive.
+
+        With ``exclusive``, only if no one else holds ``key``: :class:`KeyHeld` (with the holder's
+        value) otherwise, and nothing is registered. The check and the put are one etcd transaction.
 
         The keep-alive runs every ``ttl/3`` s on the etcd thread.  If the lease is lost (etcd restarted
         with a lease gone, or this process stalled past the TTL) or the key disappears, the lease is granted
@@ -376,7 +388,7 @@ class Membership:
             ttl = lease_ttl()
         if ttl < 1:
             raise ValueError(f"ttl must be at least 1 s, got {ttl}")
-        self._call(f"register {key}", self._register(key, _encode(value), int(ttl)))
+        self._call(f"register {key}", self._register(key, _encode(value), int(ttl), exclusive))
 
     def deregister(self) -> None:
         """Revoke the lease so the registered keys disappear now rather than at expiry; no-op if none."""
@@ -538,16 +550,22 @@ class Membership:
         assert kv is not None
         await self._retry(lambda t: kv.get(self._prefix, count_only=True, timeout=t))
 
-    async def _register(self, key: str, data: bytes, ttl: int) -> None:
+    async def _register(self, key: str, data: bytes, ttl: int, exclusive: bool = False) -> None:
         """Grant the lease, put the key, start the keep-alive task; on failure leave nothing registered."""
         if self._registered:
             await self._deregister()
         self._registered = True
         self._ttl = ttl
-        self._leased = {key: data}
+        self._leased = {} if exclusive else {key: data}
         try:
             await self._grant_and_put_all()
+            if exclusive:
+                await self._put_if_free(key, data)
+                self._leased[key] = data
         except BaseException:
+            if self._lease_id is not None:  # an exclusive key held by another: its lease goes at once
+                with contextlib.suppress(Exception):
+                    await self._deregister()
             self._registered = False
             self._leased = {}
             self._lease_id = None
@@ -555,6 +573,23 @@ class Membership:
         self._keepalive_task = asyncio.get_running_loop().create_task(
             self._keepalive_loop(), name=f"litz-lease-{self._job}"
         )
+
+    async def _put_if_free(self, key: str, data: bytes) -> None:
+        """Put ``key`` under this registration's lease in one transaction with the check that no one
+        holds it; KeyHeld otherwise. A retried transaction whose first try did succeed finds the key
+        under this very lease, which counts as success."""
+        kv = self._kv_client().kv
+        assert kv is not None and self._lease_id is not None
+        full, lease_id = self._full(key), self._lease_id
+        resp = await self._retry(lambda t: kv.txn([kv.txn_compare_create_revision(full, 0)],
+                                                  [kv.txn_op_put(full, data, lease=lease_id)],
+                                                  [kv.txn_op_get(full)], timeout=t))
+        if resp.succeeded:
+            return
+        held = resp.responses[0].response_range.kvs
+        if held and held[0].lease == lease_id:
+            return
+        raise KeyHeld(key, self._decode(held[0].key, held[0].value) if held else {})
 
     async def _grant_and_put_all(self, timeout: float | None = None) -> None:
         """Grant a fresh lease and put every leased key with it (first registration and after a loss)."""
