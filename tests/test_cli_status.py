@@ -195,12 +195,17 @@ def test_a_command_whose_job_ends_with_its_etcd_is_told_from_an_unreachable_etcd
             jobs.forget("cmd")
 
 
-def test_a_job_name_in_use_is_refused_on_its_host_and_on_a_shared_etcd(tmp_path: Path, monkeypatch, etcd) -> None:
+def test_a_job_name_in_use_and_a_host_joining_twice_are_refused(tmp_path: Path, monkeypatch, etcd) -> None:
     """A second job may not take the name of a running one: on the same host (one record per name, or
     the first to end would take the other's away from `litz status`), nor on the same etcd from another
     host (the second job's processes would replace the first's keys, and their exit would look to the
-    first job like its master's loss: it failed so before). Both are refused before any process starts,
-    the first job runs on with exact sums and no recovery, and the name is free once it ends."""
+    first job like its master's loss: it failed so before). Nor may a host join a job it is already in
+    (both agents would start the processes asked of it; the second replaced the first's key). All are
+    refused before any process starts, the first job runs on with exact sums and no recovery, and the
+    name is free once it ends."""
+    import socket
+
+    from litz.cli import job_status
     from litz.errors import ConfigError
     from litz.runtime import jobs
     from tests.conftest import processes_mentioning, run_in_thread, wait_running
@@ -224,7 +229,15 @@ def test_a_job_name_in_use_is_refused_on_its_host_and_on_a_shared_etcd(tmp_path:
         assert other.returncode == 1, other.stderr
         assert f"a job named '{job}' is already running on etcd {etcd.url}" in other.stderr
         assert f"pid {os.getpid()}" in other.stderr
+        # a host joins a job once: a second agent here would also start what the master asks of this host
+        joiner = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "--join", "--job", job, "--etcd",
+                                 etcd.url, "--workers", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert joiner.returncode == 1, joiner.stderr
+        assert f"already takes part in job '{job}' (its agent is pid {os.getpid()}" in joiner.stderr
         assert jobs.lookup(job)["pid"] == os.getpid()  # the refused ones took nothing away
+        assert sorted(p["id"] for p in job_status(job)["processes"]) == ["agent-" + socket.gethostname(),
+                                                                         "master", "s0", "w0"]
         done = out.get("res")
         assert done is None, "the first job ended early"
     finally:

@@ -81,6 +81,7 @@ class LocalCluster:
         self.rundir = Path(tempfile.mkdtemp(prefix=f"{job}-"))
         self._stopping = False
         self._record: str | None = None  # the token of this job's record in the local jobs folder
+        self._since = time.time()
 
     # -- start --------------------------------------------------------------------------------
     def __enter__(self) -> LocalCluster:
@@ -104,7 +105,15 @@ class LocalCluster:
         if not self.join:  # before any process starts: the name must be this job's alone
             self._record = jobs.claim(self.job, self.etcd_url)
             if self._etcd is None:  # a shared etcd: no other job of this name may run on it either
-                self._claim_on_etcd()
+                self._hold(LAUNCHER_KEY, lambda held, since: (
+                    f"a job named {self.job!r} is already running on etcd {self.etcd_url} (its launcher is "
+                    f"pid {held.get('pid')} on {held.get('host')}, since {since}): pick another --job name, "
+                    f"or stop that job first (litz stop --job {self.job} --etcd {self.etcd_url})"))
+        else:  # one agent per host and job: two would both start the processes asked of the host
+            self._hold(proc_key("agent", self.node), lambda held, since: (
+                f"host {self.node} already takes part in job {self.job!r} (its agent is pid {held.get('pid')}, "
+                f"since {since}): a host joins a job once; for more processes there, use "
+                f"litz scale --job {self.job} --workers N"))
         if spawner.enabled():  # this process's zygote: imported once, forks each process (litz.runtime.spawner)
             self._spawner = spawner.shared()
         etcd_waits = self._etcd
@@ -124,12 +133,15 @@ class LocalCluster:
         if self._agent is None:
             self._agent = self._connect()
         self._agent.watch_prefix(f"{AGENTS}{self.node}/")
-        agent = {"role": "agent", "id": f"agent-{self.node}", "host": self.node,
-                 "pid": os.getpid(), "children": {k: p.pid for k, p in self.children.items()}}
-        if self._agent.registered:  # under the lease of the job's name (_claim_on_etcd)
-            self._agent.put(proc_key("agent", self.node), agent, lease=True)
+        if self._agent.registered:  # under the lease of the job's name or of this host's place (_hold)
+            self._agent.put(proc_key("agent", self.node), self._agent_record(), lease=True)
         else:
-            self._agent.register(proc_key("agent", self.node), agent)
+            self._agent.register(proc_key("agent", self.node), self._agent_record())
+
+    def _agent_record(self) -> dict[str, Any]:
+        """This agent's entry in etcd (``litz status`` lists it with the job's processes)."""
+        return {"role": "agent", "id": f"agent-{self.node}", "host": self.node, "pid": os.getpid(),
+                "since": self._since, "children": {k: p.pid for k, p in self.children.items()}}
 
     def _connect(self) -> Membership:
         agent = Membership(self.etcd_url or "", self.job)
@@ -142,30 +154,27 @@ class LocalCluster:
             raise EtcdUnreachable(f"{exc}\n{self._etcd.diagnosis()}") from exc
         return agent
 
-    def _claim_on_etcd(self) -> None:
-        """Take the job's name on a shared etcd (its ``launcher`` key, under this agent's lease), or
-        ConfigError naming the launcher that has it.
+    def _hold(self, key: str, refusal: Callable[[dict[str, Any], str], str]) -> None:
+        """Connect this agent to etcd and register ``key`` (``LAUNCHER_KEY``: the job's name on a
+        shared etcd; a joining agent's own key: its host's place in the job) if no one holds it, or
+        ConfigError with ``refusal(holder's value, since when)``.
 
         Two jobs of one name would share their keys: the processes of the second would replace the
         first's, and the first job's processes would take the second's exit for their master's loss.
-        A launcher killed with ``kill -9`` holds the name until its lease expires, so a taken name is
-        tried again for a lease's time-to-live before it is refused (``--resume`` right after a kill)."""
+        Two agents of one host in a job would both start what the master asks of the host. A launcher
+        killed with ``kill -9`` holds its key until its lease expires, so a taken key is tried again
+        for a lease's time-to-live before it is refused (``--resume`` right after a kill)."""
         self._agent = self._connect()
-        me = {"pid": os.getpid(), "host": self.node, "since": time.time()}
+        me = self._agent_record()
         deadline = time.monotonic() + lease_ttl() + 1.0
         while True:
             try:
-                self._agent.register(LAUNCHER_KEY, me, exclusive=True)
+                self._agent.register(key, me, exclusive=True)
                 return
             except KeyHeld as exc:
                 if time.monotonic() >= deadline:
-                    held = exc.holder
-                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("since", 0)))
-                    raise ConfigError(
-                        f"a job named {self.job!r} is already running on etcd {self.etcd_url} (its launcher "
-                        f"is pid {held.get('pid')} on {held.get('host')}, since {since}): pick another --job "
-                        f"name, or stop that job first (litz stop --job {self.job} --etcd {self.etcd_url})"
-                    ) from None
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(exc.holder.get("since", 0)))
+                    raise ConfigError(refusal(exc.holder, since)) from None
             time.sleep(0.25)
 
     def _spawn(self, module: str, ident: str, numba: bool = False) -> None:
