@@ -112,8 +112,9 @@ class LocalCluster:
         else:  # one agent per host and job: two would both start the processes asked of the host
             self._hold(proc_key("agent", self.node), lambda held, since: (
                 f"host {self.node} already takes part in job {self.job!r} (its agent is pid {held.get('pid')}, "
-                f"since {since}): a host joins a job once; for more processes there, use "
-                f"litz scale --job {self.job} --workers N"))
+                f"since {since}): a host joins a job once. For more processes on the launcher's host, use "
+                f"litz scale --job {self.job} --workers N; on a joined host, drain it (SIGTERM to its agent) "
+                f"and join again with more"))
         if spawner.enabled():  # this process's zygote: imported once, forks each process (litz.runtime.spawner)
             self._spawner = spawner.shared()
         etcd_waits = self._etcd
