@@ -93,14 +93,15 @@ def local_jobs() -> list[dict[str, Any]]:
     A launcher killed with ``kill -9`` cannot remove its record: a record whose pid is gone
     is stale, and is removed here."""
     out = []
-    for path in sorted(jobs_dir().glob("*.json")):
-        rec = _read(path)
-        if rec is None:
-            continue
-        if _launcher_alive(rec):
-            out.append(rec)
-        else:
-            path.unlink(missing_ok=True)
+    with _locked():  # a launcher claiming a stale record's name meanwhile must keep its new one
+        for path in sorted(jobs_dir().glob("*.json")):
+            rec = _read(path)
+            if rec is None:
+                continue
+            if _launcher_alive(rec):
+                out.append(rec)
+            else:
+                path.unlink(missing_ok=True)
     return out
 
 
