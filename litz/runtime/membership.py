@@ -563,7 +563,7 @@ class Membership:
                 await self._put_if_free(key, data)
                 self._leased[key] = data
         except BaseException:
-            if self._lease_id is not None:  # an exclusive key held by another: its lease goes at once
+            if self._lease_id is not None:  # a lease granted for nothing (exclusive: the key is held) goes now
                 with contextlib.suppress(Exception):
                     await self._deregister()
             self._registered = False
@@ -791,57 +791,57 @@ class Membership:
         delay = 0.1
         failing = False
         while True:
+            stream = watch_svc.watch(full_prefix, range_end=range_end, start_revision=next_rev)
             try:
-                async with contextlib.aclosing(
-                    watch_svc.watch(full_prefix, range_end=range_end, start_revision=next_rev)
-                ) as stream:
-                    async for resp in stream:
-                        if resp.created:
-                            if failing:
-                                _log.warning("etcd %s: watch on %s resumed at revision %d", self._url, full_prefix,
-                                             max(next_rev, 1))
-                                failing = False
-                            if next_rev > resp.header.revision + 1:
-                                # The store's revision went backwards: etcd came back with a fresh data
-                                # directory.  Waiting for our old revision would hide every change for ages;
-                                # replaying the new store's whole (short) history delivers what it holds.
-                                _log.warning("etcd %s: revision went back from %d to %d (data lost?); "
-                                             "replaying %s from revision 1", self._url, next_rev - 1,
-                                             resp.header.revision, full_prefix)  # fmt: skip
-                                next_rev = 1
-                                break
-                            if next_rev == 0:  # no history requested: nothing before header.revision is owed
-                                next_rev = resp.header.revision + 1
-                            if not created.done():
-                                created.set_result(None)
-                        if resp.canceled:
-                            if resp.compact_revision > 0:
-                                _log.warning(
-                                    "etcd %s: watch on %s fell behind compaction; lost changes before rev %d",
-                                    self._url, full_prefix, resp.compact_revision,
-                                )  # fmt: skip
-                                next_rev = resp.compact_revision
-                            else:
-                                _log.warning("etcd %s: watch on %s cancelled (%s); re-creating it",
-                                             self._url, full_prefix, resp.cancel_reason)  # fmt: skip
+                async for resp in stream:
+                    if resp.created:
+                        if failing:
+                            _log.warning("etcd %s: watch on %s resumed at revision %d", self._url, full_prefix,
+                                         max(next_rev, 1))
+                            failing = False
+                        if next_rev > resp.header.revision + 1:
+                            # The store's revision went backwards: etcd came back with a fresh data
+                            # directory.  Waiting for our old revision would hide every change for ages;
+                            # replaying the new store's whole (short) history delivers what it holds.
+                            _log.warning("etcd %s: revision went back from %d to %d (data lost?); "
+                                         "replaying %s from revision 1", self._url, next_rev - 1,
+                                         resp.header.revision, full_prefix)  # fmt: skip
+                            next_rev = 1
                             break
-                        events = []
-                        for ev in resp.events:
-                            next_rev = max(next_rev, ev.kv.mod_revision + 1)
-                            event = self._to_event(ev)
-                            if event is not None:
-                                events.append(event)
-                        if events:
-                            for event in events:
-                                self._events.put(event)
-                            self._wake()
-                        delay = 0.1
+                        if next_rev == 0:  # no history requested: nothing before header.revision is owed
+                            next_rev = resp.header.revision + 1
+                        if not created.done():
+                            created.set_result(None)
+                    if resp.canceled:
+                        if resp.compact_revision > 0:
+                            _log.warning(
+                                "etcd %s: watch on %s fell behind compaction; lost changes before rev %d",
+                                self._url, full_prefix, resp.compact_revision,
+                            )  # fmt: skip
+                            next_rev = resp.compact_revision
+                        else:
+                            _log.warning("etcd %s: watch on %s cancelled (%s); re-creating it",
+                                         self._url, full_prefix, resp.cancel_reason)  # fmt: skip
+                        break
+                    events = []
+                    for ev in resp.events:
+                        next_rev = max(next_rev, ev.kv.mod_revision + 1)
+                        event = self._to_event(ev)
+                        if event is not None:
+                            events.append(event)
+                    if events:
+                        for event in events:
+                            self._events.put(event)
+                        self._wake()
+                    delay = 0.1
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # said once per outage: the stream is re-created every second
                 (_log.debug if failing else _log.warning)("etcd %s: watch on %s failed (%s); re-creating it",
                                                           self._url, full_prefix, _describe(exc))
                 failing = True
+            finally:  # closed now, not when collected: its gRPC call ends with it (_Watch)
+                await stream.aclose()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
