@@ -254,7 +254,9 @@ def test_a_job_name_in_use_and_a_host_joining_twice_are_refused(tmp_path: Path, 
 
 def test_a_stale_job_record_is_replaced_and_a_refused_launcher_removes_nothing(tmp_path: Path, monkeypatch) -> None:
     """A record whose launcher is gone, or whose pid now belongs to another process (it started at
-    another time), is replaced; a live one is kept; forget() with another record's token leaves it."""
+    another time), is replaced; a live one is kept; forget() with another record's token leaves it.
+    A jobs folder that cannot be written is a clear error for a launcher, and an empty list for
+    `litz status`."""
     from litz.errors import ConfigError
     from litz.runtime import jobs
 
@@ -271,3 +273,8 @@ def test_a_stale_job_record_is_replaced_and_a_refused_launcher_removes_nothing(t
         assert jobs.lookup("j")["etcd"] == "http://127.0.0.1:1"
         jobs.forget("j", token)
         assert not path.exists()
+    (tmp_path / "file").write_text("")  # a jobs folder that cannot be made: a clear error, and no listing error
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "file" / "jobs"))
+    with pytest.raises(ConfigError, match="cannot write the record of job 'j' in .*: set LITZ_JOBS_DIR"):
+        jobs.claim("j", "http://127.0.0.1:1")
+    assert jobs.local_jobs() == []

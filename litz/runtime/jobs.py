@@ -76,9 +76,13 @@ def claim(job: str, etcd: str) -> str:
         token = secrets.token_hex(8)
         pid = os.getpid()
         tmp = path.with_suffix(f".tmp{pid}")
-        tmp.write_text(json.dumps({"job": job, "etcd": etcd, "pid": pid, "started": _start_time(pid),
-                                   "token": token}))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps({"job": job, "etcd": etcd, "pid": pid, "started": _start_time(pid),
+                                       "token": token}))
+            tmp.replace(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the record of job {job!r} in {path.parent} ({exc.strerror}): "
+                              f"set LITZ_JOBS_DIR to a folder this user can write") from None
     return token
 
 
