@@ -263,7 +263,7 @@ class Spawner:
                     reply = self._replies.pop(0)
                     if reply.get("seq") == seq:
                         return reply
-                    if "pid" in reply:  # started for a request that gave up waiting
+                    if "pid" in reply and reply["pid"] not in self.exit_codes:  # started for a request that gave up
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(reply["pid"], signal.SIGKILL)
                 left = deadline - time.monotonic()
