@@ -90,16 +90,15 @@ def _kill_another(rng: random.Random, job: str, killed: list[str]) -> None:
     if not roles:
         return
     role = rng.choice(roles)
-    victim = rng.choice([p for p in procs if p["role"] == role])
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.append(victim["id"])
+    _kill([rng.choice([p for p in procs if p["role"] == role])], killed)
 
 
 def _kill(victims: list[dict], killed: list[str]) -> None:
+    """SIGKILL these processes; ``killed`` gets the ids of those that were still there."""
     for victim in victims:
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.append(victim["id"])
+        with contextlib.suppress(ProcessLookupError):  # one a scale-in retired meanwhile is not a loss
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed.append(victim["id"])
 
 
 def _all_recovered(status: dict, killed: list[str]) -> bool:
