@@ -223,7 +223,8 @@ def test_a_job_name_in_use_and_a_host_joining_twice_are_refused(tmp_path: Path, 
         with pytest.raises(ConfigError, match=f"a job named '{job}' is already running on this host"):
             litz.run(small, workers=1, servers=1, job=job)  # its own etcd: the record is what collides
         # another host (its own jobs folder) on the same etcd
-        env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "there"))
+        # a 1 s lease: a refused launcher tries a taken name again for a lease time-to-live (+1 s) first
+        env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "there"), LITZ_LEASE_TTL="1")
         other = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "--job", job, "--etcd", etcd.url,
                                 "examples/sum.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert other.returncode == 1, other.stderr
