@@ -377,20 +377,17 @@ def renumbered(data: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
 
 
 def nndescent_warmup() -> None:
-    """Compile (or load from Numba's cache) every kernel, for float32 data as a task passes it."""
-    rng = np.random.default_rng(0)
-    for data in (rng.standard_normal((40, 3)).astype(np.float32),):
-        for readonly in (False, True):
-            x = data.copy()
-            x.flags.writeable = not readonly
-            owned = np.arange(20, dtype=np.int64)
-            blocks, deltas, _ = _initial_lists(x, owned, 4, 0, [nk.rp_tree(x, 0, 0, 8)], 8)
-            nk.locality_order(x, 0, 8)
-            G = nk.empty_lists(len(x), 4)
-            for b, d in zip(blocks, deltas, strict=True):
-                nk.merge_lists(G[b * 8:(b + 1) * 8], d, 4)
-            for use_filter in (True, False):
-                nk.nnd_round(x, G.copy(), owned, 4, 4, 0, 0, use_filter, 8)
+    """Compile (or load from Numba's cache) every kernel, for float32 data as a task passes it (the
+    kernels make the points read-only: :func:`apps.nndescent_kernels.read_only`)."""
+    x = np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)
+    owned = np.arange(20, dtype=np.int64)
+    blocks, deltas, _ = _initial_lists(x, owned, 4, 0, [nk.rp_tree(x, 0, 0, 8)], 8)
+    nk.locality_order(x, 0, 8)
+    G = nk.empty_lists(len(x), 4)
+    for b, d in zip(blocks, deltas, strict=True):
+        nk.merge_lists(G[b * 8:(b + 1) * 8], d, 4)
+    for use_filter in (True, False):
+        nk.nnd_round(x, G.copy(), owned, 4, 4, 0, 0, use_filter, 8)
 
 
 class NNDescentExecutorMixin:

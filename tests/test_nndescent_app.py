@@ -195,7 +195,7 @@ def test_a_pairs_distance_is_the_same_in_every_lane_and_either_order(dim: int) -
     points comes first, bit for bit, and a single ``_sqdist`` must round it the same. A second
     rounding of one pair would look like an improvement to the list holding the first."""
     rng = np.random.default_rng(dim)
-    x = rng.standard_normal((300, dim)).astype(np.float32)
+    x = nk.read_only(rng.standard_normal((300, dim)).astype(np.float32))  # as the kernels get the points
     quads = rng.integers(0, len(x), (400, 5))
     out = np.empty(5, np.float32)
     for p, a, b, c, d in quads:
@@ -216,7 +216,7 @@ def test_every_distance_in_the_graph_is_the_pairs_one_distance(dim: int) -> None
     do), every entry's distance equals ``_sqdist`` of its pair exactly, whichever kernel found it,
     below and above ``BLOCKED_DIMS``."""
     k, block, n = 8, 16, 600
-    x = np.random.default_rng(4).standard_normal((n, dim)).astype(np.float32)  # not integers: rounding shows
+    x = nk.read_only(np.random.default_rng(4).standard_normal((n, dim)).astype(np.float32))  # rounding shows
     graph = nk.empty_lists(nd.num_blocks(n, block) * block, k).reshape(-1, block, 3 * k)
     parts = [nd.NNDInput.partition(n, 3, e) for e in range(3)]
     trees = nd._trees(x, 1, 3, 2 * k)
@@ -260,7 +260,7 @@ def test_the_join_the_leaf_offers_and_the_combiner_count_no_references() -> None
     counts each cost an atomic increment and decrement: 24% of the filtered join's time at 2**18 10-d
     points in a profile, 11% of the leaf offers', 13% of the combiner's. Without them (``_nrt=False``,
     scratch from the callers) the same lists came 1.18x, 1.09x and 1.11x faster there."""
-    x = np.random.default_rng(0).standard_normal((200, 10)).astype(np.float32)
+    x = nk.read_only(np.random.default_rng(0).standard_normal((200, 10)).astype(np.float32))
     k, owned = 4, np.arange(100)
     G = nk.empty_lists(200, k)
     order, bounds = nd._trees(x, 1, 1, 8)[0]
