@@ -34,7 +34,7 @@ import math
 import numba as nb
 import numpy as np
 
-from apps.kernel_util import NO_REFCOUNTS
+from apps.kernel_util import NO_REFCOUNTS, read_only
 
 __all__ = ["DEFAULTS", "check_sgd_inputs", "evaluate", "lr_at", "sgd_steps", "warmup"]
 
@@ -319,14 +319,6 @@ def _evaluate_impl(W: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, 
 # ----------------------------------------------------------------------------------------------------
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """Plain-ndarray read-only view: numba specializes on the writeable flag (and the loader returns
-    read-only memmaps), so normalizing it means one compiled specialization that warmup() covers."""
-    v = a.view(np.ndarray)
-    v.flags.writeable = False
-    return v
-
-
 def _check_xy(W: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
     """Shared dtype/shape validation; raises instead of converting because a silent conversion of X
     would copy the whole dataset on every micro-task."""
@@ -374,9 +366,9 @@ def sgd_steps(
     check_sgd_inputs(W, X.shape[1], X.shape[0], rows, batch_size)
     if rows.shape[0] == 0:
         return 0.0, 0
-    rows_ro = _readonly(np.ascontiguousarray(rows))
+    rows_ro = read_only(np.ascontiguousarray(rows))
     loss, correct = _sgd_steps_impl(
-        W, _readonly(X), _readonly(y), rows_ro, int(batch_size), float(lr), float(l2)
+        W, read_only(X), read_only(y), rows_ro, int(batch_size), float(lr), float(l2)
     )
     return float(loss), int(correct)
 
@@ -387,7 +379,7 @@ def evaluate(W: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, float]
     n = X.shape[0]
     if n == 0:
         raise ValueError("cannot evaluate on an empty dataset")
-    loss, correct = _evaluate_impl(_readonly(W), _readonly(X), _readonly(y))
+    loss, correct = _evaluate_impl(read_only(W), read_only(X), read_only(y))
     return float(loss) / n, int(correct) / n
 
 

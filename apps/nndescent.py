@@ -378,7 +378,7 @@ def renumbered(data: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
 
 def nndescent_warmup() -> None:
     """Compile (or load from Numba's cache) every kernel, for float32 data as a task passes it (the
-    kernels make the points read-only: :func:`apps.nndescent_kernels.read_only`)."""
+    kernels make the points read-only: :func:`apps.kernel_util.read_only`)."""
     x = np.random.default_rng(0).standard_normal((40, 3)).astype(np.float32)
     owned = np.arange(20, dtype=np.int64)
     blocks, deltas, _ = _initial_lists(x, owned, 4, 0, [nk.rp_tree(x, 0, 0, 8)], 8)

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numba
 import numpy as np
 
-from apps.kernel_util import NO_REFCOUNTS
+from apps.kernel_util import NO_REFCOUNTS, read_only
 
 FLAG_OLD = 0
 FLAG_NEW = 1
@@ -58,20 +58,9 @@ _jit_fast_bare = numba.njit(cache=True, nogil=True, fastmath=True, **NO_REFCOUNT
 K = TypeVar("K", bound=Callable[..., Any])
 
 
-def read_only(data: np.ndarray) -> np.ndarray:
-    """``data``, or a read-only view of it. Numba compiles a kernel once per argument type, and a
-    read-only array is another type than a writeable one: the kernels that read the points always
-    get them read-only (executors hold them so, and memory maps are so), which halves what a fresh
-    machine compiles for them (12.6 of 61 s for this module and HDBSCAN's, measured cold)."""
-    if not data.flags.writeable:
-        return data
-    view = data.view()
-    view.flags.writeable = False
-    return view
-
-
 def _points_read_only(kernel: K) -> K:
-    """The kernel, called with its first argument (the points) made :func:`read_only`."""
+    """The kernel, called with its first argument (the points) made :func:`~apps.kernel_util.read_only`
+    (executors hold the points read-only, and memory maps are so: one specialization for all)."""
 
     def call(data: np.ndarray, *args: Any) -> Any:
         return kernel(read_only(data), *args)
