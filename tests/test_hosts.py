@@ -117,7 +117,9 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
                                   for h in ("b", "c", "d"))
                 raise AssertionError(f"{exc}; scale history: {job_status(job, etcd.url)['master'].get('scale_history')}"
                                      f"\n{logs}") from None
-            _until(lambda: not job_status(job, etcd.url)["master"].get("scaling"), "D's offer to time out")
+            # D's offer may come before C's or after it: wait until it was tried and timed out
+            _until(lambda: (m := job_status(job, etcd.url)["master"]) and not m.get("scaling") and any(
+                h["command"].startswith(f"join-{d}-") for h in m.get("scale_history", [])), "D's offer to time out")
             # drain host B: its executors and its server's shards move away, its processes and agent exit
             assert scale(["--job", job, "--etcd", etcd.url, "--drain-host", b, "--wait", "--timeout", "60"]) == 0
             lay = _layout(job, etcd.url)
