@@ -36,6 +36,7 @@ clocks per epoch); ``--device cuda`` is for models whose batches give a block mo
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numba
@@ -47,8 +48,8 @@ from apps.mlr_kernels import _LOGIT_FLOOR, check_sgd_inputs
 cuda = cuda_module()  # the apps import this module only where a GPU is wanted
 
 #: Threads of the one block per task (a multiple of 32); fewer when shared memory asks for it.
-THREADS = 256
-#: Classes at most (a thread keeps one accumulator per class).
+THREADS = 384
+#: Classes at most (a thread keeps one accumulator per class, in registers).
 MAX_CLASSES = 32
 #: Dynamic shared memory a block may take without a per-kernel opt-in, on every CUDA GPU.
 SHARED_BYTES = 48 * 1024
@@ -85,13 +86,18 @@ if cuda is not None:
         G[o + label] -= step
         return math.log(se) - zl, 1 if am == label else 0
 
+def _make_kernel(K: int) -> Any:
+    """The SGD kernel for ``K`` classes. ``K`` is a compile-time constant of it, so that a thread's
+    ``K`` accumulators are registers and their loops unrolled; with ``K`` known only at run time
+    they were an array in local memory, read and written at every multiply-add. A thread reads four
+    data values at a time, so that their latencies from memory overlap."""
+
     @cuda.jit(cache=not simulated())
-    def _sgd_kernel(W: Any, X: Any, y: Any, rows: Any, batch_size: int, lr: float, l2: float,
-                    stats: Any) -> None:  # pragma: no cover - runs on the GPU (or the simulator)
+    def sgd_kernel(W: Any, X: Any, y: Any, rows: Any, batch_size: int, lr: float, l2: float,
+                   stats: Any) -> None:  # pragma: no cover - runs on the GPU (or the simulator)
         t = cuda.threadIdx.x
         nt = cuda.blockDim.x
         d = X.shape[1]
-        K = W.shape[0] // (d + 1)
         n = rows.shape[0]
         B = batch_size
         C = max(1, nt // B)  # threads per row in the logits (chunks of its features)
@@ -106,20 +112,31 @@ if cuda is not None:
         decay = numba.float32(1.0 - lr * l2)
         loss = 0.0
         correct = 0
-        acc = cuda.local.array(MAX_CLASSES, numba.float32)
+        acc = cuda.local.array(K, numba.float32)
         c = t % C
         for b0 in range(0, n, B):
             count = min(B, n - b0)
             for i in range(t // C, count, R):  # 1. logits: thread (row i, chunk c) sums features c, c + C, ...
                 r = rows[b0 + i]
                 for k in range(K):
-                    z = Ws[d * K + k] if c == 0 else numba.float32(0.0)
-                    for j in range(c, d, C):  # consecutive threads read consecutive features: coalesced
-                        z += X[r, j] * Ws[j * K + k]
+                    acc[k] = Ws[d * K + k] if c == 0 else numba.float32(0.0)
+                j = c  # consecutive threads read consecutive features: coalesced
+                while j + 3 * C < d:  # four features at a time, their reads in flight together
+                    x0, x1, x2, x3 = X[r, j], X[r, j + C], X[r, j + 2 * C], X[r, j + 3 * C]
+                    for k in range(K):  # the same sums, in the same order, as one at a time
+                        acc[k] = (acc[k] + x0 * Ws[j * K + k] + x1 * Ws[(j + C) * K + k]
+                                  + x2 * Ws[(j + 2 * C) * K + k] + x3 * Ws[(j + 3 * C) * K + k])
+                    j += 4 * C
+                while j < d:
+                    x = X[r, j]
+                    for k in range(K):
+                        acc[k] += x * Ws[j * K + k]
+                    j += C
+                for k in range(K):
                     if C == 1:
-                        G[i * K + k] = z
+                        G[i * K + k] = acc[k]
                     else:
-                        P[(i * C + c) * K + k] = z
+                        P[(i * C + c) * K + k] = acc[k]
             cuda.syncthreads()
             if C > 1:  # the same for every thread of the block: the barrier inside is safe
                 for pair in range(t, count * K, nt):
@@ -139,10 +156,23 @@ if cuda is not None:
             for j in range(t, d + 1, nt):  # 3. the step, thread t owning features t, t + nt, ...
                 for k in range(K):
                     acc[k] = 0.0
-                for i in range(count):
-                    x = X[rows[b0 + i], j] if j < d else numba.float32(1.0)
+                if j == d:  # the bias: x = 1
+                    for i in range(count):
+                        for k in range(K):
+                            acc[k] += G[i * K + k]
+                i = 0
+                while j < d and i + 3 < count:  # four rows at a time, their reads in flight together
+                    x0, x1, x2, x3 = (X[rows[b0 + i], j], X[rows[b0 + i + 1], j], X[rows[b0 + i + 2], j],
+                                      X[rows[b0 + i + 3], j])
+                    for k in range(K):
+                        acc[k] = (acc[k] + G[i * K + k] * x0 + G[(i + 1) * K + k] * x1
+                                  + G[(i + 2) * K + k] * x2 + G[(i + 3) * K + k] * x3)
+                    i += 4
+                while j < d and i < count:
+                    x = X[rows[b0 + i], j]
                     for k in range(K):
                         acc[k] += G[i * K + k] * x
+                    i += 1
                 for k in range(K):
                     w = Ws[j * K + k] * decay if j < d else Ws[j * K + k]
                     Ws[j * K + k] = w - acc[k]
@@ -152,12 +182,28 @@ if cuda is not None:
         stats[t, 0] = loss
         stats[t, 1] = correct
 
+    return sgd_kernel
+
+
+_kernels: dict[int, Any] = {}
+
+
+def _kernel(K: int) -> Any:
+    """The kernel for ``K`` classes, made once per process (and cached on disk by Numba)."""
+    if K not in _kernels:
+        _kernels[K] = _make_kernel(K)
+    return _kernels[K]
+
 
 class DeviceRows:
     """An executor's training rows on the GPU, copied once (``X`` float32 (n, d), ``y`` int64 (n,)).
 
     The kernel reads without bounds checks, so the labels' range is taken here, once, and every
-    call checks its row indices and the classes against it on the host."""
+    call checks its row indices and the classes against it on the host.
+
+    The device buffers of a call (weights, row indices, per-thread loss and count) are kept here
+    and reused by the next call, since allocating them took longer than a small task's kernel;
+    a lock keeps two threads from sharing them at once."""
 
     def __init__(self, X: np.ndarray, y: np.ndarray) -> None:
         if cuda is None:
@@ -168,6 +214,16 @@ class DeviceRows:
         self.labels = (int(y.min()), int(y.max())) if len(y) else (0, -1)
         self.X = cuda.to_device(np.ascontiguousarray(X, dtype=np.float32))
         self.y = cuda.to_device(np.ascontiguousarray(y, dtype=np.int64))
+        self.lock = threading.Lock()
+        self._buffers: dict[str, Any] = {}
+
+    def buffer(self, name: str, size: int, dtype: type) -> Any:
+        """A 1-d device array of ``size`` elements, a view of one kept under ``name`` that grows as
+        needed (hold :attr:`lock` while using it)."""
+        kept = self._buffers.get(name)
+        if kept is None or kept.size < size:
+            kept = self._buffers[name] = cuda.device_array(max(size, 1), dtype)
+        return kept[:size]
 
 
 def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int, lr: float, l2: float,
@@ -196,10 +252,14 @@ def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int
         raise ValueError(f"the GPU kernel keeps the weights and a batch's logits in shared memory: {need} bytes "
                          f"for {data.d + 1} x {K} weights and batches of {batch_size}, more than "
                          f"{SHARED_BYTES}; use --device cpu")
-    d_W = cuda.to_device(W.reshape(-1))
-    stats = cuda.device_array((threads, 2), np.float64)
-    _sgd_kernel[1, threads, 0, need](d_W, data.X, data.y, cuda.to_device(np.ascontiguousarray(rows)),
-                                     int(batch_size), float(lr), float(l2), stats)
-    d_W.copy_to_host(W.reshape(-1))
-    totals = stats.copy_to_host().sum(axis=0)
+    with data.lock:
+        d_W = data.buffer("W", W.size, np.float32)
+        d_rows = data.buffer("rows", rows.shape[0], np.int64)
+        stats = data.buffer("stats", threads * 2, np.float64)
+        d_W.copy_to_device(W.reshape(-1))
+        d_rows.copy_to_device(np.ascontiguousarray(rows))
+        _kernel(K)[1, threads, 0, need](d_W, data.X, data.y, d_rows, int(batch_size), float(lr), float(l2),
+                                     stats.reshape((threads, 2)))
+        d_W.copy_to_host(W.reshape(-1))
+        totals = stats.copy_to_host().reshape((threads, 2)).sum(axis=0)
     return float(totals[0]), int(round(totals[1]))

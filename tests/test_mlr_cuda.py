@@ -23,8 +23,8 @@ SIMULATED_CHECK = textwrap.dedent("""
     W0 = (rng.standard_normal((d + 1, K)) * 0.5).astype(np.float32)
     rows = rng.permutation(n).astype(np.int64)[:29]  # batches of 7: the last one short
     data = mlr_cuda.DeviceRows(X, y)
-    # fewer threads than a batch has rows; 2 and 4 threads per row (partial sums), fewer than features
-    for threads in (4, 20, 32):
+    # more threads than a batch has rows (4 per row: partial sums), fewer, and 2 per row; fewer than features
+    for threads in (32, 4, 20):  # 4 and 20 also reuse the device buffers of a call with more threads
         Wc, Wg = W0.copy(), W0.copy()
         loss_c, ok_c = mk.sgd_steps(Wc, X, y, rows, 7, 0.3, 0.01)
         loss_g, ok_g = mlr_cuda.sgd_steps(Wg, data, rows, 7, 0.3, 0.01, threads=threads)
