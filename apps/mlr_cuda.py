@@ -201,9 +201,11 @@ class DeviceRows:
     The kernel reads without bounds checks, so the labels' range is taken here, once, and every
     call checks its row indices and the classes against it on the host.
 
-    The device buffers of a call (weights, row indices, per-thread loss and count) are kept here
-    and reused by the next call, since allocating them took longer than a small task's kernel;
-    a lock keeps two threads from sharing them at once."""
+    A call moves its row indices and weights to the GPU in one copy, and the weights and the
+    per-thread loss and count back in one: the three live in one device buffer, staged through one
+    pinned host buffer, both kept here with their views for the next call of the same sizes. On an
+    H100 each copy, allocation or view of a device array cost 30-130 us of host time, more than a
+    small task's kernel; a lock keeps two threads from sharing the buffers at once."""
 
     def __init__(self, X: np.ndarray, y: np.ndarray) -> None:
         if cuda is None:
@@ -215,15 +217,45 @@ class DeviceRows:
         self.X = cuda.to_device(np.ascontiguousarray(X, dtype=np.float32))
         self.y = cuda.to_device(np.ascontiguousarray(y, dtype=np.int64))
         self.lock = threading.Lock()
-        self._buffers: dict[str, Any] = {}
+        self._capacity = 0
+        self._device: Any = None
+        self._host: Any = None
+        self._io: tuple[tuple[int, int, int], _CallIO] | None = None
 
-    def buffer(self, name: str, size: int, dtype: type) -> Any:
-        """A 1-d device array of ``size`` elements, a view of one kept under ``name`` that grows as
-        needed (hold :attr:`lock` while using it)."""
-        kept = self._buffers.get(name)
-        if kept is None or kept.size < size:
-            kept = self._buffers[name] = cuda.device_array(max(size, 1), dtype)
-        return kept[:size]
+    def io(self, weights: int, rows: int, threads: int) -> _CallIO:
+        """The buffers of a call with ``weights`` float32 words, ``rows`` indices and ``threads``
+        (hold :attr:`lock` while using them)."""
+        key = (weights, rows, threads)
+        if self._io is None or self._io[0] != key:
+            layout = _CallIO.layout(*key)
+            if layout[-1] > self._capacity:
+                self._capacity = layout[-1]
+                self._device = cuda.device_array(self._capacity, np.uint8)
+                self._host = cuda.pinned_array(self._capacity, np.uint8)
+            self._io = (key, _CallIO(self._device, self._host, *key))
+        return self._io[1]
+
+
+class _CallIO:
+    """Typed views of one call's part of :class:`DeviceRows`' buffers, on the device and on the
+    host: ``[rows int64 | weights float32 | stats float64 (threads, 2)]``, 8-byte aligned, so that
+    the first two go up in one copy and the last two come back in one."""
+
+    def __init__(self, device: Any, host: np.ndarray, weights: int, rows: int, threads: int) -> None:
+        w0, s0, end = self.layout(weights, rows, threads)
+        self.up = (device[:w0 + 4 * weights], host[:w0 + 4 * weights])
+        self.down = (device[w0:end], host[w0:end])
+        self.rows = (device[:w0].view(np.int64), host[:w0].view(np.int64))
+        self.W = (device[w0:w0 + 4 * weights].view(np.float32), host[w0:w0 + 4 * weights].view(np.float32))
+        stats = (device[s0:end].view(np.float64), host[s0:end].view(np.float64))
+        self.stats = (stats[0].reshape((threads, 2)), stats[1].reshape((threads, 2)))
+
+    @staticmethod
+    def layout(weights: int, rows: int, threads: int) -> tuple[int, int, int]:
+        """Byte offsets of the weights and the stats, and the end."""
+        w0 = 8 * rows
+        s0 = w0 + (4 * weights + 7) // 8 * 8
+        return w0, s0, s0 + 16 * threads
 
 
 def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int, lr: float, l2: float,
@@ -253,13 +285,13 @@ def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int
                          f"for {data.d + 1} x {K} weights and batches of {batch_size}, more than "
                          f"{SHARED_BYTES}; use --device cpu")
     with data.lock:
-        d_W = data.buffer("W", W.size, np.float32)
-        d_rows = data.buffer("rows", rows.shape[0], np.int64)
-        stats = data.buffer("stats", threads * 2, np.float64)
-        d_W.copy_to_device(W.reshape(-1))
-        d_rows.copy_to_device(np.ascontiguousarray(rows))
-        _kernel(K)[1, threads, 0, need](d_W, data.X, data.y, d_rows, int(batch_size), float(lr), float(l2),
-                                     stats.reshape((threads, 2)))
-        d_W.copy_to_host(W.reshape(-1))
-        totals = stats.copy_to_host().reshape((threads, 2)).sum(axis=0)
+        io = data.io(W.size, rows.shape[0], threads)
+        io.rows[1][:] = rows
+        io.W[1][:] = W.reshape(-1)
+        io.up[0].copy_to_device(io.up[1])
+        _kernel(K)[1, threads, 0, need](io.W[0], data.X, data.y, io.rows[0], int(batch_size), float(lr), float(l2),
+                                     io.stats[0])
+        io.down[0].copy_to_host(io.down[1])
+        W.reshape(-1)[:] = io.W[1]
+        totals = io.stats[1].sum(axis=0)
     return float(totals[0]), int(round(totals[1]))
