@@ -20,17 +20,21 @@ in phases separated by barriers:
    features of a data row, which coalesces.
 
 The executor's rows (``X``, ``y``) are copied to the GPU once, when the executor first runs a
-task there; each task moves only the weights and its row indices.
+task there; each task moves only its row indices and the weights up, in one copy, and the
+weights and per-thread loss and count back, in one (see :class:`DeviceRows`).
 
 **Measured** on an H100 (``bench/bench_gpu.py``, the README's performance section): one
-Fashion-MNIST epoch (1,875 batches of 32) takes about 300 ms against the CPU kernel's 55-60 ms.
-The block runs on one of the GPU's 132 multiprocessors and is latency-bound: its time falls in
-proportion to its threads (32 threads: 1.76 s; 256: 0.30 s), and 256 is as many as the partial
-sums leave shared memory for. Tried and slower on the H100: one thread per (row, class) over all
-features with the weights in global memory (the first version: 364 ms), and a variant with a
-thread per logit and per weight at 512 threads (313 ms; 1,024 threads exceed its registers). So on
-this model the GPU is not worth it: a task's work is small (375 rows with 8 executors and 20
-clocks per epoch); ``--device cuda`` is for models whose batches give a block more to do.
+Fashion-MNIST epoch (1,875 batches of 32) takes 76-77 ms against the CPU kernel's 63-70 ms in
+the same runs (the first version of this kernel: 298 ms). The block runs on one of the GPU's 132
+multiprocessors and is bound by the latency of its reads, so what counted was: the classes as a
+compile-time constant, which puts a thread's accumulators in registers and reads each data value
+once for all classes (298 -> 140 ms at 256 threads); four reads in flight at a time (-> 91 ms);
+384 threads, as many as the partial sums leave shared memory for (-> 76 ms). Tried and slower:
+eight reads at a time (97 ms), a loop over a run-time number of reads (215 ms), one thread per
+(row, class) with the weights in global memory (364 ms). A task of 375 rows (8 executors, 20
+clocks per epoch) takes 0.88 ms, of which about 0.3 ms is the host's copies and launch, so whole
+jobs run at about 0.6 times the CPU's speed: on this model the GPU is not worth it;
+``--device cuda`` is for models whose batches give a block more to do.
 """
 
 from __future__ import annotations
