@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -240,6 +240,13 @@ class DeviceRows:
         return self._io[1]
 
 
+class _Pair(NamedTuple):
+    """The same bytes' view on the GPU and in the pinned host buffer."""
+
+    device: Any
+    host: np.ndarray
+
+
 class _CallIO:
     """Typed views of one call's part of :class:`DeviceRows`' buffers, on the device and on the
     host: ``[rows int64 | weights float32 | stats float64 (threads, 2)]``, 8-byte aligned, so that
@@ -247,12 +254,18 @@ class _CallIO:
 
     def __init__(self, device: Any, host: np.ndarray, weights: int, rows: int, threads: int) -> None:
         w0, s0, end = self.layout(weights, rows, threads)
-        self.up = (device[:w0 + 4 * weights], host[:w0 + 4 * weights])
-        self.down = (device[w0:end], host[w0:end])
-        self.rows = (device[:w0].view(np.int64), host[:w0].view(np.int64))
-        self.W = (device[w0:w0 + 4 * weights].view(np.float32), host[w0:w0 + 4 * weights].view(np.float32))
-        stats = (device[s0:end].view(np.float64), host[s0:end].view(np.float64))
-        self.stats = (stats[0].reshape((threads, 2)), stats[1].reshape((threads, 2)))
+
+        def pair(start: int, stop: int, dtype: type | None = None) -> _Pair:
+            if dtype is None:
+                return _Pair(device[start:stop], host[start:stop])
+            return _Pair(device[start:stop].view(dtype), host[start:stop].view(dtype))
+
+        self.up = pair(0, w0 + 4 * weights)
+        self.down = pair(w0, end)
+        self.rows = pair(0, w0, np.int64)
+        self.W = pair(w0, w0 + 4 * weights, np.float32)
+        stats = pair(s0, end, np.float64)
+        self.stats = _Pair(stats.device.reshape((threads, 2)), stats.host.reshape((threads, 2)))
 
     @staticmethod
     def layout(weights: int, rows: int, threads: int) -> tuple[int, int, int]:
@@ -290,12 +303,12 @@ def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int
                          f"{SHARED_BYTES}; use --device cpu")
     with data.lock:
         io = data.io(W.size, rows.shape[0], threads)
-        io.rows[1][:] = rows
-        io.W[1][:] = W.reshape(-1)
-        io.up[0].copy_to_device(io.up[1])
-        _kernel(K)[1, threads, 0, need](io.W[0], data.X, data.y, io.rows[0], int(batch_size), float(lr), float(l2),
-                                     io.stats[0])
-        io.down[0].copy_to_host(io.down[1])
-        W.reshape(-1)[:] = io.W[1]
-        totals = io.stats[1].sum(axis=0)
+        io.rows.host[:] = rows
+        io.W.host[:] = W.reshape(-1)
+        io.up.device.copy_to_device(io.up.host)
+        _kernel(K)[1, threads, 0, need](io.W.device, data.X, data.y, io.rows.device, int(batch_size), float(lr),
+                                     float(l2), io.stats.device)
+        io.down.device.copy_to_host(io.down.host)
+        W.reshape(-1)[:] = io.W.host
+        totals = io.stats.host.sum(axis=0)
     return float(totals[0]), int(round(totals[1]))
