@@ -2,6 +2,7 @@
 
 * **MLR SGD** (apps/mlr_cuda.py): one epoch of Fashion-MNIST (60,000 rows, batches of 32) by the
   CPU kernel (one thread) and by the GPU kernel (one block), kernel alone, best of ``--repeats``;
+  one task's 375 rows, and a 1-row call (the GPU's fixed cost per task), best of 20 × ``--repeats``;
   then whole jobs, ``litz launch apps/mlr.py`` with ``--device cpu`` and ``--device cuda``
   (2 workers, 1 server, 8 executors), seconds per epoch after the first.
 * **NN-Descent join** (apps/nndescent_cuda.py): one executor's round on Fashion-MNIST (a quarter
@@ -66,6 +67,12 @@ def mlr_kernels(repeats: int) -> None:
     dev = best(lambda: mlr_cuda.sgd_steps(W.copy(), on_gpu, rows, 32, 0.2, 1e-4), repeats)
     print(f"MLR SGD, one epoch (60,000 rows, batch 32): CPU kernel {cpu * 1e3:.1f} ms, GPU kernel {dev * 1e3:.1f} ms, "
           f"CPU / GPU {cpu / dev:.2f}")
+    task = rows[:375]  # one task's rows in the app's default job (8 executors, 20 clocks per epoch)
+    cpu_task = best(lambda: mk.sgd_steps(W.copy(), X, y, task, 32, 0.2, 1e-4), 20 * repeats)
+    dev_task = best(lambda: mlr_cuda.sgd_steps(W.copy(), on_gpu, task, 32, 0.2, 1e-4), 20 * repeats)
+    dev_call = best(lambda: mlr_cuda.sgd_steps(W.copy(), on_gpu, rows[:1], 32, 0.2, 1e-4), 20 * repeats)
+    print(f"MLR SGD, one task (375 rows, copies included): CPU kernel {cpu_task * 1e3:.2f} ms, GPU "
+          f"{dev_task * 1e3:.2f} ms; a 1-row GPU call, mostly the host's copies and launch: {dev_call * 1e3:.2f} ms")
 
 
 def mlr_jobs(repeats: int) -> None:
