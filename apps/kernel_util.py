@@ -38,7 +38,6 @@ __all__ = ["NO_REFCOUNTS", "prefetch", "read_only"]
 NO_REFCOUNTS: dict[str, Any] = {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
 
 
-
 def read_only(a: np.ndarray) -> np.ndarray:
     """``a`` as a plain read-only ndarray: itself if it is one, else a read-only view (no copy).
 

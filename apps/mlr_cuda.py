@@ -39,6 +39,7 @@ jobs run at about 0.6 times the CPU's speed: on this model the GPU is not worth 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any, NamedTuple
@@ -189,14 +190,8 @@ def _make_kernel(K: int) -> Any:
     return sgd_kernel
 
 
-_kernels: dict[int, Any] = {}
-
-
-def _kernel(K: int) -> Any:
-    """The kernel for ``K`` classes, made once per process (and cached on disk by Numba)."""
-    if K not in _kernels:
-        _kernels[K] = _make_kernel(K)
-    return _kernels[K]
+#: The kernel for ``K`` classes, made once per process (and cached on disk by Numba).
+_kernel = functools.cache(_make_kernel)
 
 
 class DeviceRows:
