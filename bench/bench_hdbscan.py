@@ -5,12 +5,14 @@ Two parts (each can be skipped):
 - **speed** (``--sizes``, exponents of 2; default 14..20): 10 Gaussian blobs in 10-d (``apps/hdbscan.py``'s
   ``blobs``), min_cluster_size 50, min_samples 10, Litz's k 15 (``--k-speed``). Per size:
 
-  - **Litz**: ``apps/hdbscan.py`` through ``litz.run``, ``--workers`` workers (default 2), 1 server,
-    4 executors per worker, ``--mst boruvka`` (and ``kruskal`` with ``--both-msts``). Time: the driver's
+  - **Litz**: ``apps/hdbscan.py`` through ``litz.run``, ``--workers`` workers (default 2), ``--servers`` servers
+    (default 1), 4 executors per worker, ``--mst boruvka`` (and ``kruskal`` with ``--both-msts``). Time: the driver's
     seconds from its first dispatch to the labels (NN-Descent, core distances, MST, tree). Excluded:
     process start-up and Numba compilation. A warm-up job runs first; every kernel is ``cache=True``
     and executors compile (or load) theirs in ``setup`` before their first task. The whole job wall
-    time is printed too.
+    time is printed too. Several ``--workers`` values (with one ``--servers`` value each, or one for
+    all) time Litz in each layout beside one run of each peer: how far scaling out takes it on a host
+    with the cores for it.
   - **hdbscan** ``HDBSCAN(min_cluster_size=50, min_samples=10)``, its defaults (``algorithm='best'``:
     Borůvka on a KD-tree, ``approx_min_span_tree=True``, ``core_dist_n_jobs=4``). A size is skipped
     when the previous one took more than ``--hdbscan-limit / 2.2`` seconds (the time roughly doubles
@@ -39,7 +41,7 @@ Two parts (each can be skipped):
   its docstring), and the library's seconds.
 
 Run: ``python bench/bench_hdbscan.py [--sizes 14 15 16] [--thesis-dims 1 2 3] [--thesis-points N]
-[--no-speed] [--no-accuracy] [--workers 2] [--pynndescent]``
+[--no-speed] [--no-accuracy] [--workers 2 [8 ...]] [--servers 1 [2 ...]] [--pynndescent]``
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import time
 import warnings
 from typing import Any
@@ -59,12 +62,16 @@ from apps import hdbscan as hd
 MCS, MS = 50, 10
 
 
-def litz_job(argv: list[str], workers: int, k: int) -> dict[str, Any]:
+def litz_job(argv: list[str], workers: int, k: int, servers: int = 1) -> dict[str, Any]:
     """One quiet Litz job returning labels: the driver's seconds, the job's wall time, the labels."""
     res = litz.run(hd.make_app([*argv, "--reference", "none", "--return-labels", "--quiet",
                                 "--min-cluster-size", str(MCS), "--min-samples", str(MS), "--k", str(k)]),
-                   workers=workers, servers=1, num_executors=4 * workers)
+                   workers=workers, servers=servers, num_executors=4 * workers)
     return {**res.value, "job_seconds": res.elapsed}
+
+
+def layout_name(workers: int, servers: int) -> str:
+    return f"{workers} worker{'s' * (workers != 1)}, {servers} server{'s' * (servers != 1)}"
 
 
 def timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:
@@ -93,8 +100,9 @@ def pynndescent_graph(x: np.ndarray, k: int) -> None:
     NNDescent(x, n_neighbors=k + 1, random_state=0).neighbor_graph  # noqa: B018 (built by the constructor)
 
 
-def speed(sizes: list[int], workers: int, k: int, both_msts: bool, fast_euclidean: bool, hdbscan_limit: float,
-          pynnd: bool = False) -> None:
+def speed(sizes: list[int], layouts: list[tuple[int, int]], k: int, both_msts: bool, fast_euclidean: bool,
+          hdbscan_limit: float, pynnd: bool = False) -> None:
+    """Per size: Litz in every (workers, servers) layout and MST, then the peers once, then the ratios."""
     msts = ["boruvka", "kruskal"] if both_msts else ["boruvka"]
     metrics = ["l2", "euclidean"] if fast_euclidean else ["l2"]
     warm_x, _ = hd.gaussian_mixture(3000, 10, 10, seed=1)
@@ -102,40 +110,44 @@ def speed(sizes: list[int], workers: int, k: int, both_msts: bool, fast_euclidea
         fast_hdbscan_labels(warm_x, metric)
     if pynnd:
         pynndescent_graph(warm_x, k)
-    for mst in msts:
-        litz_job(["--points", "3000", "--mst", mst], workers, k)
-    print(f"speed: 10 blobs in 10-d, min_cluster_size {MCS}, min_samples {MS}; Litz k={k}, {workers} workers, "
-          f"{4 * workers} executors; compile time excluded (warm-up first)", flush=True)
-    head = f"{'points':>9} " + " ".join(f"{'litz-' + m:>14}" for m in msts) + f" {'job wall':>9} {'hdbscan':>9}"
-    head += "".join(f" {'fast-' + m:>14}" for m in metrics) + f" {'x hdbscan':>10}"
-    head += "".join(f" {'x fast-' + m:>14}" for m in metrics) + f" {'FM':>6}  vs"
-    print(head, flush=True)
+    for workers, servers in layouts:
+        for mst in msts:
+            litz_job(["--points", "3000", "--mst", mst], workers, k, servers)
+    print(f"speed: 10 blobs in 10-d, min_cluster_size {MCS}, min_samples {MS}; Litz k={k}, 4 executors per worker; "
+          f"compile time excluded (warm-up first); {os.cpu_count()} CPUs", flush=True)
     last_hdbscan = 0.0
     for e in sizes:
         n = 2 ** e
         x, truth = hd.gaussian_mixture(n, 10, 10, seed=0)
-        runs = {m: litz_job(["--points", str(n), "--mst", m], workers, k) for m in msts}
-        ours = runs[msts[0]]
+        print(f"{n} points:", flush=True)
+        runs: dict[tuple[int, int, str], dict[str, Any]] = {}
+        for workers, servers in layouts:
+            for mst in msts:
+                ours = runs[workers, servers, mst] = litz_job(["--points", str(n), "--mst", mst], workers, k, servers)
+                print(f"  litz, {layout_name(workers, servers)}, {mst}: {ours['seconds']:.2f} s "
+                      f"(job wall {ours['job_seconds']:.1f} s); phases: "
+                      + ", ".join(f"{name} {v:.2f} s" for name, v in ours["times"].items())
+                      + f"; {ours['nnd_rounds']} NN-Descent rounds, {ours.get('boruvka_rounds', '-')} Borůvka rounds, "
+                      f"{ours['clusters']} clusters", flush=True)
         ref, t_h = (None, float("nan"))
         if last_hdbscan * 2.2 <= hdbscan_limit:
             ref, t_h = timed(hdbscan_default, x)
             last_hdbscan = t_h
         t_f = {m: timed(fast_hdbscan_labels, x, m)[1] for m in metrics}
-        fm = hd.fowlkes_mallows(ref if ref is not None else truth, ours["labels"])
-        row = f"{n:>9} " + " ".join(f"{runs[m]['seconds']:>12.2f} s" for m in msts)
-        row += f" {ours['job_seconds']:>7.1f} s {t_h:>7.2f} s" + "".join(f" {t_f[m]:>12.2f} s" for m in metrics)
-        row += f" {t_h / ours['seconds']:>9.1f}x" + "".join(f" {t_f[m] / ours['seconds']:>13.2f}x" for m in metrics)
-        row += f" {fm:>6.3f}  {'hdbscan' if ref is not None else 'truth'}"
-        print(row, flush=True)
-        print("          litz phases: " + ", ".join(f"{name} {v:.2f} s" for name, v in ours["times"].items())
-              + f"; {ours['nnd_rounds']} NN-Descent rounds, {ours.get('boruvka_rounds', '-')} Borůvka rounds, "
-              f"{ours['clusters']} clusters", flush=True)
+        print(f"  hdbscan {t_h:.2f} s" + "".join(f", fast_hdbscan ({m}) {t:.2f} s" for m, t in t_f.items()),
+              flush=True)
+        for (workers, servers, mst), ours in runs.items():
+            fm = hd.fowlkes_mallows(ref if ref is not None else truth, ours["labels"])
+            print(f"  litz, {layout_name(workers, servers)}, {mst}: {t_h / ours['seconds']:.1f}x hdbscan"
+                  + "".join(f", {t / ours['seconds']:.2f}x fast_hdbscan ({m})" for m, t in t_f.items())
+                  + f"; FM {fm:.3f} against {'hdbscan' if ref is not None else 'the truth'}", flush=True)
         if pynnd:
+            knn = min(ours["times"]["knn"] for ours in runs.values())
             t_p = timed(pynndescent_graph, x, k)[1]
             vs_hdbscan = "hdbscan not run" if math.isnan(t_h) else f"{t_h / t_p:.1f}x"
-            print(f"          kNN graph alone: pynndescent {t_p:.2f} s, Litz NN-Descent {ours['times']['knn']:.2f} s "
-                  f"({ours['times']['knn'] / t_p:.2f}x pynndescent's time); hdbscan / pynndescent's graph alone: "
-                  f"{vs_hdbscan}", flush=True)
+            print(f"  kNN graph alone: pynndescent {t_p:.2f} s, Litz NN-Descent {knn:.2f} s (fastest layout; "
+                  f"{knn / t_p:.2f}x pynndescent's time); hdbscan / pynndescent's graph alone: {vs_hdbscan}",
+                  flush=True)
 
 
 def accuracy(dims: list[int], points: int, workers: int, k: int) -> None:
@@ -159,7 +171,10 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="*", default=list(range(14, 21)), help="exponents of 2")
     p.add_argument("--thesis-dims", type=int, nargs="*", default=list(range(1, 11)))
     p.add_argument("--thesis-points", type=int, default=100_000)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, nargs="+", default=[2],
+                   help="worker processes; several values time Litz in each layout (scale-out), the peers once")
+    p.add_argument("--servers", type=int, nargs="+", default=[1],
+                   help="servers per layout, one value for all or one per --workers value")
     p.add_argument("--k-speed", type=int, default=15, help="Litz's k in the speed part (blobs are separated)")
     p.add_argument("--k-accuracy", type=int, default=60,
                    help="Litz's k on the thesis set (30 keeps the FM index below 0.95 in 6-10 dimensions)")
@@ -170,12 +185,16 @@ def main() -> None:
     p.add_argument("--no-speed", action="store_true")
     p.add_argument("--no-accuracy", action="store_true")
     args = p.parse_args()
+    if len(args.servers) not in (1, len(args.workers)):
+        p.error(f"--servers takes one value or one per --workers value ({len(args.workers)}), not {len(args.servers)}")
+    layouts = list(zip(args.workers, args.servers * len(args.workers) if len(args.servers) == 1 else args.servers,
+                       strict=True))
     logging.getLogger("litz").setLevel(logging.WARNING)
     if not args.no_speed:
-        speed(args.sizes, args.workers, args.k_speed, args.both_msts, args.fast_euclidean, args.hdbscan_limit,
+        speed(args.sizes, layouts, args.k_speed, args.both_msts, args.fast_euclidean, args.hdbscan_limit,
               args.pynndescent)
     if not args.no_accuracy:
-        accuracy(args.thesis_dims, args.thesis_points, args.workers, args.k_accuracy)
+        accuracy(args.thesis_dims, args.thesis_points, args.workers[0], args.k_accuracy)
 
 
 if __name__ == "__main__":
