@@ -343,6 +343,29 @@ def test_a_watch_through_an_etcd_restart_leaves_no_task_behind_and_logs_the_outa
     assert sum(f"watch on /litz/{JOB}/procs/ resumed" in m for m in said) == 1, said
 
 
+def test_a_new_client_connects_at_once_to_a_new_etcd_on_an_old_etcds_port(
+        etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
+    """gRPC shares a process's connections to one address between its channels, and with them the
+    reconnection back-off. A job's etcd that comes up on the port of an earlier one (ports are
+    picked at random), while a client of the earlier one is still open and backing off, must still
+    be reachable at once: a suite's run once failed a job's start on exactly this, against an etcd
+    that ran and answered its health check."""
+    old = members()
+    old.register("procs/worker/w0", {"addr": "x"}, ttl=2)  # its keep-alive keeps reconnecting
+    etcd._stop_process()
+    time.sleep(4.0)  # the old client's attempts fail meanwhile, its back-off growing past a second
+    etcd._launch(15.0)  # same port, answering /health
+    new = Membership(etcd.url, "another-job", connect_timeout=1.0)
+    t = time.monotonic()
+    try:
+        new.start()
+        assert time.monotonic() - t < 0.5
+        new.put("k", {"v": 1})
+        assert new.get("k") == {"v": 1}
+    finally:
+        new.close()
+
+
 def test_close_does_not_wait_long_for_an_etcd_known_to_be_gone(etcd: LocalEtcd,
                                                               members: Callable[..., Membership]) -> None:
     """Once the keep-alive finds etcd gone, ``close()`` tries the revoke once, briefly, instead of for

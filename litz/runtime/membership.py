@@ -208,7 +208,18 @@ class _Watch(WatchService):
 
 
 class _Client(Etcd3Client):
-    """etcd3aio's client with :class:`_Watch` as its watch service."""
+    """etcd3aio's client with :class:`_Watch` as its watch service and a subchannel pool of its own.
+
+    gRPC shares connections (subchannels) between a process's channels to the same address, and
+    with them their reconnection back-off, which grows to minutes. A client made for a new etcd
+    on a port where an earlier etcd of this process had stopped (tests and local jobs pick ports
+    at random) would wait out the back-off of a still-open client of the old one, and fail its
+    connect timeout against a server that runs and answers. Its own pool connects at once.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._manager.grpc_options.append(("grpc.use_local_subchannel_pool", 1))
 
     async def connect(self) -> None:
         await super().connect()
