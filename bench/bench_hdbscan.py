@@ -5,14 +5,16 @@ Two parts (each can be skipped):
 - **speed** (``--sizes``, exponents of 2; default 14..20): 10 Gaussian blobs in 10-d (``apps/hdbscan.py``'s
   ``blobs``), min_cluster_size 50, min_samples 10, Litz's k 15 (``--k-speed``). Per size:
 
-  - **Litz**: ``apps/hdbscan.py`` through ``litz.run``, ``--workers`` workers (default 2), ``--servers`` servers
-    (default 1), 4 executors per worker, ``--mst boruvka`` (and ``kruskal`` with ``--both-msts``). Time: the driver's
-    seconds from its first dispatch to the labels (NN-Descent, core distances, MST, tree). Excluded:
-    process start-up and Numba compilation. A warm-up job runs first; every kernel is ``cache=True``
-    and executors compile (or load) theirs in ``setup`` before their first task. The whole job wall
-    time is printed too. Several ``--workers`` values (with one ``--servers`` value each, or one for
-    all) time Litz in each layout beside one run of each peer: how far scaling out takes it on a host
-    with the cores for it.
+  - **Litz**: ``apps/hdbscan.py`` through ``litz.run``, ``--workers`` workers (default 2), ``--servers``
+    servers (default 1), ``--executors-per-worker`` (default 4), ``--mst boruvka`` (and ``kruskal`` with
+    ``--both-msts``). Time: the driver's seconds from its first dispatch to the labels (NN-Descent, core
+    distances, MST, tree). Excluded: process start-up and Numba compilation. A warm-up job runs first;
+    every kernel is ``cache=True`` and executors compile (or load) theirs in ``setup`` before their
+    first task. The whole job wall time is printed too. Several values of these three options (each
+    one value for all layouts or one per layout) time Litz in each layout beside one run of each
+    peer: how far scaling out takes it on a host with the cores for it. ``--rounds`` prints each
+    job's progress (NN-Descent's rounds); ``--hdbscan-limit -1`` skips hdbscan, ``--no-fast-hdbscan``
+    fast_hdbscan.
   - **hdbscan** ``HDBSCAN(min_cluster_size=50, min_samples=10)``, its defaults (``algorithm='best'``:
     Borůvka on a KD-tree, ``approx_min_span_tree=True``, ``core_dist_n_jobs=4``). A size is skipped
     when the previous one took more than ``--hdbscan-limit / 2.2`` seconds (the time roughly doubles
@@ -62,16 +64,23 @@ from apps import hdbscan as hd
 MCS, MS = 50, 10
 
 
-def litz_job(argv: list[str], workers: int, k: int, servers: int = 1) -> dict[str, Any]:
-    """One quiet Litz job returning labels: the driver's seconds, the job's wall time, the labels."""
-    res = litz.run(hd.make_app([*argv, "--reference", "none", "--return-labels", "--quiet",
+Layout = tuple[int, int, int]  # workers, servers, executors per worker
+
+
+def litz_job(argv: list[str], layout: Layout, k: int, verbose: bool = False) -> dict[str, Any]:
+    """One Litz job returning labels: the driver's seconds, the job's wall time, the labels. Quiet
+    unless ``verbose`` (then the app prints its progress: NN-Descent's rounds, Borůvka's)."""
+    workers, servers, per_worker = layout
+    res = litz.run(hd.make_app([*argv, "--reference", "none", "--return-labels", *([] if verbose else ["--quiet"]),
                                 "--min-cluster-size", str(MCS), "--min-samples", str(MS), "--k", str(k)]),
-                   workers=workers, servers=servers, num_executors=4 * workers)
+                   workers=workers, servers=servers, num_executors=per_worker * workers)
     return {**res.value, "job_seconds": res.elapsed}
 
 
-def layout_name(workers: int, servers: int) -> str:
-    return f"{workers} worker{'s' * (workers != 1)}, {servers} server{'s' * (servers != 1)}"
+def layout_name(layout: Layout) -> str:
+    workers, servers, per_worker = layout
+    return (f"{workers} worker{'s' * (workers != 1)} of {per_worker} executor{'s' * (per_worker != 1)}, "
+            f"{servers} server{'s' * (servers != 1)}")
 
 
 def timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:
@@ -100,31 +109,31 @@ def pynndescent_graph(x: np.ndarray, k: int) -> None:
     NNDescent(x, n_neighbors=k + 1, random_state=0).neighbor_graph  # noqa: B018 (built by the constructor)
 
 
-def speed(sizes: list[int], layouts: list[tuple[int, int]], k: int, both_msts: bool, fast_euclidean: bool,
-          hdbscan_limit: float, pynnd: bool = False) -> None:
-    """Per size: Litz in every (workers, servers) layout and MST, then the peers once, then the ratios."""
+def speed(sizes: list[int], layouts: list[Layout], k: int, both_msts: bool, fast_euclidean: bool,
+          hdbscan_limit: float, pynnd: bool = False, rounds: bool = False, no_fast: bool = False) -> None:
+    """Per size: Litz in every layout and MST, then the peers once, then the ratios."""
     msts = ["boruvka", "kruskal"] if both_msts else ["boruvka"]
-    metrics = ["l2", "euclidean"] if fast_euclidean else ["l2"]
+    metrics = [] if no_fast else ["l2", "euclidean"] if fast_euclidean else ["l2"]
     warm_x, _ = hd.gaussian_mixture(3000, 10, 10, seed=1)
     for metric in metrics:
         fast_hdbscan_labels(warm_x, metric)
     if pynnd:
         pynndescent_graph(warm_x, k)
-    for workers, servers in layouts:
+    for layout in layouts:
         for mst in msts:
-            litz_job(["--points", "3000", "--mst", mst], workers, k, servers)
-    print(f"speed: 10 blobs in 10-d, min_cluster_size {MCS}, min_samples {MS}; Litz k={k}, 4 executors per worker; "
+            litz_job(["--points", "3000", "--mst", mst], layout, k)
+    print(f"speed: 10 blobs in 10-d, min_cluster_size {MCS}, min_samples {MS}; Litz k={k}; "
           f"compile time excluded (warm-up first); {os.cpu_count()} CPUs", flush=True)
     last_hdbscan = 0.0
     for e in sizes:
         n = 2 ** e
         x, truth = hd.gaussian_mixture(n, 10, 10, seed=0)
         print(f"{n} points:", flush=True)
-        runs: dict[tuple[int, int, str], dict[str, Any]] = {}
-        for workers, servers in layouts:
+        runs: dict[tuple[Layout, str], dict[str, Any]] = {}
+        for layout in layouts:
             for mst in msts:
-                ours = runs[workers, servers, mst] = litz_job(["--points", str(n), "--mst", mst], workers, k, servers)
-                print(f"  litz, {layout_name(workers, servers)}, {mst}: {ours['seconds']:.2f} s "
+                ours = runs[layout, mst] = litz_job(["--points", str(n), "--mst", mst], layout, k, rounds)
+                print(f"  litz, {layout_name(layout)}, {mst}: {ours['seconds']:.2f} s "
                       f"(job wall {ours['job_seconds']:.1f} s); phases: "
                       + ", ".join(f"{name} {v:.2f} s" for name, v in ours["times"].items())
                       + f"; {ours['nnd_rounds']} NN-Descent rounds, {ours.get('boruvka_rounds', '-')} Borůvka rounds, "
@@ -134,11 +143,13 @@ def speed(sizes: list[int], layouts: list[tuple[int, int]], k: int, both_msts: b
             ref, t_h = timed(hdbscan_default, x)
             last_hdbscan = t_h
         t_f = {m: timed(fast_hdbscan_labels, x, m)[1] for m in metrics}
-        print(f"  hdbscan {t_h:.2f} s" + "".join(f", fast_hdbscan ({m}) {t:.2f} s" for m, t in t_f.items()),
+        print(("  hdbscan not run" if math.isnan(t_h) else f"  hdbscan {t_h:.2f} s")
+              + "".join(f", fast_hdbscan ({m}) {t:.2f} s" for m, t in t_f.items()),
               flush=True)
-        for (workers, servers, mst), ours in runs.items():
+        for (layout, mst), ours in runs.items():
             fm = hd.fowlkes_mallows(ref if ref is not None else truth, ours["labels"])
-            print(f"  litz, {layout_name(workers, servers)}, {mst}: {t_h / ours['seconds']:.1f}x hdbscan"
+            vs_h = "hdbscan not run" if math.isnan(t_h) else f"{t_h / ours['seconds']:.1f}x hdbscan"
+            print(f"  litz, {layout_name(layout)}, {mst}: {vs_h}"
                   + "".join(f", {t / ours['seconds']:.2f}x fast_hdbscan ({m})" for m, t in t_f.items())
                   + f"; FM {fm:.3f} against {'hdbscan' if ref is not None else 'the truth'}", flush=True)
         if pynnd:
@@ -150,9 +161,9 @@ def speed(sizes: list[int], layouts: list[tuple[int, int]], k: int, both_msts: b
                   flush=True)
 
 
-def accuracy(dims: list[int], points: int, workers: int, k: int) -> None:
+def accuracy(dims: list[int], points: int, layout: Layout, k: int) -> None:
     print(f"accuracy: thesis set, {points} points, 1,000 clusters, 20% noise; FM of Litz (Borůvka, k={k}, "
-          f"{workers} workers) against hdbscan with its exact MST", flush=True)
+          f"{layout_name(layout)}) against hdbscan with its exact MST", flush=True)
     print(f"{'dims':>4} {'FM':>6} {'litz':>9} {'hdbscan':>9} {'clusters litz/hdbscan':>22} {'noise litz/hdbscan':>19}",
           flush=True)
     for d in dims:
@@ -160,7 +171,7 @@ def accuracy(dims: list[int], points: int, workers: int, k: int) -> None:
         config = hd.make_app([*argv, "--reference", "none"]).config
         x, _ = hd.load_points(config)
         ref, t_h = timed(hd.reference_hdbscan, x, MS, MCS)
-        ours = litz_job(argv, workers, k)
+        ours = litz_job(argv, layout, k)
         fm = hd.fowlkes_mallows(ref, ours["labels"])
         print(f"{d:>4} {fm:>6.3f} {ours['seconds']:>7.2f} s {t_h:>7.2f} s {ours['clusters']:>11}/{ref.max() + 1:<10} "
               f"{ours['noise']:>9}/{(ref < 0).sum():<9}", flush=True)
@@ -174,27 +185,32 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[2],
                    help="worker processes; several values time Litz in each layout (scale-out), the peers once")
     p.add_argument("--servers", type=int, nargs="+", default=[1],
-                   help="servers per layout, one value for all or one per --workers value")
+                   help="servers: one value for all layouts or one per layout")
+    p.add_argument("--executors-per-worker", type=int, nargs="+", default=[4],
+                   help="executors per worker: one value for all layouts or one per layout")
+    p.add_argument("--rounds", action="store_true", help="print each Litz job's progress (NN-Descent's rounds)")
     p.add_argument("--k-speed", type=int, default=15, help="Litz's k in the speed part (blobs are separated)")
     p.add_argument("--k-accuracy", type=int, default=60,
                    help="Litz's k on the thesis set (30 keeps the FM index below 0.95 in 6-10 dimensions)")
     p.add_argument("--both-msts", action="store_true", help="time Litz with Kruskal too")
     p.add_argument("--fast-euclidean", action="store_true", help="also fast_hdbscan with metric='euclidean'")
+    p.add_argument("--no-fast-hdbscan", action="store_true", help="leave fast_hdbscan out")
     p.add_argument("--pynndescent", action="store_true", help="also time pynndescent's kNN graph alone")
     p.add_argument("--hdbscan-limit", type=float, default=600.0, help="seconds an hdbscan run may take")
     p.add_argument("--no-speed", action="store_true")
     p.add_argument("--no-accuracy", action="store_true")
     args = p.parse_args()
-    if len(args.servers) not in (1, len(args.workers)):
-        p.error(f"--servers takes one value or one per --workers value ({len(args.workers)}), not {len(args.servers)}")
-    layouts = list(zip(args.workers, args.servers * len(args.workers) if len(args.servers) == 1 else args.servers,
-                       strict=True))
+    columns = [args.workers, args.servers, args.executors_per_worker]
+    count = max(map(len, columns))
+    if any(len(c) not in (1, count) for c in columns):
+        p.error(f"--workers, --servers and --executors-per-worker take one value each or one per layout ({count})")
+    layouts = list(zip(*(c * count if len(c) == 1 else c for c in columns), strict=True))
     logging.getLogger("litz").setLevel(logging.WARNING)
     if not args.no_speed:
         speed(args.sizes, layouts, args.k_speed, args.both_msts, args.fast_euclidean, args.hdbscan_limit,
-              args.pynndescent)
+              args.pynndescent, args.rounds, args.no_fast_hdbscan)
     if not args.no_accuracy:
-        accuracy(args.thesis_dims, args.thesis_points, args.workers[0], args.k_accuracy)
+        accuracy(args.thesis_dims, args.thesis_points, layouts[0], args.k_accuracy)
 
 
 if __name__ == "__main__":
