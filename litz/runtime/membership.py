@@ -230,8 +230,9 @@ class _Client(Etcd3Client):
         self._manager.grpc_options.extend([
             ("grpc.use_local_subchannel_pool", 1),
             ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # not grpc.min_reconnect_backoff_ms: that is how long one attempt may take to connect
+            # (20 s by default), which a distant etcd may need
         ])
 
     async def connect(self) -> None:
