@@ -343,8 +343,9 @@ class LocalEtcd:
             self.stop()
             raise
 
-    def restart(self, timeout: float = 15.0) -> None:
-        """Stop etcd but keep its data directory, then start it again on the same ports.
+    def restart(self, timeout: float = 15.0, down: float = 0.0) -> None:
+        """Stop etcd but keep its data directory, then (after ``down`` seconds, an outage) start it
+        again on the same ports.
 
         Leases and keys survive, as they would when a production etcd is restarted; clients see the
         connection drop and must reconnect on their own.
@@ -352,6 +353,7 @@ class LocalEtcd:
         if self._tmpdir is None:
             raise ConfigError("LocalEtcd.restart() called before start()")
         self._stop_process()
+        time.sleep(down)
         try:
             self._launch(timeout)
         except BaseException:
