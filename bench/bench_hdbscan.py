@@ -43,7 +43,8 @@ Two parts (each can be skipped):
   its docstring), and the library's seconds.
 
 Run: ``python bench/bench_hdbscan.py [--sizes 14 15 16] [--thesis-dims 1 2 3] [--thesis-points N]
-[--no-speed] [--no-accuracy] [--workers 2 [8 ...]] [--servers 1 [2 ...]] [--pynndescent]``
+[--no-speed] [--no-accuracy] [--workers 2 [8 ...]] [--servers 1 [2 ...]] [--executors-per-worker 4 [1 ...]]
+[--rounds] [--no-fast-hdbscan] [--pynndescent]``
 """
 
 from __future__ import annotations
