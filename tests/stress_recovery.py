@@ -14,10 +14,11 @@ the loss strikes before, during or after its migrations and new processes' start
 strikes while the first is being recovered (or just after). With ``--etcd-restart`` the job
 uses an etcd of its own that is restarted around the kill (just before, or while the loss is
 noticed), so the loss must be detected and recovered while clients reconnect and leases are
-re-established.
+re-established. ``--etcd-down S`` keeps that etcd down for ``S`` seconds (longer than a lease, say),
+and the kill may land while it is down: the loss is noticed only once etcd is back.
 
 Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0] [--scale] [--cascade]
-[--etcd-restart]``
+[--etcd-restart] [--etcd-down S]``
 """
 
 from __future__ import annotations
@@ -108,17 +109,19 @@ def _all_recovered(status: dict, killed: list[str]) -> bool:
     return set(killed) <= named
 
 
-def one(seed: int, recovery: str, scaling: bool = False, cascade: bool = False, etcd_restart: bool = False) -> bool:
+def one(seed: int, recovery: str, scaling: bool = False, cascade: bool = False, etcd_restart: bool = False,
+        etcd_down: float = 0.0) -> bool:
     rng = random.Random(seed)
-    if etcd_restart:
+    if etcd_restart or etcd_down:
         from litz.runtime.etcd_server import LocalEtcd
 
         with LocalEtcd() as etcd:
-            return _one(rng, seed, recovery, scaling, cascade, etcd)
+            return _one(rng, seed, recovery, scaling, cascade, etcd, etcd_down)
     return _one(rng, seed, recovery, scaling, cascade, None)
 
 
-def _one(rng: random.Random, seed: int, recovery: str, scaling: bool, cascade: bool, etcd: Any) -> bool:
+def _one(rng: random.Random, seed: int, recovery: str, scaling: bool, cascade: bool, etcd: Any,
+         etcd_down: float = 0.0) -> bool:
     tmp = Path(tempfile.mkdtemp(prefix="litz-stress-"))
     os.environ["LITZ_JOBS_DIR"] = str(tmp / "jobs")
     stop = tmp / "stop"
@@ -145,9 +148,9 @@ def _one(rng: random.Random, seed: int, recovery: str, scaling: bool, cascade: b
         else:  # the kill lands during the restart or a moment after it
             # etcd is restarted by this thread, which outlives it: Linux ties etcd's parent-death
             # signal to the thread that started it, so the kill comes from another one
-            killer = threading.Timer(rng.uniform(0.0, 1.5), _kill, (victims, killed))
+            killer = threading.Timer(rng.uniform(0.0, 1.5 + etcd_down), _kill, (victims, killed))
             killer.start()
-            etcd.restart()
+            etcd.restart(down=etcd_down)
             killer.join()
         if cascade:
             time.sleep(rng.uniform(0.0, 0.8))
@@ -194,8 +197,10 @@ def main() -> None:
                     help="kill one more process a moment after the first loss, while it is recovered")
     ap.add_argument("--etcd-restart", action="store_true",
                     help="the job's own etcd is restarted around the kill")
+    ap.add_argument("--etcd-down", type=float, default=0.0, metavar="S",
+                    help="with --etcd-restart (implied): etcd stays down S seconds, and the kill may land meanwhile")
     args = ap.parse_args()
-    failed = sum(not one(s, args.recovery, args.scale, args.cascade, args.etcd_restart)
+    failed = sum(not one(s, args.recovery, args.scale, args.cascade, args.etcd_restart, args.etcd_down)
                  for s in range(args.seed, args.seed + args.runs))
     print(f"{failed} of {args.runs} runs failed")
     sys.exit(1 if failed else 0)
