@@ -352,9 +352,7 @@ def test_a_new_client_connects_at_once_to_a_new_etcd_on_an_old_etcds_port(
     that ran and answered its health check."""
     old = members()
     old.register("procs/worker/w0", {"addr": "x"}, ttl=2)  # its keep-alive keeps reconnecting
-    etcd._stop_process()
-    time.sleep(4.0)  # the old client's attempts fail meanwhile, its back-off growing past a second
-    etcd._launch(15.0)  # same port, answering /health
+    etcd.restart(down=4.0)  # the old client's attempts fail meanwhile, its back-off growing past a second
     new = Membership(etcd.url, "another-job", connect_timeout=1.0)
     t = time.monotonic()
     try:
