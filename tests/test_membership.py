@@ -364,6 +364,23 @@ def test_a_new_client_connects_at_once_to_a_new_etcd_on_an_old_etcds_port(
         new.close()
 
 
+def test_put_soon_returns_at_once_and_its_future_says_how_the_write_ended(
+        etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
+    """What the master writes its status with, twice a second: the caller never waits on etcd,
+    the future ends as ``put`` would have, and a value that cannot be stored fails at once."""
+    m = members(connect_timeout=1.0)
+    assert m.put_soon("status", {"n": 1}).result(5) is None
+    assert m.get("status") == {"n": 1}
+    with pytest.raises(TypeError):
+        m.put_soon("status", {"n": object()})
+    etcd.stop()
+    t = time.monotonic()
+    fut = m.put_soon("status", {"n": 2})
+    assert time.monotonic() - t < 0.2
+    with pytest.raises(EtcdUnreachable, match="put status"):
+        fut.result(10)
+
+
 def test_close_does_not_wait_long_for_an_etcd_known_to_be_gone(etcd: LocalEtcd,
                                                               members: Callable[..., Membership]) -> None:
     """Once the keep-alive finds etcd gone, ``close()`` tries the revoke once, briefly, instead of for

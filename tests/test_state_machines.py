@@ -640,7 +640,9 @@ def test_lost_processes_are_reported_in_id_order() -> None:
 def test_an_unreachable_etcd_is_reported_once_per_outage_by_the_status_publisher(caplog) -> None:
     """The master publishes its status every few hundred ms. While etcd is down that write fails each
     time: the first failure is a warning, the next ones are not repeated, and the first write that
-    succeeds again says so (and the status it wrote is the current one)."""
+    succeeds again says so (and the status it wrote is the current one). The writes go in the
+    background: one due while the last is still under way is skipped, not queued behind it."""
+    import concurrent.futures
     import logging
 
     from litz.errors import EtcdUnreachable
@@ -648,15 +650,26 @@ def test_an_unreachable_etcd_is_reported_once_per_outage_by_the_status_publisher
     from tests import testapps
 
     class Flaky:
+        timeout = 5.0
+
         def __init__(self) -> None:
             self.down = False
+            self.slow = False  # writes stay under way until finish()
             self.puts: list[dict] = []
+            self.held: list[concurrent.futures.Future[None]] = []
 
-        def put(self, key: str, value: dict) -> None:
-            if self.down:
-                raise EtcdUnreachable("cannot reach etcd at 127.0.0.1:1 (put status)")
+        def put_soon(self, key: str, value: dict) -> concurrent.futures.Future[None]:
             assert key == STATUS_KEY
-            self.puts.append(value)
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            if self.slow:
+                self.held.append(fut)
+                self.puts.append(value)
+            elif self.down:
+                fut.set_exception(EtcdUnreachable("cannot reach etcd at 127.0.0.1:1 (put status)"))
+            else:
+                self.puts.append(value)
+                fut.set_result(None)
+            return fut
 
     etcd = Flaky()
     m = Master(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), "j", etcd,  # type: ignore[arg-type]
@@ -671,10 +684,17 @@ def test_an_unreachable_etcd_is_reported_once_per_outage_by_the_status_publisher
             m.publish_status("finishing")
             etcd.down = True
             m.publish_status("finishing")  # a second outage is reported again
+            etcd.down, etcd.slow = False, True
+            m.publish_status("running")
+            m.publish_status("running")  # the one before is under way: skipped
+            etcd.held[0].set_result(None)
+            etcd.slow = False
+            m.publish_status("stopping")
         said = [r.getMessage() for r in caplog.records]
         assert said == ["could not publish the job status: cannot reach etcd at 127.0.0.1:1 (put status)",
                         "the job status is published again",
-                        "could not publish the job status: cannot reach etcd at 127.0.0.1:1 (put status)"]
-        assert [p["phase"] for p in etcd.puts] == ["running", "finishing"]
+                        "could not publish the job status: cannot reach etcd at 127.0.0.1:1 (put status)",
+                        "the job status is published again"]
+        assert [p["phase"] for p in etcd.puts] == ["running", "finishing", "running", "stopping"]
     finally:
         m.endpoint.close()

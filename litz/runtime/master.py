@@ -12,6 +12,7 @@ parameters before the completed task's updates were applied (DESIGN.md §2).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -490,6 +491,7 @@ class Master:
         self._fenced_told: set[str] = set()
         self.recoveries: list[dict[str, Any]] = []  # what was lost and how it was recovered
         self._status_unpublished = False  # the last status write failed (etcd unreachable)
+        self._status_put: concurrent.futures.Future[None] | None = None  # the status write under way
         self._restoring: _Restoring | None = None  # the partial recovery in progress
         self._waiting_losses: list[tuple[str, str]] = []  # (ident, role) lost during the other role's recovery
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
@@ -545,7 +547,7 @@ class Master:
         with contextlib.suppress(Exception):
             self.endpoint.send(msg.sender, "shutdown", reason="declared lost: its work was recovered elsewhere")
 
-    def publish_status(self, phase: str) -> None:
+    def publish_status(self, phase: str, final: bool = False) -> None:
         """Write the job's status to etcd (``status`` under the job prefix) for ``litz status``."""
         st = self.state
         status: dict[str, Any] = {"phase": phase, "job": self.job, "updated": time.time()}
@@ -565,14 +567,37 @@ class Master:
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = self.checkpoints.completed[-5:]
+        # Written in the background, one write at a time: the loop never waits on etcd for it (while
+        # etcd was away each write held the loop for the call deadline, and the job crawled). A
+        # status due while the last one is still on its way is skipped; the next period sends a
+        # newer one. The job's last status (final=True) waits, within one call deadline in all, for
+        # the write before it (so that its own lands last) and for its own; not for its own when
+        # the one before failed or is still trying: etcd is away, and the job need not wait for it.
+        deadline = time.monotonic() + self.membership.timeout + 1.0
+        pending = self._status_put
+        if pending is not None and not pending.done():
+            if not final:
+                return
+            concurrent.futures.wait([pending], timeout=deadline - time.monotonic())
+        etcd_away = pending is not None and (not pending.done() or pending.exception() is not None)
         try:
-            self.membership.put(STATUS_KEY, status)
-        except LitzError as exc:  # status is informative: never stop the job for it
-            # said once per outage: the status is published every few hundred ms
+            self._status_put = put = self.membership.put_soon(STATUS_KEY, status)
+        except LitzError as exc:  # closed already: nothing to publish to
+            log.debug("could not publish the job status: %s", exc)
+            return
+        put.add_done_callback(self._status_written)
+        if final and not etcd_away:
+            concurrent.futures.wait([put], timeout=max(0.0, deadline - time.monotonic()))
+
+    def _status_written(self, put: concurrent.futures.Future[None]) -> None:
+        """A status write ended (on the etcd thread): say once per outage that it failed, and once
+        that it works again. Status is informative: a failure never stops the job."""
+        exc = put.exception()
+        if exc is not None:
+            # said once per outage: the status is published twice a second
             (log.debug if self._status_unpublished else log.warning)("could not publish the job status: %s", exc)
             self._status_unpublished = True
-            return
-        if self._status_unpublished:
+        elif self._status_unpublished:
             self._status_unpublished = False
             log.warning("the job status is published again")
 
@@ -1621,15 +1646,15 @@ class Master:
                                "scale_history": list(self.elastic.history)})
             if not driver._finished and self._stop is not None:
                 stopped = self._stop
-                self.publish_status("stopped")
+                self.publish_status("stopped", final=True)
                 self.reply_command(stopped["id"], True, f"stopped after checkpoint {stopped['path']}"
                                    if stopped["path"] else "stopped (no checkpoint taken)")
             else:
-                self.publish_status("finished")
+                self.publish_status("finished", final=True)
                 if self._stop is not None:  # it finished before the stop's checkpoint was written
                     self.reply_command(self._stop["id"], True, "finished on its own before it could stop")
         except BaseException:
-            self.publish_status("failed")
+            self.publish_status("failed", final=True)
             raise
         finally:
             self.shutdown(stats)
