@@ -579,7 +579,8 @@ class Master:
             if not final:
                 return
             concurrent.futures.wait([pending], timeout=deadline - time.monotonic())
-        etcd_away = pending is not None and (not pending.done() or pending.exception() is not None)
+        etcd_away = pending is not None and (not pending.done() or pending.cancelled()
+                                             or pending.exception() is not None)
         try:
             self._status_put = put = self.membership.put_soon(STATUS_KEY, status)
         except LitzError as exc:  # closed already: nothing to publish to
@@ -592,6 +593,8 @@ class Master:
     def _status_written(self, put: concurrent.futures.Future[None]) -> None:
         """A status write ended (on the etcd thread): say once per outage that it failed, and once
         that it works again. Status is informative: a failure never stops the job."""
+        if put.cancelled():
+            return
         exc = put.exception()
         if exc is not None:
             # said once per outage: the status is published twice a second
