@@ -493,7 +493,18 @@ class Membership:
         The whole coroutine runs under one deadline (``self._timeout``) on the loop; the extra second on
         this side only guards against a wedged loop, so the caller can never hang for ever.
         """
-        method = what.split()[0]
+        fut = self._schedule(what.split()[0], coro, allow_closed=allow_closed)
+        try:
+            return fut.result(self._timeout + 1.0)
+        except _ETCD_ERRORS as exc:
+            fut.cancel()
+            raise self._error(what, exc) from exc
+
+    def _schedule(self, method: str, coro: Coroutine[Any, Any, T], *, allow_closed: bool = False
+                  ) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the etcd thread under one deadline for the whole operation, however many
+        RPCs it makes (register: grant + puts); LitzError, with ``coro`` closed, if this instance is
+        not started, is closed, or ``method`` was called on the etcd thread."""
         if self._loop is None or (self._closed and not allow_closed):
             coro.close()
             when = "after close()" if self._closed else "before start()"
@@ -503,13 +514,7 @@ class Membership:
         except LitzError:
             coro.close()
             raise
-        # One deadline for the whole operation, however many RPCs it makes (register: grant + puts).
-        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, self._timeout), self._loop)
-        try:
-            return fut.result(self._timeout + 1.0)
-        except _ETCD_ERRORS as exc:
-            fut.cancel()
-            raise self._error(what, exc) from exc
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, self._timeout), self._loop)
 
     def put_soon(self, key: str, value: dict) -> concurrent.futures.Future[None]:
         """``put`` without waiting for etcd: the future ends as ``put`` would return or raise
@@ -517,11 +522,7 @@ class Membership:
         master's status, written twice a second, held its loop for the whole call deadline (5 s)
         each time, and a job ran at 5% of its speed during an etcd outage."""
         data = _encode(value)  # a value that cannot be encoded fails here, in the caller's thread
-        if self._loop is None or self._closed:
-            raise LitzError(f"Membership.put_soon() called {'after close()' if self._closed else 'before start()'}")
-        self._check_thread("put_soon")
-        inner = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._put(key, data, False), self._timeout),
-                                                 self._loop)
+        inner = self._schedule("put_soon", self._put(key, data, False))
         outer: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def settle(done: concurrent.futures.Future[None]) -> None:
