@@ -538,6 +538,62 @@ def test_a_source_ships_only_after_the_master_has_its_completions(settled_first:
         w.endpoint.close()
 
 
+def test_tasks_run_on_reused_runners_and_a_rollback_kills_only_the_blocked_ones() -> None:
+    """A worker runs an executor's tasks one after another on one parked runner greenlet, in
+    order, each reported once. A rollback kills the runner of a task blocked in ``ps.get``
+    (simulated: the task switches to the hub as ``ps_get`` does) and never a parked one, and
+    a task of the new timeline then runs and completes."""
+    import greenlet
+
+    import litz
+    from litz.runtime.protocol import Message
+    from litz.runtime.worker import Slot, Task, Worker
+
+    w = Worker("w0", "job", "127.0.0.1:1")
+    sent: list[tuple[str, str, dict]] = []
+    w.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    ran: list[tuple[object, greenlet.greenlet]] = []
+
+    class Ex(litz.Executor):
+        def run_task(self, args: object) -> object:
+            ran.append((args, greenlet.getcurrent()))
+            if args == "block":
+                w.hub.switch()  # waits as a fetch does, until resumed or killed
+            return args
+
+    def queue(eid: int, *tasks: tuple[int, str]) -> None:
+        slot = w.slots.setdefault(eid, Slot(Ex()))
+        slot.queue.extend(Task(tid, eid, 0, args) for tid, args in tasks)
+        w._start_next(slot)
+
+    def reported() -> list[list[object]]:
+        w._release()
+        return [item for _, kind, fields in sent if kind == "done" for item in fields["completed"]]
+
+    try:
+        w.master = "master"
+        queue(0, (1, "a"), (2, "b"), (3, "c"))
+        w._run_runnable()
+        assert [a for a, _ in ran] == ["a", "b", "c"] and len({id(g) for _, g in ran}) == 1
+        assert reported() == [[1, "a"], [2, "b"], [3, "c"]]
+        parked = ran[0][1]
+        queue(1, (4, "block"))
+        queue(0, (5, "d"))
+        w._run_runnable()
+        blocked, other = ran[3][1], ran[4][1]
+        assert blocked is parked and other is not parked  # the parked runner took the first task
+        assert w.slots[1].running and not w.slots[0].running
+        w.on_rollback(Message("rollback", {"lost": [], "round": 1}, sender="master"))
+        assert blocked.dead and not other.dead  # other was parked: nothing to kill
+        queue(0, (6, "e"))
+        w._run_runnable()
+        assert ran[-1][0] == "e" and ran[-1][1] is not blocked
+        # d completed on the abandoned timeline, unreported: the rollback dropped it with the rest
+        assert reported() == [[1, "a"], [2, "b"], [3, "c"], [6, "e"]]
+    finally:
+        w.endpoint.close()
+
+
 def test_a_rollback_answers_what_a_server_forwarded_to_a_lost_server() -> None:
     """Full recovery: a worker may say it rolled back only once its updates are acknowledged,
     and a live server holds the acknowledgement of an update it forwarded (its shard had
