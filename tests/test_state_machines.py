@@ -543,6 +543,8 @@ def test_tasks_run_on_reused_runners_and_a_rollback_kills_only_the_blocked_ones(
     order, each reported once. A rollback kills the runner of a task blocked in ``ps.get``
     (simulated: the task switches to the hub as ``ps_get`` does) and never a parked one, and
     a task of the new timeline then runs and completes."""
+    import weakref
+
     import greenlet
 
     import litz
@@ -556,12 +558,14 @@ def test_tasks_run_on_reused_runners_and_a_rollback_kills_only_the_blocked_ones(
 
     class Ex(litz.Executor):
         def run_task(self, args: object) -> object:
+            if not isinstance(args, str):
+                return "held"
             ran.append((args, greenlet.getcurrent()))
             if args == "block":
                 w.hub.switch()  # waits as a fetch does, until resumed or killed
             return args
 
-    def queue(eid: int, *tasks: tuple[int, str]) -> None:
+    def queue(eid: int, *tasks: tuple[int, object]) -> None:
         slot = w.slots.setdefault(eid, Slot(Ex()))
         slot.queue.extend(Task(tid, eid, 0, args) for tid, args in tasks)
         w._start_next(slot)
@@ -590,6 +594,12 @@ def test_tasks_run_on_reused_runners_and_a_rollback_kills_only_the_blocked_ones(
         assert ran[-1][0] == "e" and ran[-1][1] is not blocked
         # d completed on the abandoned timeline, unreported: the rollback dropped it with the rest
         assert reported() == [[1, "a"], [2, "b"], [3, "c"], [6, "e"]]
+        held = np.ones(4)
+        ref = weakref.ref(held)
+        queue(0, (8, held))
+        del held
+        w._run_runnable()
+        assert ref() is None  # a parked runner keeps nothing of the task it ran
     finally:
         w.endpoint.close()
 

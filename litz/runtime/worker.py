@@ -570,6 +570,7 @@ class Worker(Node):
         """
         while True:
             self._task_body(task)
+            del task  # a parked runner must not keep the finished task's arguments alive
             self._idle_runners.append(greenlet.getcurrent())
             task = self.hub.switch()
 
