@@ -548,7 +548,35 @@ class Master:
             self.endpoint.send(msg.sender, "shutdown", reason="declared lost: its work was recovered elsewhere")
 
     def publish_status(self, phase: str, final: bool = False) -> None:
-        """Write the job's status to etcd (``status`` under the job prefix) for ``litz status``."""
+        """Write the job's status to etcd (``status`` under the job prefix) for ``litz status``.
+
+        Written in the background, one write at a time: the loop never waits on etcd for it (while
+        etcd was away each write held the loop for the call deadline, and the job crawled). A
+        status due while the last one is still on its way is skipped, before it is even built; the
+        next period sends a newer one. The job's last status (final=True) waits, within one call
+        deadline in all, for the write before it (so that its own lands last) and for its own; not
+        for its own when the one before failed or is still trying: etcd is away, and the job need
+        not wait for it.
+        """
+        deadline = time.monotonic() + self.membership.timeout + 1.0
+        pending = self._status_put
+        if pending is not None and not pending.done():
+            if not final:
+                return
+            concurrent.futures.wait([pending], timeout=deadline - time.monotonic())
+        etcd_away = pending is not None and (not pending.done() or pending.cancelled()
+                                             or pending.exception() is not None)
+        try:
+            self._status_put = put = self.membership.put_soon(STATUS_KEY, self._status(phase))
+        except LitzError as exc:  # closed already: nothing to publish to
+            log.debug("could not publish the job status: %s", exc)
+            return
+        put.add_done_callback(self._status_written)
+        if final and not etcd_away:
+            concurrent.futures.wait([put], timeout=max(0.0, deadline - time.monotonic()))
+
+    def _status(self, phase: str) -> dict[str, Any]:
+        """The job's status as ``litz status`` shows it."""
         st = self.state
         status: dict[str, Any] = {"phase": phase, "job": self.job, "updated": time.time()}
         if st is not None:
@@ -567,28 +595,7 @@ class Master:
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = self.checkpoints.completed[-5:]
-        # Written in the background, one write at a time: the loop never waits on etcd for it (while
-        # etcd was away each write held the loop for the call deadline, and the job crawled). A
-        # status due while the last one is still on its way is skipped; the next period sends a
-        # newer one. The job's last status (final=True) waits, within one call deadline in all, for
-        # the write before it (so that its own lands last) and for its own; not for its own when
-        # the one before failed or is still trying: etcd is away, and the job need not wait for it.
-        deadline = time.monotonic() + self.membership.timeout + 1.0
-        pending = self._status_put
-        if pending is not None and not pending.done():
-            if not final:
-                return
-            concurrent.futures.wait([pending], timeout=deadline - time.monotonic())
-        etcd_away = pending is not None and (not pending.done() or pending.cancelled()
-                                             or pending.exception() is not None)
-        try:
-            self._status_put = put = self.membership.put_soon(STATUS_KEY, status)
-        except LitzError as exc:  # closed already: nothing to publish to
-            log.debug("could not publish the job status: %s", exc)
-            return
-        put.add_done_callback(self._status_written)
-        if final and not etcd_away:
-            concurrent.futures.wait([put], timeout=max(0.0, deadline - time.monotonic()))
+        return status
 
     def _status_written(self, put: concurrent.futures.Future[None]) -> None:
         """A status write ended (on the etcd thread): say once per outage that it failed, and once
