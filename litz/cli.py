@@ -262,6 +262,8 @@ def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
     with Membership(url, job) as mem:
         procs = mem.get_prefix(PROCS)
         status = mem.get(STATUS_KEY) or {}
+        if not procs and not status and not _job_known(mem, job):
+            raise LitzError(f"no job named {job!r} is running on etcd {url}")
     executors = status.get("executors", {})
     shards = status.get("shards", {})
     processes = []
@@ -384,6 +386,35 @@ class JobEnded(LitzError):
     """The job ended after a command was written, before its answer could be read."""
 
 
+def _job_known(mem: Any, job: str) -> bool:
+    """Whether ``job`` exists: a local record names it (it may still be starting) or etcd holds
+    something under its name (its launcher's hold, its processes, its status)."""
+    from litz.runtime import jobs
+
+    try:
+        jobs.lookup(job)
+        return True
+    except LitzError:
+        return bool(mem.get_prefix(""))
+
+
+def _master_registered(mem: Any, job: str, deadline: float) -> bool:
+    """Wait until the job's master is registered (False if not before ``deadline``): it watches for
+    commands before it registers, so a command written earlier, while the job starts, would be
+    missed. LitzError at once if there is no such job at all (a mistyped name)."""
+    import time
+
+    from litz.runtime.node import proc_key
+
+    while mem.get(proc_key("master", "master")) is None:
+        if not _job_known(mem, job):
+            raise LitzError(f"no job named {job!r} is running on etcd {mem.url}")
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: float) -> dict[str, Any] | None:
     """Write a command for the master (``command["id"]`` names it) and wait for its answer
     under ``commands/result/<id>``; None if none came before ``deadline``.
@@ -399,6 +430,8 @@ def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: fl
     from litz.runtime.elastic import RESULTS
 
     answer = f"{RESULTS}{command['id']}"
+    if not _master_registered(mem, job, deadline):
+        return None
     mem.watch_prefix(answer)
     mem.put(key, {**command, "time": time.time()})
     while True:

@@ -32,12 +32,18 @@ def test_shard_rows_round_trip_exactly_with_int_and_string_keys(tmp_path: Path) 
         assert raw == row.tobytes()  # bit for bit, NaN included
 
 
+def _full_manifest(**fields: object) -> dict:
+    """What a full checkpoint's manifest holds (values that no job could resume from: storage tests only)."""
+    return {"num_shards": 1, "shards_files": [], "version": 0, "num_executors": 1, "driver": "driver.pkl",
+            "tables": [], "executors_files": [], **fields}
+
+
 def test_a_directory_without_manifest_is_never_used(tmp_path: Path) -> None:
     fs, root = storage.filesystem(str(tmp_path))
     with pytest.raises(storage.CheckpointError, match="no complete checkpoint"):
         storage.find_checkpoint(str(tmp_path))
     first = storage.new_checkpoint_dir(fs, root)
-    storage.write_manifest(fs, first, {"num_executors": 1})
+    storage.write_manifest(fs, first, _full_manifest())
     newer = storage.new_checkpoint_dir(fs, root)  # a crash while writing: files, no manifest
     storage.write_bytes(fs, f"{newer}/driver.pkl", b"partial")
     assert newer.endswith("ckpt-000001")
@@ -47,6 +53,108 @@ def test_a_directory_without_manifest_is_never_used(tmp_path: Path) -> None:
         storage.find_checkpoint(newer + "/nope")
     # numbers are never reused, even those of incomplete checkpoints
     assert storage.new_checkpoint_dir(fs, root).endswith("ckpt-000002")
+
+
+def test_damaged_manifests_are_named_and_skipped_and_a_partial_checkpoint_is_no_resume_point(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fs, root = storage.filesystem(str(tmp_path))
+    good = storage.new_checkpoint_dir(fs, root)
+    storage.write_manifest(fs, good, _full_manifest(version=7))
+    partial = storage.new_checkpoint_dir(fs, root)
+    storage.write_manifest(fs, partial, {"partial_of": good, "shards_files": [], "executor_rows_files": []})
+    damaged = {}
+    for text in ('{"format": 1, "job"', "[1, 2]", '{"format": 1, "partial_of": "x"}', "\xff\xfe"):
+        path = storage.new_checkpoint_dir(fs, root)  # newer than the good one, each damaged in its way
+        storage.write_bytes(fs, f"{path}/{storage.MANIFEST}", text.encode())
+        damaged[path] = text
+    # the whole directory: the newest checkpoint that can be used, each damaged one named in a warning
+    _, chosen, manifest = storage.find_checkpoint(str(tmp_path))
+    assert chosen == good and manifest["version"] == 7
+    for path in damaged:
+        assert any(f"{path}/{storage.MANIFEST} is damaged" in r.getMessage() for r in caplog.records), path
+    base, _, partials = storage.running_checkpoint(str(tmp_path))
+    assert base == good and [p for p, _ in partials] == [partial]
+    # one named directly: refused, with the file and what is wrong with it
+    for path, why in zip(damaged, ("damaged: Expecting ':' delimiter", "a JSON list, not an object",
+                                   "it lacks shards_files", "damaged: "), strict=True):
+        with pytest.raises(storage.CheckpointError, match=re.escape(f"{path}/{storage.MANIFEST} is ") + ".*"
+                           + re.escape(why.split(": ")[-1])):
+            storage.find_checkpoint(path)
+    with pytest.raises(storage.CheckpointError, match=f"{partial} is a partial checkpoint .* its base {good}"):
+        storage.find_checkpoint(partial)
+
+
+def test_an_unusable_checkpoint_directory_is_refused_before_the_job_starts(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    for where, why in ((afile, "is a file"), (afile / "sub", "cannot use checkpoint directory")):
+        with pytest.raises(storage.CheckpointError, match=why):
+            storage.prepare_root(str(where))
+        started = time.monotonic()
+        with pytest.raises(storage.CheckpointError, match=why):  # before any process starts
+            litz.run(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), workers=1, servers=1,
+                     checkpoint_dir=str(where))
+        assert time.monotonic() - started < 2.0
+    storage.prepare_root(str(tmp_path / "new" / "ckpt"))  # a missing one is made
+    assert (tmp_path / "new" / "ckpt").is_dir() and list((tmp_path / "new" / "ckpt").iterdir()) == []
+    fs, _ = storage.filesystem(str(tmp_path))
+    with pytest.raises(storage.CheckpointError, match="cannot create checkpoint directory .*afile/ckpt-000001"):
+        storage.new_checkpoint_dir(fs, str(afile), f"{afile}/ckpt-000000")  # as the master makes its next one
+    # the partial policies' options mean nothing without a directory, and the fraction nothing under full
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    for kwargs, why in (({"checkpoint_policy": "priority"}, "--checkpoint needs --checkpoint-dir"),
+                        ({"checkpoint_fraction": 0.5}, "--checkpoint-fraction needs --checkpoint-dir"),
+                        ({"checkpoint_dir": str(tmp_path / "c"), "checkpoint_fraction": 0.5},
+                         "applies to the partial policies")):
+        with pytest.raises(ConfigError, match=why):
+            litz.run(app, workers=1, servers=1, **kwargs)
+
+
+class _StorageVanishingDriver(testapps.MigratingDriver):
+    """Takes a checkpoint; once it is written turns the checkpoint directory into a file and asks
+    for another (which cannot make its directory); once that failed puts the directory back and
+    asks for a third."""
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.stage = getattr(self, "stage", 0)
+        done = len(self._master.checkpoints.completed)  # test-only access
+        root = Path(self.config["root"])
+        if self.stage == 0 and self.checkpoint():
+            self.stage = 1
+        elif self.stage == 1 and done == 1:
+            root.rename(root.with_name("moved"))
+            root.write_text("the storage is gone")
+            self.stage = 2
+        elif self.stage == 2 and self.checkpoint():
+            self.stage = 3
+        elif self.stage == 3 and done == 2:
+            root.unlink()
+            root.with_name("moved").rename(root)
+            self.stage = 4
+        elif self.stage == 4 and self.checkpoint():
+            self.stage = 5
+        super().handle_task_completion(result)
+
+    def finish(self, result: object = None) -> None:
+        if isinstance(result, dict):
+            result = {**result, "checkpoints": list(self._master.checkpoints.completed)}  # test-only access
+        super().finish(result)
+
+
+def test_a_checkpoint_that_cannot_make_its_directory_fails_and_the_job_goes_on(tmp_path: Path) -> None:
+    app = testapps.migrating_app(tasks=1000, executors=4, move_prob=0.1)
+    app.driver = _StorageVanishingDriver
+    app.config["root"] = str(tmp_path / "ckpt")
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=app.config["root"]).value
+    np.testing.assert_array_equal(res["final"], res["truth"])  # every update, exactly once
+    for seqs in res["done_seq"]:
+        assert sorted(seqs) == list(range(len(seqs)))
+    first, failed, third = res["checkpoints"]
+    assert first["ok"] and third["ok"] and not failed["ok"]
+    assert failed["path"] is None and "cannot create checkpoint directory" in failed["errors"][0]
+    assert third["path"].endswith("ckpt-000001")  # the failed round took no number
+    _, chosen, _ = storage.find_checkpoint(app.config["root"])
+    assert chosen == third["path"]
 
 
 def test_policy_and_round_state_machine() -> None:
@@ -117,6 +225,19 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
     other.tables = [litz.Table("s", (4,), "float64", num_rows=16)]
     with pytest.raises(storage.CheckpointError, match="holds tables"):
         litz.run(other, workers=1, servers=1, resume=str(ckpt))
+    other.tables = [litz.Table("s", (3,), "float64", num_rows=32)]  # same rows, not as many
+    with pytest.raises(storage.CheckpointError, match="holds tables"):
+        litz.run(other, workers=1, servers=1, resume=str(ckpt))
+    # a damaged driver state is refused, with its file, before any process starts
+    _, path, _ = storage.find_checkpoint(str(ckpt))
+    blob = Path(path, "driver.pkl").read_bytes()
+    Path(path, "driver.pkl").write_bytes(blob[: len(blob) // 2])
+    started = time.monotonic()
+    with pytest.raises(storage.CheckpointError, match=f"cannot load the driver's state from {path}/driver.pkl: "
+                                                      "UnpicklingError"):
+        litz.run(app, workers=1, servers=1, resume=str(ckpt))
+    assert time.monotonic() - started < 2.0
+    Path(path, "driver.pkl").write_bytes(blob)
     # a checkpoint whose manifest was removed is not a checkpoint
     _, path, _ = storage.find_checkpoint(str(ckpt))
     Path(path, storage.MANIFEST).unlink()
@@ -362,11 +483,18 @@ def _launch_running_mlr(tmp_path: Path, job: str, *extra: str) -> tuple[subproce
         time.sleep(0.3)
 
 
-def test_litz_launch_exits_75_when_stopped(tmp_path: Path) -> None:
-
+def test_litz_launch_exits_75_when_stopped_even_while_it_starts(tmp_path: Path) -> None:
+    """The stop is sent as soon as the job's record exists, before its master watches for commands:
+    the command waits for the master, so it is not written where nobody reads it."""
     job = f"stop-launch-{time.time_ns()}"
-    proc, env = _launch_running_mlr(tmp_path, job, "--epochs", "500")
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
+    proc = subprocess.Popen(_mlr_command(job, "--epochs", "500"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "jobs" / f"{job}.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
         cmd = subprocess.run([sys.executable, "-m", "litz.cli", "stop", "--job", job], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
         assert cmd.returncode == 0 and "stopped (no checkpoint taken)" in cmd.stdout, cmd.stderr
@@ -672,3 +800,28 @@ def test_a_failing_row_distance_fails_its_partial_rounds_and_nothing_else(tmp_pa
 def _iteration(st: dict) -> int:
     progress = st["master"].get("progress", "")
     return int(progress.split()[1]) if progress.startswith("iteration ") else -1
+
+
+class _FinishWhileWritingDriver(testapps.MigratingDriver):
+    """Asks for checkpoints until a task completes while one is being written, and finishes then."""
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        r = self._master.checkpoints.round  # test-only access
+        if r is not None and r.phase == "writing":
+            self.finish({"path": r.path})
+            return
+        if r is None:
+            self.checkpoint()
+        super().handle_task_completion(result)
+
+
+def test_a_job_that_finishes_while_a_checkpoint_is_written_leaves_it_complete(tmp_path: Path) -> None:
+    app = testapps.migrating_app(tasks=10**6, executors=4, move_prob=0.0)
+    app.driver = _FinishWhileWritingDriver
+    result = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    path = result.value["path"]
+    last = result.stats["master"]["checkpoints"][-1]
+    assert last["path"] == path and last["ok"], last
+    fs, _ = storage.filesystem(str(tmp_path))
+    assert storage.has_manifest(fs, path)
+    assert storage.find_checkpoint(str(tmp_path / "ckpt"))[1] == path

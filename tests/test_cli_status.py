@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import litz
+from litz.errors import LitzError
 from tests import testapps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,11 @@ def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
         text = subprocess.run([sys.executable, "-m", "litz.cli", "status", "--job", job], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=30).stdout
         assert "executors 0-2 (3)" in text or "executors 0-1 (2)" in text
+        # a mistyped name on the job's etcd: no such job, at once, for status and the commands alike
+        for cmd in (["status"], ["stop"], ["checkpoint"], ["scale", "--workers", "3"]):
+            wrong = subprocess.run([sys.executable, "-m", "litz.cli", *cmd, "--job", f"x{job}", "--etcd", st["etcd"]],
+                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+            assert wrong.returncode == 1 and f"no job named 'x{job}' is running on etcd" in wrong.stderr, (cmd, wrong)
         # without --job: the local jobs; a record whose launcher is gone (kill -9) is stale and pruned
         ghost = {"job": "ghost", "etcd": "http://127.0.0.1:9", "pid": 2**22 + 7}  # above any pid_max
         (tmp_path / "ghost.json").write_text(json.dumps(ghost))
@@ -162,21 +168,33 @@ def test_a_command_whose_job_ends_with_its_etcd_is_told_from_an_unreachable_etcd
     from litz.runtime import jobs
     from litz.runtime.etcd_server import LocalEtcd
     from litz.runtime.membership import Membership
+    from litz.runtime.node import proc_key
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
 
-    def master(url: str) -> None:  # answers the command once it appears, as the job's master does
+    def master(url: str) -> None:  # registers late (a job starting), then answers the command once it appears
         with Membership(url, "cmd") as m:
+            time.sleep(0.5)
+            m.put(proc_key("master", "master"), {"role": "master"})
             while (cmd := m.get("commands/stop")) is None:
                 time.sleep(0.01)
             m.put(f"commands/result/{cmd['id']}", {"ok": True, "reason": "stopped on request"})
 
     with LocalEtcd() as etcd, Membership(etcd.url, "cmd") as cli:
+        # no such job (no local record, nothing on etcd): said at once, nothing written
+        started = time.monotonic()
+        with pytest.raises(LitzError, match=f"no job named 'cmd' is running on etcd {etcd.url}"):
+            _command(cli, "cmd", "commands/stop", {"id": "a0"}, time.monotonic() + 20)
+        assert time.monotonic() - started < 2 and cli.get_prefix("") == {}
+        # a job starting (recorded, its master not registered yet): the command waits for the master,
+        # which watches for commands before it registers, so none is written where it would be missed
+        jobs.claim("cmd", etcd.url)
         answering = threading.Thread(target=master, args=(etcd.url,), daemon=True)
         answering.start()
         answer = _command(cli, "cmd", "commands/stop", {"id": "a1"}, time.monotonic() + 20)
         assert answer is not None and answer["ok"] and answer["reason"] == "stopped on request"
         answering.join(10)
+        jobs.forget("cmd")
 
     for recorded, expected in ((False, JobEnded), (True, EtcdUnreachable)):
         etcd = LocalEtcd()
@@ -184,6 +202,7 @@ def test_a_command_whose_job_ends_with_its_etcd_is_told_from_an_unreachable_etcd
         try:
             jobs.claim("cmd", etcd.url)
             with Membership(etcd.url, "cmd", connect_timeout=1.0) as cli:  # gone etcd: told in 1 s, not 5
+                cli.put(proc_key("master", "master"), {"role": "master"})
                 if not recorded:
                     jobs.forget("cmd")
                 threading.Timer(0.3, etcd.stop).start()  # nobody answers; the etcd goes away

@@ -42,7 +42,8 @@ def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_pa
     # checkpoints far enough apart that the kill falls after the one seen, not inside the next
     killed = victims.split()  # two at once: one recovery, planned as one
     t, out = _start(app, workers=2, servers=2 + len(killed), job=job, checkpoint_dir=str(tmp_path / "ckpt"),
-                    checkpoint_every="1.6s", recovery="partial", checkpoint_policy=policy, checkpoint_fraction=0.5)
+                    checkpoint_every="1.6s", recovery="partial", checkpoint_policy=policy,
+                    checkpoint_fraction=0.5 if policy != "full" else 1.0)
     try:
         want = "partial" if policy != "full" else "full"  # priority: a full base, then partial ones
         st = _status_when(job, lambda s: any(c.get("ok") and c.get("kind") == want

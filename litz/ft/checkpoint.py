@@ -198,9 +198,12 @@ class CheckpointCoordinator:
             raise ConfigError(f"--checkpoint takes one of {', '.join(POLICIES)}, got {policy!r}")
         if not 0 < fraction <= 1:
             raise ConfigError(f"--checkpoint-fraction must be in (0, 1], got {fraction!r}")
+        if policy == "full" and fraction != 1:
+            raise ConfigError(f"--checkpoint-fraction {fraction:g} applies to the partial policies "
+                              f"(priority, round-robin, random); --checkpoint full saves everything")
         self.location = location
         self.policy = policy
-        self.fraction = fraction if policy != "full" else 1.0
+        self.fraction = fraction
         self.every_seconds, self.every_iterations = parse_every(every)
         self.round: CheckpointRound | None = None
         self.completed: list[dict[str, Any]] = []  # finished rounds, newest last

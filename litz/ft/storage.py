@@ -15,6 +15,7 @@ a move on S3 is a copy, so there the manifest's atomicity is that of a single PU
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Hashable, Iterable
@@ -30,6 +31,7 @@ from litz.errors import LitzError
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
 _CKPT = re.compile(r"^ckpt-(\d{6,})$")
+log = logging.getLogger(__name__)
 
 SHARD_SCHEMA = pa.schema([("table", pa.string()), ("shard", pa.int32()), ("ikey", pa.int64()),
                           ("skey", pa.string()), ("row", pa.binary())])
@@ -152,6 +154,23 @@ def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
 
 
+def prepare_root(location: str) -> None:
+    """Make the checkpoint root ``location`` if it is missing and check that a file can be written
+    there, so that a job given an unusable one (a file, a read-only or full filesystem) is refused
+    before it starts rather than failing its first checkpoint."""
+    fs, root = filesystem(location)
+    try:
+        if fs.get_file_info(root).type == pafs.FileType.File:
+            raise CheckpointError(f"checkpoint directory {location} is a file")
+        fs.create_dir(root, recursive=True)
+        probe = f"{root}/.litz-write-test-{os.getpid()}"
+        with fs.open_output_stream(probe) as f:
+            f.write(b"litz")
+        fs.delete_file(probe)
+    except OSError as exc:
+        raise CheckpointError(f"cannot use checkpoint directory {location}: {exc}") from exc
+
+
 def checkpoint_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str]]:
     """``(seq, path)`` of every ``ckpt-*`` directory under ``root``, complete or not, in order."""
     try:
@@ -181,7 +200,10 @@ def new_checkpoint_dir(fs: pafs.FileSystem, root: str, last: str | None = None) 
         seqs = [seq for seq, _ in checkpoint_dirs(fs, root)]
         seq = max(seqs) + 1 if seqs else 0
     path = f"{root}/ckpt-{seq:06d}"
-    fs.create_dir(path, recursive=True)
+    try:
+        fs.create_dir(path, recursive=True)
+    except OSError as exc:  # full, read-only or vanished storage; pyarrow raises OSError for them all
+        raise CheckpointError(f"cannot create checkpoint directory {path}: {exc}") from exc
     return path
 
 
@@ -192,8 +214,46 @@ def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> 
     fs.move(tmp, f"{path}/{MANIFEST}")
 
 
+#: What a manifest must hold to be used: a full checkpoint's (resume, full recovery) and a
+#: partial one's (SCAR recovery, on top of its base).
+_FULL_KEYS = ("num_shards", "shards_files", "version", "num_executors", "driver", "tables", "executors_files")
+_PARTIAL_KEYS = ("partial_of", "shards_files")
+
+
 def read_manifest(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
-    return json.loads(read_bytes(fs, f"{path}/{MANIFEST}"))
+    """The manifest of the checkpoint at ``path``, checked: a damaged one (not JSON, not an object,
+    another format, keys missing) raises a :class:`CheckpointError` that names the file."""
+    where = f"{path}/{MANIFEST}"
+    try:
+        manifest = json.loads(read_bytes(fs, where))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+        raise CheckpointError(f"checkpoint manifest {where} is damaged: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint manifest {where} is damaged: a JSON {type(manifest).__name__}, "
+                              "not an object")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: unsupported checkpoint format {manifest.get('format')!r}")
+    missing = [k for k in (_PARTIAL_KEYS if manifest.get("partial_of") else _FULL_KEYS) if k not in manifest]
+    tables = manifest.get("tables", [])
+    if not missing and not (isinstance(tables, list)
+                            and all(isinstance(t, dict) and {"name", "shape", "dtype"} <= t.keys() for t in tables)):
+        missing = ["tables (name, shape, dtype of each)"]
+    if missing:
+        raise CheckpointError(f"checkpoint manifest {where} is damaged: it lacks {', '.join(missing)}")
+    return manifest
+
+
+def _usable_manifests(fs: pafs.FileSystem, root: str) -> dict[str, dict[str, Any]]:
+    """The manifests of the complete checkpoints under ``root``, in order. A damaged one is
+    skipped with a warning: the checkpoints before it are as good as they were."""
+    out = {}
+    for _, p in checkpoint_dirs(fs, root):
+        if has_manifest(fs, p):
+            try:
+                out[p] = read_manifest(fs, p)
+            except CheckpointError as exc:
+                log.warning("%s; that checkpoint is skipped", exc)
+    return out
 
 
 def running_checkpoint(location: str, kind: str = "shards"
@@ -206,8 +266,8 @@ def running_checkpoint(location: str, kind: str = "shards"
     """
     key = "shards_files" if kind == "shards" else "executor_rows_files"
     fs, root = filesystem(location)
-    dirs = [p for _, p in checkpoint_dirs(fs, root) if has_manifest(fs, p)]
-    manifests = {p: read_manifest(fs, p) for p in dirs}
+    manifests = _usable_manifests(fs, root)
+    dirs = list(manifests)
     full = [p for p in dirs if not manifests[p].get("partial_of")]
     if not full:
         return None
@@ -228,8 +288,7 @@ def _newest_complete(fs: pafs.FileSystem, path: str) -> str | None:
     """``path`` itself if it holds a manifest, else its newest complete full ``ckpt-*``, else None."""
     if has_manifest(fs, path):
         return path
-    complete = [p for _, p in checkpoint_dirs(fs, path)
-                if has_manifest(fs, p) and not read_manifest(fs, p).get("partial_of")]
+    complete = [p for p, manifest in _usable_manifests(fs, path).items() if not manifest.get("partial_of")]
     return complete[-1] if complete else None
 
 
@@ -241,7 +300,9 @@ def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]
     if chosen is None:
         raise CheckpointError(f"no complete checkpoint in {location} (a checkpoint is complete once its "
                               f"{MANIFEST} is written)")
-    manifest = json.loads(read_bytes(fs, f"{chosen}/{MANIFEST}"))
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{chosen}: unsupported checkpoint format {manifest.get('format')!r}")
+    manifest = read_manifest(fs, chosen)
+    if manifest.get("partial_of"):
+        raise CheckpointError(f"{chosen} is a partial checkpoint (SCAR), which holds only some rows: resume from "
+                              f"a full one, such as its base {manifest['partial_of']}, or from the checkpoint "
+                              f"directory (its newest full checkpoint)")
     return fs, chosen, manifest

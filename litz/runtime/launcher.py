@@ -360,11 +360,14 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction)
         from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
 
-        storage.filesystem(checkpoint_dir)
+        storage.prepare_root(checkpoint_dir)  # an unusable directory is refused now, not at the first checkpoint
         options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        checkpoint_policy=checkpoint_policy, checkpoint_fraction=checkpoint_fraction)
-    elif checkpoint_every:
-        raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+    else:
+        for given, what in ((checkpoint_every, "--checkpoint-every"), (checkpoint_policy != "full", "--checkpoint"),
+                            (checkpoint_fraction != 1.0, "--checkpoint-fraction")):
+            if given:
+                raise ConfigError(f"{what} needs --checkpoint-dir")
     if recovery is not None:
         if recovery not in ("partial", "full"):
             raise ConfigError(f"--recovery takes partial or full, got {recovery!r}")
@@ -376,6 +379,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None
     lease_ttl()  # a bad $LITZ_LEASE_TTL is refused before anything starts (every process reads it)
     driver = app.driver()
+    if resumed is not None:
+        resumed.read_driver(driver)  # a damaged driver.pkl is refused before any process starts
     with LocalCluster(job, workers=workers, servers=servers, etcd=etcd, host=host,
                       secret_file=secret_file) as cluster:
         assert cluster.etcd_url is not None

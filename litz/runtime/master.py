@@ -423,14 +423,19 @@ class Resume:
     location: str  # as the user gave it (local path or URI): processes open the filesystem from it
     path: str  # the checkpoint's directory in that filesystem
     manifest: dict[str, Any]
+    _driver_state: tuple[Driver, dict[str, Any]] | None = field(default=None, repr=False)
 
     @classmethod
     def find(cls, location: str, app: App, num_executors: int | None, num_shards: int) -> Resume:
         """The newest complete checkpoint at ``location``, checked against the job being started."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         _, path, manifest = storage.find_checkpoint(location)
-        declared = {t.name: [list(t.shape), str(np.dtype(t.dtype))] for t in app.tables}
-        saved = {t["name"]: [t["shape"], t["dtype"]] for t in manifest["tables"]}
+        # rows per table too, where the checkpoint says (those of before session 31 do not)
+        with_rows = all("num_rows" in t for t in manifest["tables"])
+        declared = {t.name: [list(t.shape), str(np.dtype(t.dtype)), *([t.num_rows] if with_rows else [])]
+                    for t in app.tables}
+        saved = {t["name"]: [t["shape"], t["dtype"], *([t["num_rows"]] if with_rows else [])]
+                 for t in manifest["tables"]}
         if declared != saved:
             raise storage.CheckpointError(f"checkpoint {path} holds tables {saved}, "
                                           f"the application declares {declared}")
@@ -439,6 +444,19 @@ class Resume:
             if mine is not None and mine != theirs:
                 raise storage.CheckpointError(f"checkpoint {path} was taken with {theirs} {what}, not {mine}")
         return cls(location, path, manifest)
+
+    def read_driver(self, driver: Driver) -> None:
+        """Read the driver's saved state now, bound to ``driver``: ``litz.run`` does before any process
+        starts, so that a damaged ``driver.pkl`` is refused at once; the master takes it at start."""
+        self._driver_state = (driver, Master._read_driver_file(self.location, self.path, self.manifest, driver))
+
+    def take_driver_state(self, driver: Driver) -> dict[str, Any]:
+        """The driver's saved state bound to ``driver``: what :meth:`read_driver` read (handed out
+        once: training changes those objects afterwards), else read now."""
+        held, self._driver_state = self._driver_state, None
+        if held is not None and held[0] is driver:
+            return held[1]
+        return Master._read_driver_file(self.location, self.path, self.manifest, driver)
 
 
 class Master:
@@ -1242,12 +1260,18 @@ class Master:
     def _read_driver_file(location: str, path: str, manifest: dict[str, Any], driver: Driver) -> dict[str, Any]:
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         fs, _ = storage.filesystem(location)
-        return load_driver(storage.read_bytes(fs, f"{path}/{manifest['driver']}"), driver)
+        where = f"{path}/{manifest['driver']}"
+        blob = storage.read_bytes(fs, where)
+        try:
+            return load_driver(blob, driver)
+        except Exception as exc:  # truncated, damaged, or of a driver class the application no longer has
+            raise storage.CheckpointError(f"cannot load the driver's state from {where}: "
+                                          f"{type(exc).__name__}: {exc}") from exc
 
     def _resume_driver(self, driver: Driver) -> None:
         """Give the driver back its checkpointed attributes and the tasks it had dispatched."""
         assert self.resume is not None and self.state is not None
-        saved = self._read_driver_file(self.resume.location, self.resume.path, self.resume.manifest, driver)
+        saved = self.resume.take_driver_state(driver)
         self._set_driver_state(driver, saved["driver"])
         self.state.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
         driver.resumed()
@@ -1353,7 +1377,11 @@ class Master:
         from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
 
         fs, root = storage.filesystem(ck.location)
-        path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
+        path = self._new_checkpoint_dir(fs, root)
+        if path is None:  # the round failed before anything was saved: training goes on
+            st.release_paused()
+            self.elastic.tick()
+            return
         processes = sorted(st.workers + st.servers)
         ck.snapshotting(path, processes)
         r.version = st.version
@@ -1398,12 +1426,58 @@ class Master:
         from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
 
         fs, root = storage.filesystem(ck.location)
-        path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
+        path = self._new_checkpoint_dir(fs, root)
+        if path is None:
+            return
         ck.snapshotting(path, savers)
         for ident in savers:
             self.endpoint.send(ident, "ckpt_save", cid=cid, location=ck.location, path=path, rows=chosen[ident])
         if not savers:  # no rows anywhere: an empty partial checkpoint
             self._finish_checkpoint()
+
+    def _complete_checkpoint_being_written(self, timeout: float = 60.0) -> None:
+        """The job has finished while a checkpoint was being written: let the processes finish their
+        files and write its manifest, so that the job leaves its checkpoint usable (a round not
+        yet snapshotting made no directory, and is dropped). Only checkpoint messages are handled;
+        a process that died meanwhile leaves the round without a manifest, as any failed one."""
+        ck = self.checkpoints
+        r = ck.round if ck is not None else None
+        if r is None or r.phase not in ("snapshot", "writing"):
+            return
+        assert ck is not None
+        deadline = time.monotonic() + timeout
+        while ck.round is r and time.monotonic() < deadline:
+            while not self._written.empty():
+                cid, error = self._written.get()
+                if ck.written(cid, "master", ["driver.pkl"], error):
+                    self._finish_checkpoint()
+            if ck.round is r and self.endpoint.router.poll(50):
+                while True:
+                    try:
+                        msg = self.endpoint.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if msg is not None and msg.type in ("checkpoint_snapshot", "checkpoint_written"):
+                        self._handle_aside(msg)
+        if ck.round is r:
+            log.warning("checkpoint %s was still being written when the job finished; it has no manifest and "
+                        "will never be used", r.path)
+
+    def _new_checkpoint_dir(self, fs: Any, root: str) -> str | None:
+        """The running round's new ``ckpt-*`` directory; None, with the round finished as failed,
+        if it cannot be made (storage full, gone or read-only): a checkpoint that cannot be taken
+        must not end the job, only be reported (and refuse a ``litz stop --checkpoint``)."""
+        from litz.ft import storage
+
+        ck = self.checkpoints
+        assert ck is not None and ck.round is not None
+        try:
+            path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
+        except storage.CheckpointError as exc:
+            ck.round.errors.append(f"master: {exc}")
+            self._finish_checkpoint()
+            return None
+        return path
 
     def _finish_checkpoint(self) -> None:
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
@@ -1423,8 +1497,8 @@ class Master:
                                 executor_rows_files=executor_files)
             else:
                 manifest.update(version=r.version, num_executors=st.num_executors, driver="driver.pkl",
-                                tables=[{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype))}
-                                        for t in self.tables.values()],
+                                tables=[{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype)),
+                                         "num_rows": t.num_rows} for t in self.tables.values()],
                                 executors_files=executor_files)
             try:
                 storage.write_manifest(storage.filesystem(ck.location)[0], r.path, manifest)
@@ -1649,6 +1723,8 @@ class Master:
                         except _Rollback as again:
                             rb, leftover = again, again.received
                 self._send_outbox()
+            if driver._finished:
+                self._complete_checkpoint_being_written()
             if self.options.get("collect_stats", True):
                 stats = self.collect_stats()
             stats.setdefault("master", {"role": "master"}).update({"recoveries": list(self.recoveries),

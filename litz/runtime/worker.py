@@ -186,8 +186,10 @@ class Worker(Node):
             for eid in msg["executors"]:
                 self.slots[eid] = Slot(self._make_executor(eid, saved[eid]) if eid in saved
                                        else self._make_executor(eid))
-        except Exception:
-            err = f"worker {self.ident} failed to initialise:\n{traceback.format_exc()}"
+        except Exception as exc:  # Litz's own refusals (an unreadable checkpoint) say it all in a line;
+            # anything else is the application's code (load_input, setup) and needs its traceback
+            err = (f"worker {self.ident} failed to initialise: {exc}" if isinstance(exc, LitzError)
+                   else f"worker {self.ident} failed to initialise:\n{traceback.format_exc()}")
             log.error(err)
             self.endpoint.send(msg.sender, "ready", role=self.role, error=err)
             return
