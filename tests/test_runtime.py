@@ -326,3 +326,61 @@ def test_workers_and_servers_reuse_freed_buffers_instead_of_faulting_them_in_aga
 
     assert node.main(Refused, ["--id", "w9", "--job", "j", "--etcd", "127.0.0.1:1"]) == 2
     assert calls == [1]
+
+
+def test_an_update_a_server_cannot_apply_stops_the_job_before_its_tasks_count(etcd) -> None:
+    """A combiner that raises on the server loses the update: the job stops, naming the table, the
+    keys and the worker, and the driver is never handed the tasks whose updates were lost."""
+    testapps.RefusedUpdateDriver.seen = []
+    with pytest.raises(litz.LitzError) as info:
+        litz.run(testapps.refused_update_app(), workers=2, servers=1, etcd=etcd.url)
+    message = str(info.value)
+    assert re.search(r"updates sent by w\d were refused, so the tables lack them and the job stops: update refused "
+                     r"by s0: table 't' keys \[0\]: RuntimeError: combiner boom", message), message
+    assert testapps.RefusedUpdateDriver.seen == []
+    assert processes_mentioning(f"--etcd {etcd.url}") == []
+
+
+def test_a_get_state_that_raises_fails_the_checkpoint_and_the_job_goes_on(tmp_path) -> None:
+    app = testapps.migrating_app(tasks=300, executors=4, move_prob=0.0)
+    app.executor = testapps.StatelessExecutor
+    app.driver = testapps.CheckpointingDriver
+    app.config.update(checkpoint_at=50)
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path))
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])  # every task ran once, exactly
+    [failed] = res.stats["master"]["checkpoints"]
+    assert not failed["ok"] and re.search(r"worker w\d: executor \d's state cannot be saved: RuntimeError: "
+                                          r"get_state boom on executor \d", "; ".join(failed["errors"])), failed
+    assert list(tmp_path.glob("*/MANIFEST.json")) == []
+
+
+def test_a_get_state_that_raises_during_a_migration_stops_the_job_and_names_the_executor() -> None:
+    app = testapps.migrating_app(tasks=400, executors=4, move_prob=0.3)
+    app.executor = testapps.StatelessExecutor
+    started = time.monotonic()
+    with pytest.raises(litz.LitzError) as info:
+        litz.run(app, workers=2, servers=1)
+    assert time.monotonic() - started < 30
+    assert re.search(r"executor migration failed on w\d: migration \d+ of executors \[(\d)\] to w\d: executor \1's "
+                     r"state cannot be saved: RuntimeError: get_state boom on executor \1", str(info.value)), info.value
+
+
+def test_a_job_that_finishes_with_a_task_still_running_ends_promptly() -> None:
+    """A task blocking its worker cannot answer the end of the job; the master waits for it only briefly."""
+    app = litz.App(testapps.AbandoningDriver, testapps.SleepExecutor, tables=[litz.Table("t", (1,))],
+                   num_executors=2, config={"sleep": 120.0})
+    started = time.monotonic()
+    res = litz.run(app, workers=2, servers=1)
+    assert res.value == 0 and time.monotonic() - started < 20
+    assert "w0" in res.stats or "w1" in res.stats  # the idle worker's counters are there
+
+
+def test_stray_messages_from_outside_the_job_are_dropped_and_the_job_finishes_exactly() -> None:
+    app = testapps.migrating_app(tasks=300, executors=4, move_prob=0.1)
+    app.driver = testapps.StrayMessagesDriver
+    res = litz.run(app, workers=2, servers=1)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    for seqs in res.value["done_seq"]:  # w0 did not leave: every executor's tasks ran, once, in order
+        assert sorted(seqs) == list(range(len(seqs)))
+    assert sum(len(s) for s in res.value["done_seq"]) == 300
+    assert res.value["deferred"] == []  # nothing held for ever (the stall check would never fire)

@@ -87,6 +87,13 @@ def test_missing_empty_or_short_secret_file_is_refused(tmp_path: Path) -> None:
     short.chmod(0o600)
     with pytest.raises(ConfigError, match="too short"):
         load_secret(short)
+    # not a regular file: refused, at once (a FIFO with no writer must not block the read)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    (tmp_path / "dir").mkdir(mode=0o700)
+    for other in (fifo, tmp_path / "dir", Path("/dev/null")):
+        with pytest.raises(ConfigError, match=f"the secret file {other} is not a regular file"):
+            load_secret(other)
 
 
 # -- the binding rule -------------------------------------------------------------------------

@@ -736,3 +736,84 @@ class NumbaStateExecutor(litz.Executor):
 
 def numba_state_app(executors: int = 2) -> litz.App:
     return litz.App(NumbaStateDriver, NumbaStateExecutor, num_executors=executors)
+
+
+# -- the application's own code failing inside the runtime --------------------------------------
+
+class StatelessExecutor(CountingStateExecutor):
+    """CountingStateExecutor whose ``get_state`` raises: checkpoints and migrations cannot take it."""
+
+    def get_state(self) -> object:
+        raise RuntimeError(f"get_state boom on executor {self.executor_id}")
+
+
+def _refusing_merge(acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+    raise RuntimeError("combiner boom")
+
+
+class RefusedUpdateDriver(litz.Driver):
+    """One task per executor, each adding to row 0 of a table whose combiner raises (on the server):
+    records every completion it is handed in ``seen`` (the driver runs in the test's process)."""
+
+    seen: list[int] = []
+
+    def dispatch_initial_tasks(self) -> None:
+        for e in range(self.num_executors):
+            self.dispatch_task(e, None)
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        RefusedUpdateDriver.seen.append(result.executor_id)
+        if len(RefusedUpdateDriver.seen) == self.num_executors:
+            self.finish(self.ps.get("t", 0))
+
+
+class AddOneExecutor(litz.Executor):
+    def run_task(self, args: object) -> None:
+        self.ps.update("t", 0, np.ones(2))
+
+
+def refused_update_app(executors: int = 2) -> litz.App:
+    return litz.App(RefusedUpdateDriver, AddOneExecutor, num_executors=executors,
+                    tables=[litz.Table("t", (2,), combiner=litz.Combiner.of(_refusing_merge, name="refusing"))])
+
+
+class AbandoningDriver(litz.Driver):
+    """Executor 1 sleeps for ``sleep`` s; the driver finishes on executor 0's completion, abandoning it."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.dispatch_task(1, {"sleep": self.config["sleep"]})
+        self.dispatch_task(0, {"sleep": 0.0})
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.finish(result.executor_id)
+
+
+class StrayMessagesDriver(MigratingDriver):
+    """MigratingDriver that, at its 20th completion, has a peer outside the job send well-formed but
+    wrong messages to the master and to worker w0: reports of tasks that do not exist, a malformed
+    report, an error about a migration, a message the master never takes, a shutdown."""
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.completions = getattr(self, "completions", 0) + 1
+        if self.completions == 20:
+            from litz.runtime.transport import Endpoint
+
+            master = self._master  # test-only access: the addresses
+            stray = Endpoint("stray")
+            try:
+                stray.connect("master", master.endpoint.address)
+                stray.connect("w0", master.procs["w0"]["addr"])
+                stray.send("master", "done", completed=[[987654321, None]], failed=[])
+                stray.send("master", "done", completed=[5], failed=[[123456789, "tb"]])
+                stray.send("master", "error", reason="evil", about="migrate_out")
+                stray.send("master", "tasks", tasks=[])
+                stray.send("w0", "shutdown", reason="evil")
+                time.sleep(0.3)  # delivered before the endpoint closes
+            finally:
+                stray.close()
+        super().handle_task_completion(result)
+
+    def finish(self, result: object = None) -> None:
+        if isinstance(result, dict):
+            result = {**result, "deferred": list(self._master._deferred)}
+        super().finish(result)

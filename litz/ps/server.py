@@ -25,6 +25,20 @@ log = logging.getLogger(__name__)
 ROLLED_BACK = "its server died and the job rolls back"  # a read forwarded to a server lost in a rollback
 
 
+def item_error(item: Any, exc: Exception) -> str:
+    """Why a request's item was refused: Litz's own check says it all; anything else was raised by
+    the application's code for the table (its combiner or initializer), so name the table and keys."""
+    if isinstance(exc, LitzError):
+        return str(exc)
+    try:
+        name, keys = item[0], list(item[1])
+        shown = ", ".join(map(repr, keys[:4])) + (f", ... ({len(keys)} keys)" if len(keys) > 4 else "")
+        where = f"table {name!r} keys [{shown}]"
+    except Exception:  # a malformed item: its shape is what is wrong
+        where = "a malformed item"
+    return f"{where}: {type(exc).__name__}: {exc}"
+
+
 class ShardStore:
     """The rows of the logical shards one server hosts: shard -> table -> key -> row."""
 
@@ -207,9 +221,9 @@ class ShardStore:
                 table_name, keys = item
                 values.append(self.get(table_name, keys))
                 errors.append(None)
-            except (LitzError, TypeError, ValueError) as exc:
+            except Exception as exc:
                 values.append(None)
-                errors.append(str(exc))
+                errors.append(item_error(item, exc))
         return values, errors
 
     def handle_update(self, items: list[Any]) -> list[Any]:
@@ -220,9 +234,9 @@ class ShardStore:
                 table_name, keys, deltas = item
                 self.update(table_name, keys, deltas)
                 errors.append(None)
-            except (LitzError, TypeError, ValueError) as exc:
-                errors.append(str(exc))
-                log.warning("refused an update: %s", exc)
+            except Exception as exc:
+                errors.append(item_error(item, exc))
+                log.warning("refused an update: %s", errors[-1])
         return errors
 
     def snapshot(self, table_name: str) -> dict[Hashable, np.ndarray]:
@@ -338,11 +352,11 @@ class ServerNode(Node):
                     subs.setdefault(dest, []).append((i, idx, sub))
                     for j in idx:
                         pend.moved[shard_of(keys[j], store.num_shards)] = dest
-            except (LitzError, TypeError, ValueError, IndexError) as exc:
+            except Exception as exc:  # Litz's checks, or the application's combiner or initializer raising
                 pend.values[i] = None
-                pend.errors[i] = str(exc)
+                pend.errors[i] = item_error(item, exc)
                 if kind == "update":
-                    log.warning("refused an update: %s", exc)
+                    log.warning("refused an update: %s", pend.errors[i])
         self._send_subs(pend, subs)
         if not pend.outstanding:
             self._reply(pend)

@@ -389,6 +389,10 @@ class _Restoring:
     partials: list[str] = field(default_factory=list)  # partial checkpoints applied after it
 
 
+#: Seconds a finished job waits for a worker still running a task it abandoned (statistics, goodbye).
+ABANDONED_GRACE = 1.0
+
+
 class WaitTimeout(LitzError):
     """The master waited longer than allowed for processes to answer."""
 
@@ -713,12 +717,21 @@ class Master:
             self.elastic.on_ready(msg.sender, msg.get("error"))
         elif msg.type == "error":
             self._report_error(msg)
-        else:
+        elif msg.type in ("done", "ship_ready"):
             self._deferred.append(msg)
+        else:  # kept, it would be deferred again and again, and the job never seen stalled
+            log.warning("unexpected %r message from %s; dropped", msg.type, msg.sender)
 
     def _report_error(self, msg: Message) -> None:
-        if msg.get("about") in ("executor_state", "migrate_out"):  # executors would be lost: stop cleanly
+        if self.state is not None and msg.sender not in self.state.workers + self.state.servers:
+            log.warning("error report from %s, which is not a worker or server of this job; ignored: %s",
+                        msg.sender, msg.get("reason"))
+            return
+        if msg.get("about") in ("executor_state", "migrate_out", "ship"):  # executors would be lost: stop cleanly
             raise LitzError(f"executor migration failed on {msg.sender}: {msg['reason']}")
+        if msg.get("about") == "update":  # the worker sends it before the completions that made the update
+            raise LitzError(f"updates sent by {msg.sender} were refused, so the tables lack them and the job "
+                            f"stops: {msg['reason']}")
         if msg.get("about") in ("restore_executors", "restore_shards", "reload_executors", "reload_shards"):
             # the recovery would wait for this process forever
             raise LitzError(f"recovery failed on {msg.sender} ({msg['about']}): {msg['reason']}")
@@ -841,8 +854,19 @@ class Master:
         assert self.state is not None
         procs = self.state.workers + self.state.servers
         rids = {p: self._request(p, "stats_request") for p in procs}
-        self._wait(lambda: all(r in self._replies or p in self.lost for p, r in rids.items()), "statistics", 60.0,
-                   self._handle_aside)
+        busy = self._busy_workers()
+        grace = time.monotonic() + ABANDONED_GRACE
+
+        def answered() -> bool:
+            late = time.monotonic() > grace
+            return all(r in self._replies or p in self.lost or (late and p in busy) for p, r in rids.items())
+
+        try:
+            self._wait(answered, "statistics", 60.0, self._handle_aside)
+        except WaitTimeout as exc:  # the job is done: its result must not be lost for want of counters
+            log.warning("%s; the statistics leave them out", exc)
+        if missing := sorted(p for p, r in rids.items() if r not in self._replies and p in busy):
+            log.warning("statistics leave out %s, still running tasks abandoned when the job ended", ", ".join(missing))
         out = {}
         for p, rid in rids.items():
             reply = self._replies.pop(rid, None)
@@ -1649,16 +1673,37 @@ class Master:
         off the socket before, or lost while the driver handled its first completions) never
         counts: its tasks are dispatched again, perhaps already."""
         assert self.state is not None
-        for task_id, tb in msg["failed"]:
+        for task_id, tb in self._reports(msg, "failed"):
             if msg.sender in self.lost:
                 return
             rec = self.state.fail(task_id)
             driver.handle_task_failure(TaskFailure(rec.executor_id, rec.args, tb, task_id, msg.sender))
-        for task_id, value in msg["completed"]:
+        for task_id, value in self._reports(msg, "completed"):
             if driver._finished or msg.sender in self.lost:  # (a handler may wait for a read)
                 return
+            if task_id not in self.state.inflight:  # (it failed, or came twice, in this very message)
+                log.warning("%s reported task %d again; dropped", msg.sender, task_id)
+                continue
             rec = self.state.complete(task_id)
             driver.handle_task_completion(TaskResult(rec.executor_id, rec.args, value, task_id, rec.version))
+
+    def _reports(self, msg: Message, field_name: str) -> list[tuple[int, Any]]:
+        """The ``[task id, value]`` pairs of a ``done`` message's field that name tasks in flight; any
+        other entry (malformed, or a task this job does not have) is logged and dropped, so that a
+        bad report never ends the job nor counts."""
+        assert self.state is not None
+        out = []
+        entries = msg[field_name]
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int)
+                    and not isinstance(entry[0], bool)):
+                log.warning("malformed %s report from %s: %.200r; dropped", field_name, msg.sender, entry)
+            elif entry[0] not in self.state.inflight:
+                log.warning("%s reported %s task %d, which is not in flight; dropped", msg.sender, field_name,
+                            entry[0])
+            else:
+                out.append((entry[0], entry[1]))
+        return out
 
     def _tell_recovered(self, driver: Driver) -> None:
         """Hand the driver the partial recoveries completed since it was last told, in order."""
@@ -1749,17 +1794,28 @@ class Master:
             raise JobStopped(self.job, stopped["path"], "SIGTERM" if stopped["id"] == "sigterm" else "litz stop")
         return JobResult(driver._result, time.monotonic() - started, stats, self.job, self.state.completed)
 
+    def _busy_workers(self) -> set[str]:
+        """Workers running tasks the job no longer waits for (the driver finished, or a stop): a
+        task that blocks holds its worker's whole loop, which answers nothing until it returns."""
+        return {rec.worker for rec in self.state.inflight.values()} if self.state is not None else set()
+
     def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
-        """Tell every process to leave and wait (briefly) for their goodbyes."""
+        """Tell every process to leave and wait (briefly) for their goodbyes: a worker still in an
+        abandoned task only ``ABANDONED_GRACE`` s (the launcher then terminates what is left)."""
+        busy = self._busy_workers()
         targets = [p for p in self.procs if p != "master" and p not in self._byes and p not in self._unresponsive
-                   and self.procs[p].get("role") in ("worker", "server")]
+                   and p not in self.lost and self.procs[p].get("role") in ("worker", "server")]
         for p in targets:
             try:
                 self.endpoint.send(p, "shutdown", reason="job finished")
             except Exception:
                 log.warning("cannot reach %s to shut it down", p)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(p in self._byes for p in targets):
+        started = time.monotonic()
+
+        def waited_for(p: str) -> bool:
+            return p in self._byes or (p in busy and time.monotonic() > started + ABANDONED_GRACE)
+
+        while time.monotonic() < started + timeout and not all(waited_for(p) for p in targets):
             if self.endpoint.router.poll(100):
                 try:
                     msg = self.endpoint.recv(zmq.NOBLOCK)

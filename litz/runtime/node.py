@@ -237,6 +237,9 @@ class Node:
         the goodbye is sent only when ``owed()`` is 0, or after ``LEAVE_TIMEOUT`` seconds (a
         peer that died must not hold the process hostage). At the job's end nothing matters.
         """
+        if self.master is not None and msg.sender != self.master:  # a stray peer must not end the process
+            log.warning("%s: shutdown from %s, which is not the master; ignored", self.ident, msg.sender)
+            return
         self.before_exit()
         settle = bool(msg.get("settle"))
         self._leaving = (msg.sender, time.monotonic() + (LEAVE_TIMEOUT if settle else 0.0), settle)

@@ -118,16 +118,17 @@ def load_secret(path: str | os.PathLike[str]) -> JobSecret:
     group or others can read is refused: anyone who reads it can join the job and run code.
     """
     p = Path(path).expanduser()
-    try:
-        fd = os.open(p, os.O_RDONLY)
+    try:  # non-blocking: opening a FIFO for reading would otherwise wait for a writer for ever
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ConfigError(f"no secret file {p}; create one with: {how_to_create(p)}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read the secret file {p}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # checked on the descriptor, before any read (a directory cannot be read)
+        os.close(fd)
+        raise ConfigError(f"the secret file {p} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"the secret file {p} is not a regular file")
         if st.st_mode & 0o077:
             raise ConfigError(f"the secret file {p} is accessible by group or others "
                               f"(mode {stat.S_IMODE(st.st_mode):o}); run `chmod 600 {p}`")

@@ -17,7 +17,7 @@ import logging
 import time
 import traceback
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -312,13 +312,28 @@ class Worker(Node):
         busy = [eid for eid, slot in self.slots.items() if slot.running or slot.queue]
         if busy:  # the master only asks when every task completed: this is a bug, not a race
             raise LitzError(f"worker {self.ident} asked to checkpoint while executors {busy} have tasks")
-        states = {eid: cloudpickle.dumps(slot.executor.get_state()) for eid, slot in self.slots.items()}
+        try:
+            states = {eid: self._pickled_state(eid, cloudpickle.dumps) for eid in self.slots}
+        except LitzError as exc:  # the round fails (no manifest); training goes on
+            log.error("%s: %s", self.ident, exc)
+            self.endpoint.send(msg.sender, "checkpoint_snapshot", cid=msg["cid"])
+            self.endpoint.send(msg.sender, "checkpoint_written", cid=msg["cid"], files=[],
+                               error=f"worker {self.ident}: {exc}")
+            return
         for eid in self.slots:
             self._remember_rows(eid, msg["cid"])
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"executors-{self.ident}.arrow",
                              lambda fs, path: storage.write_executors(fs, path, states))
+
+    def _pickled_state(self, eid: int, pickle: Callable[[Any], Any]) -> Any:
+        """Executor ``eid``'s ``get_state()`` serialized by ``pickle``; LitzError naming the executor
+        if the application's ``get_state`` raises or returns what cannot be serialized."""
+        try:
+            return pickle(self.slots[eid].executor.get_state())
+        except Exception as exc:
+            raise LitzError(f"executor {eid}'s state cannot be saved: {type(exc).__name__}: {exc}") from exc
 
     # -- SCAR partial checkpoints of executor state (Executor.state_rows) -----------------
     def _state_rows(self, eid: int) -> StateRows:
@@ -494,14 +509,20 @@ class Worker(Node):
         mig = next((m for m in self.outgoing if m.mid == msg["mid"] and m.asked), None)
         if mig is None or msg.sender != self.master:
             return
+        try:  # every state first: an executor whose state cannot be taken stays, and the job stops
+            states = {e: self._pickled_state(e, pack_object) for e in mig.executors}
+        except LitzError as exc:
+            assert self.master is not None
+            self.endpoint.send(self.master, "error", about="ship",
+                               reason=f"migration {mig.mid} of executors {mig.executors} to {mig.dest}: {exc}")
+            return
         self.outgoing.remove(mig)
         payload = []
         for e in mig.executors:
             slot = self.slots.pop(e)
-            ex = slot.executor
             saves = self.row_saves.pop(e, None)
             queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
-            payload.append([e, pack_object(ex.get_state()), pack_object(ex.input) if mig.ship_input else None,
+            payload.append([e, states[e], pack_object(slot.executor.input) if mig.ship_input else None,
                             queued, pack_object(saves) if saves is not None else None])
             self.moved_to[e] = mig.dest
         self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
@@ -825,8 +846,9 @@ class Worker(Node):
             if err is not None:
                 self.update_errors.append(err)
                 log.error("%s: a server refused an update: %s", self.ident, err)
-                if self.master:
-                    self.endpoint.send(self.master, "error", reason=f"update refused: {err}", about="update")
+                if self.master:  # before the completions it releases: the master stops the job first
+                    self.endpoint.send(self.master, "error", reason=f"update refused by {msg.sender}: {err}",
+                                       about="update")
         self._release()
 
     def _release(self) -> None:
@@ -879,6 +901,9 @@ class Worker(Node):
         elif isinstance(rid, int) and (rid in self._unacked or rid in self._replaces):
             self._acked(rid)
             self.update_errors.append(msg["reason"])
+            if self.master:  # before the completions it releases: the master stops the job first
+                self.endpoint.send(self.master, "error", reason=f"update refused by {msg.sender}: {msg['reason']}",
+                                   about="update")
             self._release()
         log.error("%s: error from %s: %s", self.ident, msg.sender, msg["reason"])
 
