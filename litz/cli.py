@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import sys
 import traceback
+from importlib.machinery import SourceFileLoader
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,11 +29,31 @@ from litz.errors import JobStopped, LitzError, TaskError
 EXIT_STOPPED = 75
 
 
+def _library_dirs() -> list[Path]:
+    """Where Python's standard library and installed packages live."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return sorted({Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
+
+
 def _app_frames(exc: BaseException) -> list[traceback.FrameSummary]:
-    """The frames of ``exc``'s traceback that are the application's: not Litz's, not importlib's."""
+    """The frames of ``exc``'s traceback that are the application's: not Litz's, not importlib's;
+    none if the innermost frame of code that is not a library (the standard library, installed
+    packages: json, pyarrow, ...) is Litz's, for then Litz called the library, and the error is
+    Litz's own, whatever frames of the application led to it."""
     package = Path(__file__).resolve().parent
-    return [f for f in traceback.extract_tb(exc.__traceback__)
-            if not f.filename.startswith("<frozen") and package not in Path(f.filename).parents]
+    libraries = _library_dirs()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+
+    def within(f: traceback.FrameSummary, roots: list[Path]) -> bool:
+        parents = Path(f.filename).resolve().parents
+        return any(root in parents for root in roots)
+
+    own_code = [f for f in frames if not within(f, libraries)]
+    if own_code and within(own_code[-1], [package]):
+        return []
+    return [f for f in frames if not within(f, [package])]
 
 
 def _app_error(what: str, exc: Exception) -> LitzError:
@@ -45,7 +66,21 @@ def _app_error(what: str, exc: Exception) -> LitzError:
     own = _app_frames(exc)
     if own:
         te.stack = traceback.StackSummary.from_list(own)
+    elif isinstance(exc, SyntaxError) and exc.filename and Path(__file__).resolve().parent not in \
+            Path(exc.filename).resolve().parents:  # the app's file does not parse: its line says it all
+        te.stack = traceback.StackSummary.from_list([])
     return LitzError(f"{what}:\n{''.join(te.format()).rstrip()}")
+
+
+def _positive_seconds(text: str) -> float:
+    """A command's ``--timeout``: it must leave the master time to answer."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def load_app_module(path: str) -> ModuleType:
@@ -70,7 +105,8 @@ def load_app_module(path: str) -> ModuleType:
     try:
         if len(parts) > 1:
             return importlib.import_module(name)
-        spec = importlib.util.spec_from_file_location(name, file)
+        # by its path whatever it is called (``app.txt``, a script without suffix): a source file
+        spec = importlib.util.spec_from_file_location(name, file, loader=SourceFileLoader(name, str(file)))
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -115,7 +151,9 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", default=None, help="etcd URL; default: start a private one on loopback")
     p.add_argument("--no-cache", action="store_true", help="disable the process cache (for comparison)")
     p.add_argument("--no-update-log", action="store_true", help="send every ps.update at once (for comparison)")
-    p.add_argument("--log-level", default=None, help="log level of the Litz processes (default WARNING)")
+    p.add_argument("--log-level", default=None, type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="log level of the Litz processes (default WARNING)")
     p.add_argument("--secret-file", default=None, metavar="PATH",
                    help="job secret: authenticate and encrypt all traffic with ZeroMQ CURVE (default "
                         "$LITZ_SECRET_FILE; create one with litz.runtime.security.generate_secret_file)")
@@ -471,7 +509,7 @@ def scale(argv: list[str]) -> int:
                       help="move every executor and shard off HOST (as litz status names it); its processes exit")
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--wait", action="store_true", help="return only when the job has reached the new size")
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=_positive_seconds, default=60.0)
     args = p.parse_args(argv)
     cid = _secrets.token_hex(4)
     try:
@@ -539,7 +577,7 @@ def checkpoint(argv: list[str]) -> int:
                                             "--checkpoint-dir).")
     p.add_argument("--job", required=True)
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=_positive_seconds, default=120.0)
     args = p.parse_args(argv)
     try:
         _, result = _ask_master(args.job, args.etcd, CHECKPOINT_KEY, {}, args.timeout)
@@ -565,7 +603,7 @@ def stop(argv: list[str]) -> int:
     p.add_argument("--checkpoint", action="store_true",
                    help="take a consistent checkpoint first (the job needs --checkpoint-dir); resume with --resume")
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=_positive_seconds, default=120.0)
     args = p.parse_args(argv)
     try:
         cid, result = _ask_master(args.job, args.etcd, STOP_KEY, {"checkpoint": args.checkpoint}, args.timeout)

@@ -137,6 +137,8 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(monkeypatch, capsys
     ("import litz\n\n\nclass D(litz.Driver):\n    def dispatch_initial_tasks(self):\n"
      "        raise KeyError('bad option table')\n\n\ndef make_app(argv):\n"
      "    return litz.App(D, litz.Executor, num_executors=1)\n", "job failed, the driver raised", 6),
+    ("import json\n\n\ndef make_app(argv):\n    return json.loads('{')\n", "make_app failed", 5),
+    ("this is ( not python\n", "cannot load the application", 1),
 ])
 def test_an_application_that_raises_is_reported_with_its_own_traceback(tmp_path: Path, capsys, source: str,
                                                                         heading: str, line: int) -> None:
@@ -150,7 +152,8 @@ def test_an_application_that_raises_is_reported_with_its_own_traceback(tmp_path:
     assert main(["launch", str(app)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("litz: ") and heading in err, err
-    assert f'File "{app}", line {line}' in err and ("boom at import" in err or "bad option table" in err), err
+    assert f'File "{app}", line {line}' in err, err
+    assert any(why in err for why in ("boom at import", "bad option table", "JSONDecodeError", "SyntaxError")), err
     assert "litz/cli.py" not in err and "litz/runtime" not in err and "importlib" not in err, err
     if heading.startswith("cannot load"):  # a half-imported module is not left behind
         assert "broken_app" not in sys.modules
@@ -298,3 +301,55 @@ def test_a_stale_job_record_is_replaced_and_a_refused_launcher_removes_nothing(t
     with pytest.raises(ConfigError, match="cannot write the record of job 'j' in .*: set LITZ_JOBS_DIR"):
         jobs.claim("j", "http://127.0.0.1:1")
     assert jobs.local_jobs() == []
+
+
+def test_an_error_raised_in_a_library_litz_called_is_litz_own() -> None:
+    """A standard-library (or pyarrow) error raised under Litz's own code is Litz's error, not the
+    application's, even if the application's code called Litz; raised under the app's, it is the app's."""
+    import litz.cli as cli
+
+    inside: dict = {}
+    exec(compile("import json\n\n\ndef parse():\n    return json.loads('{')\n",
+                 str(Path(cli.__file__).parent / "_pretend_module.py"), "exec"), inside)
+
+    def app_calls_litz() -> None:
+        inside["parse"]()
+
+    def app_calls_json() -> None:
+        json.loads("{")
+
+    for fn, app_owned in ((app_calls_litz, False), (app_calls_json, True)):
+        with pytest.raises(json.JSONDecodeError) as info:
+            fn()
+        frames = cli._app_frames(info.value)
+        assert bool(frames) == app_owned
+        assert not any(f.filename.endswith("_pretend_module.py") for f in frames)
+
+
+def test_bad_command_line_values_are_refused_before_anything_starts(tmp_path: Path, monkeypatch, capsys) -> None:
+    from litz.cli import main
+    from litz.errors import ConfigError
+    from litz.runtime.membership import _parse_endpoints
+
+    app_file = ROOT / "examples" / "sum.py"
+    for argv, why in ((["launch", "--log-level", "bogus", str(app_file)], "invalid choice: 'BOGUS'"),
+                      (["stop", "--job", "j", "--timeout", "0"], "must be a positive number of seconds, got 0"),
+                      (["checkpoint", "--job", "j", "--timeout", "-5"], "must be a positive number of seconds"),
+                      (["scale", "--job", "j", "--workers", "3", "--timeout", "abc"], "'abc' is not a number")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and why in capsys.readouterr().err, argv
+    assert main(["launch", "--job", "a/b", str(app_file)]) == 1  # before any directory is made from the name
+    assert "bad job name 'a/b'" in capsys.readouterr().err
+    monkeypatch.setenv("LITZ_LOG_LEVEL", "bogus")
+    assert main(["launch", str(app_file)]) == 1 and "unknown log level 'bogus'" in capsys.readouterr().err
+    monkeypatch.delenv("LITZ_LOG_LEVEL")
+    for url in ("notaurl:::", "localhost:abc", "http://127.0.0.1:99999", "http://127.0.0.1:0", "http://a b:1"):
+        with pytest.raises(ConfigError, match="is not of the form http://HOST:PORT"):
+            _parse_endpoints(url)
+    assert _parse_endpoints("http://127.0.0.1:2379, [::1]:2380") == ["127.0.0.1:2379", "[::1]:2380"]
+    # an application file is a Python source file, whatever its name ends with
+    script = tmp_path / "sum_app.txt"
+    script.write_text(app_file.read_text())
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    assert main(["launch", str(script)]) == 0 and "sum 499500" in capsys.readouterr().out

@@ -384,3 +384,14 @@ def test_stray_messages_from_outside_the_job_are_dropped_and_the_job_finishes_ex
         assert sorted(seqs) == list(range(len(seqs)))
     assert sum(len(s) for s in res.value["done_seq"]) == 300
     assert res.value["deferred"] == []  # nothing held for ever (the stall check would never fire)
+
+
+def test_a_result_is_sent_as_returned_and_rows_read_are_read_only() -> None:
+    """Five tasks queued on one executor, each returning its state array, which the next changes:
+    each result is the array as its task left it. A row read cannot be written into (other tasks
+    of the process share it through the cache)."""
+    app = litz.App(testapps.QueueFiveDriver, testapps.AliasingExecutor, tables=[litz.Table("t", (1,), "float64")],
+                   num_executors=1)
+    res = litz.run(app, workers=1, servers=1).value
+    assert [res[i]["state"].tolist() for i in range(5)] == [[k + 1.0] * 3 for k in range(5)]
+    assert not any(res[i]["wrote"] for i in range(5))

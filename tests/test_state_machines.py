@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import deque
 
 import msgpack
@@ -764,3 +765,84 @@ def test_an_unreachable_etcd_is_reported_once_per_outage_by_the_status_publisher
         assert [p["phase"] for p in etcd.puts] == ["running", "finishing", "running", "stopping"]
     finally:
         m.endpoint.close()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"shape": (0,)}, "shape must be positive ints"),
+    ({"shape": (3, 0)}, "shape must be positive ints"),
+    ({"shape": (-2,)}, "shape must be positive ints"),
+    ({"shape": (2.7,)}, "shape must be positive ints"),
+    ({"shape": (2,), "dtype": object}, "dtype object is not numeric"),
+    ({"shape": (2,), "dtype": "datetime64[s]"}, "is not numeric"),
+    ({"shape": (2,), "dtype": "nonsense"}, "data type 'nonsense' not understood"),
+    ({"shape": (2,), "num_rows": 0}, "num_rows must be a positive int or None, got 0"),
+    ({"shape": (2,), "num_rows": 2.5}, "num_rows must be a positive int or None, got 2.5"),
+])
+def test_a_table_that_cannot_hold_or_send_rows_is_refused_when_declared(kwargs: dict, message: str) -> None:
+    """Such tables used to be accepted and then hang (object rows are never decoded on arrival),
+    crash a worker (zero-size rows) or fail at the first fetch."""
+    with pytest.raises(TableError, match=message):
+        Table("t", **kwargs)
+    with pytest.raises(TableError, match="name must be a non-empty string, got 5"):
+        Table(5, (2,))  # type: ignore[arg-type]
+    with pytest.raises(TableError, match="tables must be litz.Table instances, got str"):
+        table_index([Table("ok", (2,)), "t"])  # type: ignore[list-item]
+    assert Table("scalar", ()).shape == () and Table("n", np.int64(3), num_rows=np.int64(4)).shape == (3,)
+
+
+def test_a_function_combiner_must_return_a_row() -> None:
+    """A forgotten ``return`` (None) or a scalar was broadcast over the row: NaNs or a wrong sum, silently."""
+    for fn, got in ((lambda a, b: None, "NoneType"), (lambda a, b: float((a + b).sum()), "float"),
+                    (lambda a, b: np.ones(4), "shape (4,)")):
+        with pytest.raises(TypeError, match=f"combiner 'f' returned {re.escape(got)}, expected an array of the "
+                                            r"row's shape \(2,\)"):
+            Combiner.of(fn, "f").merge_into(np.zeros(2), np.ones(2))
+    row = np.zeros(2)
+    assert Combiner.of(lambda a, b: a + b, "f").merge_into(row, np.ones(2)) is row and row.tolist() == [1.0, 1.0]
+    scalar = np.zeros(())  # a scalar table's rows: a NumPy scalar is the right answer
+    Combiner.of(lambda a, b: a + b, "f").merge_into(scalar, np.ones(()))
+    assert scalar == 1.0
+
+
+def test_a_snapshot_is_the_value_as_it_was_and_cannot_be_sent_fails_at_once() -> None:
+    import threading
+
+    state = {"w": np.zeros(3), "seen": [1, (2, 3)], "n": np.int64(4)}
+    snap = protocol.snapshot(state)
+    state["w"] += 1
+    state["seen"][1] = "changed"
+    header, *frames = protocol.encode("done", completed=[[7, snap]], failed=[])
+    out = protocol.decode([header, *frames]).fields["completed"][0][1]
+    assert out["w"].tolist() == [0.0, 0.0, 0.0] and out["seen"] == [1, (2, 3)] and out["n"] == 4
+
+    class Box:
+        def __init__(self) -> None:
+            self.v = [1]
+
+    box = Box()
+    pickled, copied = protocol.snapshot({"b": box}), protocol.snapshot({"b": box}, pickle=False)
+    box.v.append(2)
+    header, *frames = protocol.encode("done", completed=[[7, pickled]], failed=[])
+    assert protocol.decode([header, *frames]).fields["completed"][0][1]["b"].v == [1]
+    assert copied["b"].v == [1] and isinstance(copied["b"], Box)
+    for pickle in (True, False):
+        with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object"):
+            protocol.snapshot({"lock": threading.Lock()}, pickle=pickle)
+
+
+def test_dispatch_takes_numpy_ids_refuses_bools_and_unsendable_arguments() -> None:
+    import threading
+
+    st = MasterState(2, ["w0"], ["s0"])
+    args = {"x": [1]}
+    tid = st.dispatch(np.int64(1), args)
+    args["x"].append(2)  # the driver reuses its arguments: the task keeps what was dispatched
+    [[sent_id, eid, _, sent]] = st.outbox["w0"]
+    assert (sent_id, eid, sent) == (tid, 1, {"x": [1]}) and type(eid) is int and st.inflight[tid].args == {"x": [1]}
+    for bad in (True, np.bool_(False), 2, "0", 1.0):
+        with pytest.raises(LitzError, match=r"dispatch_task: no executor .* \(executors are 0..1\)"):
+            st.dispatch(bad, None)  # type: ignore[arg-type]
+    with pytest.raises(LitzError, match="dispatch_task: the arguments of a task for executor 0 cannot be sent "
+                                        r"\(TypeError: cannot pickle '_thread.lock' object\)"):
+        st.dispatch(0, {"lock": threading.Lock()})
+    assert list(st.inflight) == [tid]  # nothing of the refused tasks stays

@@ -817,3 +817,34 @@ class StrayMessagesDriver(MigratingDriver):
         if isinstance(result, dict):
             result = {**result, "deferred": list(self._master._deferred)}
         super().finish(result)
+
+
+class AliasingExecutor(litz.Executor):
+    """Returns its own state array (changed again by its next task) and tries to write into a row
+    it read (shared with every task of the process through the cache)."""
+
+    def init_state(self) -> np.ndarray:
+        return np.zeros(3)
+
+    def run_task(self, args: object) -> dict:
+        self.state += 1
+        self.ps.update("t", 0, np.ones(1))
+        row = self.ps.get("t", 0)
+        try:
+            row[0] = 99.0
+            wrote = True
+        except ValueError:
+            wrote = False
+        return {"state": self.state, "wrote": wrote}
+
+
+class QueueFiveDriver(litz.Driver):
+    def dispatch_initial_tasks(self) -> None:
+        self.results: dict[int, object] = {}
+        for i in range(5):
+            self.dispatch_task(0, i)
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.results[result.args] = result.value
+        if len(self.results) == 5:
+            self.finish(self.results)

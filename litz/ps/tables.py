@@ -77,6 +77,12 @@ class _FunctionCombiner(Combiner):
     def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
         out = self.fn(acc, upd)
         if out is not acc:
+            # None (a forgotten return) or a scalar for a row would be broadcast over it: refused,
+            # or the table would be silently corrupted (a NumPy scalar is right for a scalar table)
+            if not isinstance(out, (np.ndarray, np.generic)) or np.shape(out) != acc.shape:
+                got = f"shape {np.shape(out)}" if isinstance(out, (np.ndarray, np.generic)) else type(out).__name__
+                raise TypeError(f"combiner {self.name!r} returned {got}, expected an array of the row's shape "
+                                f"{acc.shape}")
             acc[...] = out
         return acc
 
@@ -178,9 +184,23 @@ class Table:
     _row_nbytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.shape = tuple(int(s) for s in (self.shape if isinstance(self.shape, (tuple, list)) else
-                                            (self.shape,)))
-        self.dtype = np.dtype(self.dtype)
+        if not isinstance(self.name, str) or not self.name:
+            raise TableError(f"a table's name must be a non-empty string, got {self.name!r}")
+        dims = self.shape if isinstance(self.shape, (tuple, list)) else (self.shape,)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d > 0 for d in dims):
+            raise TableError(f"table {self.name!r}: shape must be positive ints (a row holds something), "
+                             f"got {self.shape!r}")
+        self.shape = tuple(int(d) for d in dims)
+        try:
+            self.dtype = np.dtype(self.dtype)
+        except TypeError as exc:
+            raise TableError(f"table {self.name!r}: {exc}") from None
+        if self.dtype.kind not in "biufc":  # rows travel as raw bytes: objects, strings, dates do not
+            raise TableError(f"table {self.name!r}: dtype {self.dtype} is not numeric (bool, int, float or complex)")
+        if self.num_rows is not None and not (isinstance(self.num_rows, (int, np.integer))
+                                              and not isinstance(self.num_rows, (bool, np.bool_))
+                                              and self.num_rows > 0):
+            raise TableError(f"table {self.name!r}: num_rows must be a positive int or None, got {self.num_rows!r}")
         self._row_nbytes = math.prod(self.shape) * self.dtype.itemsize  # asked for every row logged or sent
         if isinstance(self.combiner, str):
             if self.combiner not in COMBINERS:
@@ -299,6 +319,8 @@ def table_index(tables: list[Table]) -> dict[str, Table]:
     """Map names to tables, refusing duplicates."""
     out: dict[str, Table] = {}
     for t in tables:
+        if not isinstance(t, Table):
+            raise TableError(f"tables must be litz.Table instances, got {type(t).__name__} {t!r:.60}")
         if t.name in out:
             raise TableError(f"table {t.name!r} declared twice")
         out[t.name] = t

@@ -28,10 +28,15 @@ def jobs_dir() -> Path:
     return Path(os.environ.get("LITZ_JOBS_DIR") or Path.home() / ".cache" / "litz" / "jobs")
 
 
+def check_name(job: str) -> str:
+    """``job``, if it can name a job: a file name of its own, a prefix in etcd (ConfigError if not)."""
+    if not job or "/" in job or "\0" in job or job.startswith("."):
+        raise ConfigError(f"bad job name {job!r}: it must not be empty, start with '.' or hold '/'")
+    return job
+
+
 def _path(job: str) -> Path:
-    if not job or "/" in job or job.startswith("."):
-        raise ConfigError(f"bad job name {job!r}")
-    return jobs_dir() / f"{job}.json"
+    return jobs_dir() / f"{check_name(job)}.json"
 
 
 @contextlib.contextmanager

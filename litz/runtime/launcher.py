@@ -29,6 +29,7 @@ from typing import Any
 from litz.api import App, JobResult
 from litz.errors import ConfigError, EtcdUnreachable, ProcessLost
 from litz.ft.checkpoint import CheckpointCoordinator
+from litz.ps.tables import table_index
 from litz.runtime import jobs, security, spawner
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
@@ -339,7 +340,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     complete checkpoint in ``checkpoint_dir`` if there is one, else starts afresh: one command
     line for the first start and every restart after ``litz stop`` or SIGTERM.
     """
-    job = job or new_job_name()
+    job = jobs.check_name(job or new_job_name())
+    table_index(app.tables)  # tables declared twice, or not tables at all, are refused before anything starts
     if num_executors is not None and num_executors < 1:  # 0 would silently mean the default
         raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors}")
     options = dict(options or {})
@@ -378,6 +380,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     if secret_file is None:
         secret_file = os.environ.get("LITZ_SECRET_FILE") or None
     lease_ttl()  # a bad $LITZ_LEASE_TTL is refused before anything starts (every process reads it)
+    level = os.environ.get("LITZ_LOG_LEVEL")
+    if level and not isinstance(logging.getLevelName(level.upper()), int):  # every process would exit on it
+        raise ConfigError(f"$LITZ_LOG_LEVEL: unknown log level {level!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
     driver = app.driver()
     if resumed is not None:
         resumed.read_driver(driver)  # a damaged driver.pkl is refused before any process starts

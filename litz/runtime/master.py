@@ -36,7 +36,7 @@ from litz.runtime import spawner
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
 from litz.runtime.node import PROCS, kill_job_process, proc_key
-from litz.runtime.protocol import Message
+from litz.runtime.protocol import Message, snapshot
 from litz.runtime.transport import Endpoint, host_name
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,16 @@ class MasterState:
 
     def dispatch(self, executor_id: int, args: Any) -> int:
         """Queue a task for its executor's worker, tagged with the current version."""
-        worker = self.placement.get(executor_id) if isinstance(executor_id, int) else None
+        is_id = isinstance(executor_id, (int, np.integer)) and not isinstance(executor_id, (bool, np.bool_))
+        worker = self.placement.get(int(executor_id)) if is_id else None
         if worker is None:
             raise LitzError(f"dispatch_task: no executor {executor_id!r} (executors are 0..{self.num_executors - 1})")
+        executor_id = int(executor_id)  # an id computed with NumPy is welcome; the task's record holds an int
+        try:  # sent as they are now (the driver may reuse them), and refused now if they cannot be sent
+            args = snapshot(args, pickle=False)
+        except Exception as exc:
+            raise LitzError(f"dispatch_task: the arguments of a task for executor {executor_id} cannot be sent "
+                            f"({type(exc).__name__}: {exc}); pass msgpack values, arrays or picklable objects") from exc
         self._next_id += 1
         rec = TaskRecord(self._next_id, executor_id, self.version, args, worker)
         self.inflight[rec.task_id] = rec

@@ -123,7 +123,10 @@ def _parse_endpoints(etcd: str) -> list[str]:
             raise ConfigError(f"etcd endpoint {part!r}: TLS (https://) is not supported, use http://")
         if part.startswith("http://"):
             part = part[len("http://") :]
-        if not part or "/" in part or ":" not in part:
+        host, _, port = part.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:PORT
+        if not host or "/" in part or not port.isdigit() or not 0 < int(port) < 65536 or \
+                not all(c.isalnum() or c in "-._:" for c in host):
             raise ConfigError(f"etcd endpoint {part!r} in {etcd!r} is not of the form http://HOST:PORT")
         endpoints.append(part)
     return endpoints

@@ -12,6 +12,7 @@ types nor arrays (rare: a user's odd task argument) fall back to cloudpickle.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +208,35 @@ def unpack_object(packed: list[Any]) -> Any:
     return cloudpickle.loads(data, buffers=[b if b.flags.writeable else b.copy() for b in buffers])
 
 
+class _Pickled:
+    """An object pickled already (by :func:`snapshot`): sent as the pickle it was then."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def snapshot(value: Any, *, pickle: bool = True) -> Any:
+    """``value`` as it is now, for a message sent later: arrays copied, lists, tuples and dicts
+    rebuilt, any other object pickled now (or, not ``pickle``, deep-copied), so that it raises now
+    if it cannot be sent. A task's result waits for its updates' acknowledgement before it leaves,
+    and meanwhile the executor's next task may change what it returned (its own state, say); a
+    driver may reuse the arguments it dispatched (which it gets back with the result, so those
+    stay objects: deep copies)."""
+    if isinstance(value, (str, bytes, int, float, bool, type(None), np.generic)):
+        return value
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if type(value) is list:
+        return [snapshot(v, pickle=pickle) for v in value]
+    if type(value) is tuple:
+        return tuple(snapshot(v, pickle=pickle) for v in value)
+    if type(value) is dict:
+        return {k: snapshot(v, pickle=pickle) for k, v in value.items()}
+    return _Pickled(cloudpickle.dumps(value)) if pickle else copy.deepcopy(value)
+
+
 class _Packer:
     """Collects the array frames of one message while msgpack walks its fields."""
 
@@ -223,6 +253,8 @@ class _Packer:
             return obj.item()
         if isinstance(obj, tuple):
             return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default))
+        if isinstance(obj, _Pickled):
+            return msgpack.ExtType(_EXT_PICKLE, obj.data)
         return msgpack.ExtType(_EXT_PICKLE, cloudpickle.dumps(obj))
 
 

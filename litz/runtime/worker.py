@@ -32,7 +32,7 @@ from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
 from litz.runtime.node import Node, exit_process, main, proc_key
-from litz.runtime.protocol import Message, pack_object, unpack_object
+from litz.runtime.protocol import Message, pack_object, snapshot, unpack_object
 
 log = logging.getLogger(__name__)
 
@@ -610,8 +610,14 @@ class Worker(Node):
             log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, tb)
             self._record("failed", [task.task_id, tb], task.executor_id)
         else:
-            self.tasks_run += 1
-            self._record("completed", [task.task_id, value], task.executor_id)
+            try:  # as it is now: it leaves after the updates' acknowledgement, when the next task may have changed it
+                item = [task.task_id, snapshot(value)]
+            except Exception as exc:
+                self.tasks_failed += 1
+                self._record("failed", [task.task_id, self._unsendable(task.task_id, exc)], task.executor_id)
+            else:
+                self.tasks_run += 1
+                self._record("completed", item, task.executor_id)
         slot.running = False
         slot.glet = None  # its runner parks: a rollback must not kill it
         if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
@@ -738,7 +744,9 @@ class Worker(Node):
                         wait.error = f"fetch of table {name!r} key {key!r} failed: {error}"
                         self._resume(wait)
                     continue
-                for wait, value in self.cache.fill(name, key, values[j], versions[j]):
+                row = values[j]
+                row.flags.writeable = False  # shared by every task of the process through the cache
+                for wait, value in self.cache.fill(name, key, row, versions[j]):
                     wait.values[key] = value
                     wait.pending.discard(key)
                     if not wait.pending:
@@ -881,11 +889,15 @@ class Worker(Node):
             try:
                 self.endpoint.send(self.master, "done", completed=[[task_id, value]], failed=[])
             except Exception as exc:
-                reason = (f"the result of task {task_id} cannot be sent to the driver "
-                          f"({type(exc).__name__}: {exc}); return msgpack values, arrays or picklable objects")
-                log.error("%s: %s", self.ident, reason)
-                failed.append([task_id, reason])
+                failed.append([task_id, self._unsendable(task_id, exc)])
         self.endpoint.send(self.master, "done", completed=[], failed=failed)
+
+    def _unsendable(self, task_id: int, exc: Exception) -> str:
+        """Why task ``task_id`` fails: its result cannot be sent to the driver (logged here)."""
+        reason = (f"the result of task {task_id} cannot be sent to the driver "
+                  f"({type(exc).__name__}: {exc}); return msgpack values, arrays or picklable objects")
+        log.error("%s: %s", self.ident, reason)
+        return reason
 
     def on_error(self, msg: Message) -> None:
         rid = msg.get("rid")
