@@ -191,11 +191,19 @@ def _split_launch_args(argv: list[str]) -> tuple[str, argparse.Namespace, list[s
     Litz options may come before the application file as well as after it (``litz launch --job
     x app.py --epochs 3``); after it, what Litz does not know is the application's."""
     parser = _launch_parser()
-    at = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
-    if at is None:
-        if argv[0].startswith("-"):
-            return f"name the application file (APP.py) to run; got only options {' '.join(argv)}"
-        at = 0  # not a .py name: loading it will say what it is
+    takes_value = {name for action in parser._actions for name in action.option_strings if action.nargs != 0}
+    candidates, i = [], 0
+    while i < len(argv):  # arguments that are neither options nor the values of Litz's options
+        if argv[i] in takes_value:
+            i += 2
+            continue
+        if not argv[i].startswith("-"):
+            candidates.append(i)
+        i += 1
+    if not candidates:
+        return f"name the application file (APP.py) to run; got only options {' '.join(argv)}"
+    # the first .py file (an unknown option's value may come before it), else the first candidate
+    at = next((c for c in candidates if argv[c].endswith(".py")), candidates[0])
     before, unknown = parser.parse_known_args(argv[:at])
     if unknown:
         return (f"unknown option(s) before {argv[at]}: {' '.join(unknown)} (the application's own options "
@@ -528,8 +536,7 @@ def scale(argv: list[str]) -> int:
                 st = mem.get(STATUS_KEY) or {}
                 done = [h for h in st.get("scale_history") or [] if h.get("command") == cid]
                 if done:
-                    print(f"scale {cid}: done in {done[0].get('seconds', float('nan')):.3f} s")
-                    break
+                    return _scale_outcome(cid, kind, want, done[0])
                 if time.monotonic() > deadline:
                     print(f"litz: scale command {cid} did not complete in {args.timeout:.0f} s", file=sys.stderr)
                     return 1
@@ -537,6 +544,19 @@ def scale(argv: list[str]) -> int:
     except LitzError as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _scale_outcome(cid: str, kind: str, want: Any, entry: dict[str, Any]) -> int:
+    """Print how a scale operation ended (``--wait``); 1 if the job did not reach the size asked
+    for (a new process died, or never joined: a host without the job secret, say)."""
+    sizes = f"{len(entry.get('workers', []))} workers and {len(entry.get('servers', []))} servers"
+    lost = f"; lost on the way: {', '.join(entry['lost'])}" if entry.get("lost") else ""
+    if kind in ("workers", "servers") and len(entry.get(kind, [])) != want:
+        print(f"litz: scale {cid} ended with {sizes}, not the {want} {kind} asked for{lost} (see the job's log)",
+              file=sys.stderr)
+        return 1
+    print(f"scale {cid}: done in {entry.get('seconds', float('nan')):.3f} s: {sizes}{lost}")
     return 0
 
 

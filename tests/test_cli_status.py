@@ -353,3 +353,19 @@ def test_bad_command_line_values_are_refused_before_anything_starts(tmp_path: Pa
     script.write_text(app_file.read_text())
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
     assert main(["launch", str(script)]) == 0 and "sum 499500" in capsys.readouterr().out
+    # a value of Litz's own option that ends in .py is not taken for the application file
+    assert main(["launch", "--job", "nightly.py", str(app_file)]) == 0
+    assert "job nightly.py finished" in capsys.readouterr().err
+
+
+def test_scale_wait_says_when_the_size_asked_for_was_not_reached(capsys) -> None:
+    from litz.cli import _scale_outcome
+
+    reached = {"seconds": 0.4, "workers": ["w0", "w1", "w2"], "servers": ["s0"], "lost": []}
+    assert _scale_outcome("c1", "workers", 3, reached) == 0
+    assert "scale c1: done in 0.400 s: 3 workers and 1 servers" in capsys.readouterr().out
+    died = {"seconds": 0.4, "workers": ["w0", "w1"], "servers": ["s0"], "lost": ["w2"]}  # the new one died
+    assert _scale_outcome("c2", "workers", 3, died) == 1
+    assert ("scale c2 ended with 2 workers and 1 servers, not the 3 workers asked for; lost on the way: w2"
+            in capsys.readouterr().err)
+    assert _scale_outcome("c3", "drain_host", "h", died) == 0  # a drain has no size to reach

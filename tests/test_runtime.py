@@ -395,3 +395,4 @@ def test_a_result_is_sent_as_returned_and_rows_read_are_read_only() -> None:
     res = litz.run(app, workers=1, servers=1).value
     assert [res[i]["state"].tolist() for i in range(5)] == [[k + 1.0] * 3 for k in range(5)]
     assert not any(res[i]["wrote"] for i in range(5))
+

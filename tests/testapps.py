@@ -848,3 +848,4 @@ class QueueFiveDriver(litz.Driver):
         self.results[result.args] = result.value
         if len(self.results) == 5:
             self.finish(self.results)
+

@@ -921,6 +921,7 @@ class Master:
         if not recoverable:
             why = "" if self.recovery else (" (launch with --recovery partial or full and --checkpoint-dir "
                                             "to survive this)")
+            self._unresponsive.add(ident)  # the shutdown does not wait for its goodbye
             raise ProcessLost(reason + why, ident)
         self.elastic.on_lost(ident)  # a scale operation under way goes on without it
         if self.recovery == "full":  # unwinds to the main loop (or the rollback), even out of a driver's read
