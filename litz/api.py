@@ -65,7 +65,8 @@ class ParameterServer:
 
     def update(self, table: str, key: Hashable, delta: Any) -> None:
         t = self._table(table)
-        self._write(t, [t.check_key(key)], t.check_delta(delta)[None])
+        key = t.check_key(key)
+        self._write(t, [key], t.check_delta(delta, what=f"update of key {key!r}")[None])
 
     def update_many(self, table: str, keys: Iterable[Hashable], deltas: Any) -> None:
         t = self._table(table)

@@ -506,6 +506,27 @@ def test_litz_launch_exits_75_when_stopped_even_while_it_starts(tmp_path: Path) 
     assert processes_mentioning(job) == []
 
 
+def test_a_sigterm_while_the_job_starts_stops_it_once_it_runs(tmp_path: Path) -> None:
+    """A scheduler may preempt a job it has just started: the signal is kept until the master runs
+    (before, the launcher died of it with status 143 and left its job record behind)."""
+    job = f"sigterm-start-{time.time_ns()}"
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
+    proc = subprocess.Popen(_mlr_command(job, "--epochs", "500"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "jobs" / f"{job}.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75 and f"job {job} was stopped on request (SIGTERM)" in err, err
+    assert not (tmp_path / "jobs" / f"{job}.json").exists() and processes_mentioning(job) == []
+
+
 def test_sigterm_stops_litz_launch_after_a_checkpoint_and_the_same_command_resumes(tmp_path: Path) -> None:
     """What a batch scheduler does when it preempts a job: SIGTERM to the job's whole process
     group (as ``timeout`` or ``scancel`` do), and later the same command line again."""

@@ -110,7 +110,7 @@ def test_bad_update_is_refused_and_nothing_applied_is_lost(etcd) -> None:
     res = litz.run(app, workers=2, servers=2, etcd=etcd.url)
     failures = res.value["failures"]
     assert sorted(f[1]["seed"] for f in failures) == [7, 33]
-    assert all("table 's': update has shape (7,), expected (3,)" in f[2] for f in failures)
+    assert all("table 's': update of key 0 has shape (7,), expected (3,)" in f[2] for f in failures)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
 
 
@@ -396,3 +396,13 @@ def test_a_result_is_sent_as_returned_and_rows_read_are_read_only() -> None:
     assert [res[i]["state"].tolist() for i in range(5)] == [[k + 1.0] * 3 for k in range(5)]
     assert not any(res[i]["wrote"] for i in range(5))
 
+
+
+def test_an_executor_that_cannot_start_is_named() -> None:
+    app = litz.App(testapps.CrashDriver, testapps.BadInputExecutor, tables=[litz.Table("t", (1,))], num_executors=2,
+                   config={"crash_on": -1})
+    with pytest.raises(litz.LitzError) as info:
+        litz.run(app, workers=1, servers=1)
+    message = str(info.value)
+    assert "worker w0 failed to initialise executor 1:" in message
+    assert "FileNotFoundError: no partition 1 on this host" in message and "in load_input" in message

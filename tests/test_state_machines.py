@@ -846,3 +846,15 @@ def test_dispatch_takes_numpy_ids_refuses_bools_and_unsendable_arguments() -> No
                                         r"\(TypeError: cannot pickle '_thread.lock' object\)"):
         st.dispatch(0, {"lock": threading.Lock()})
     assert list(st.inflight) == [tid]  # nothing of the refused tasks stays
+
+
+def test_keys_and_deltas_that_are_not_what_they_seem_are_refused_naming_the_table() -> None:
+    t = Table("t", (2,), num_rows=8)
+    for keys, why in (("abc", "got the string 'abc'"), (5, "got int 5"), (None, "got NoneType None")):
+        with pytest.raises(TableError, match=f"table 't': keys must be a list .*{re.escape(why)}"):
+            t.check_keys(keys)
+    assert t.check_keys(iter([1, 2])) == [1, 2] and t.check_keys(np.arange(3)) == [0, 1, 2]
+    with pytest.raises(TableError, match=r"table 't': update is None, expected an array of shape \(2,\)"):
+        t.check_delta(None)
+    with pytest.raises(TableError, match=r"table 't': update is None, expected an array of shape \(3, 2\)"):
+        t.check_delta(None, n=3)

@@ -849,3 +849,11 @@ class QueueFiveDriver(litz.Driver):
         if len(self.results) == 5:
             self.finish(self.results)
 
+
+
+class BadInputExecutor(litz.Executor):
+    """Executor 1 cannot load its input."""
+
+    def load_input(self) -> None:
+        if self.executor_id == 1:
+            raise FileNotFoundError("no partition 1 on this host")

@@ -274,8 +274,15 @@ class Table:
             return list(keys)
         if isinstance(keys, np.ndarray):
             keys = keys.tolist()
+        elif isinstance(keys, (str, bytes)):  # list("abc") would silently read keys 'a', 'b', 'c'
+            raise TableError(f"table {self.name!r}: keys must be a list (or any iterable) of keys, got the string "
+                             f"{keys!r}; for one key use get or update")
         elif not isinstance(keys, list):
-            keys = list(keys)
+            try:
+                keys = list(keys)
+            except TypeError:
+                raise TableError(f"table {self.name!r}: keys must be a list (or any iterable) of keys, got "
+                                 f"{type(keys).__name__} {keys!r:.40}; for one key use get or update") from None
         if keys and set(map(type, keys)) == {int} and (
                 self.num_rows is None or (min(keys) >= 0 and max(keys) < self.num_rows)):
             return list(keys)
@@ -284,6 +291,9 @@ class Table:
     # -- values ---------------------------------------------------------------
     def check_delta(self, delta: Any, n: int | None = None, what: str = "update") -> np.ndarray:
         """Validate one row (n is None) or n stacked rows; return an array of the table's dtype."""
+        if delta is None:  # np.asarray(None) is a 0-d object array: "shape ()" would say nothing useful
+            raise TableError(f"table {self.name!r}: {what} is None, expected an array of shape "
+                             f"{self.shape if n is None else (n, *self.shape)}")
         arr = np.asarray(delta)
         expected = self.shape if n is None else (n, *self.shape)
         if arr.shape != expected:

@@ -386,8 +386,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     driver = app.driver()
     if resumed is not None:
         resumed.read_driver(driver)  # a damaged driver.pkl is refused before any process starts
-    with LocalCluster(job, workers=workers, servers=servers, etcd=etcd, host=host,
-                      secret_file=secret_file) as cluster:
+    early: list[int] = []  # SIGTERMs while the job starts: they stop it once its master runs
+    with _on_sigterm(lambda: early.append(1)), LocalCluster(job, workers=workers, servers=servers, etcd=etcd,
+                                                             host=host, secret_file=secret_file) as cluster:
         assert cluster.etcd_url is not None
         membership = Membership(cluster.etcd_url, job)
         membership.start()
@@ -400,6 +401,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                 # SIGTERM (what a cluster scheduler sends before it takes the machines back) stops
                 # the job as `litz stop` does: after a checkpoint if it has a checkpoint directory
                 with _on_sigterm(master.request_stop):
+                    for _ in early:
+                        master.request_stop()
                     return master.run(driver)
         except StartupTimeout as exc:  # what were they doing? their stacks, from their logs
             stacks = cluster.stacks(exc.silent)

@@ -165,6 +165,7 @@ class Worker(Node):
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
         self.master = msg["master"]
+        making: int | None = None
         try:
             for peer, addr in msg["peers"].items():
                 self.endpoint.connect(peer, addr)
@@ -183,13 +184,13 @@ class Worker(Node):
                 from litz.ft import storage
 
                 self.in_background(storage.warm_up, lambda _r, _e: None)
-            for eid in msg["executors"]:
-                self.slots[eid] = Slot(self._make_executor(eid, saved[eid]) if eid in saved
-                                       else self._make_executor(eid))
+            for making in msg["executors"]:  # the executor being made: its load_input or setup may raise
+                self.slots[making] = Slot(self._make_executor(making, saved[making]) if making in saved
+                                          else self._make_executor(making))
         except Exception as exc:  # Litz's own refusals (an unreadable checkpoint) say it all in a line;
             # anything else is the application's code (load_input, setup) and needs its traceback
-            err = (f"worker {self.ident} failed to initialise: {exc}" if isinstance(exc, LitzError)
-                   else f"worker {self.ident} failed to initialise:\n{traceback.format_exc()}")
+            what = f"worker {self.ident} failed to initialise" + (f" executor {making}" if making is not None else "")
+            err = (f"{what}: {exc}" if isinstance(exc, LitzError) else f"{what}:\n{traceback.format_exc()}")
             log.error(err)
             self.endpoint.send(msg.sender, "ready", role=self.role, error=err)
             return
