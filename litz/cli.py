@@ -156,7 +156,7 @@ def _launch_parser() -> argparse.ArgumentParser:
                    help="log level of the Litz processes (default WARNING)")
     p.add_argument("--secret-file", default=None, metavar="PATH",
                    help="job secret: authenticate and encrypt all traffic with ZeroMQ CURVE (default "
-                        "$LITZ_SECRET_FILE; create one with litz.runtime.security.generate_secret_file)")
+                        "$LITZ_SECRET_FILE; create one with: litz secret PATH)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="take consistent checkpoints under DIR (a path or a pyarrow URI such as s3://...)")
     p.add_argument("--checkpoint-every", default=None, metavar="C",

@@ -139,6 +139,10 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
                          and sorted(e for v in lay["executors"].values() for e in v) == list(range(8)) and lay,
                          "host C's executors on w0")
             assert c not in lay.get("worker", {})
+            # SIGTERM to host D's agent, whose worker never got in: nothing to drain, so it leaves at once
+            joiners[1].send_signal(signal.SIGTERM)
+            assert joiners[1].wait(30) == 0, (tmp_path / "d.log").read_text()
+            assert "no process of this host is part of the job" in (tmp_path / "d.log").read_text()
         finally:
             stop.touch()
             t.join(60)

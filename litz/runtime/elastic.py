@@ -56,7 +56,12 @@ class ScaleOp:
 
 
 class _Refused(Exception):
-    """A scale command that cannot be met; the message says why."""
+    """A scale command that cannot be met; the message says why. ``holds_nothing``: a drain of a
+    host where none of the job's processes runs (its agent may leave: there is nothing to move)."""
+
+    def __init__(self, reason: str, holds_nothing: bool = False) -> None:
+        super().__init__(reason)
+        self.holds_nothing = holds_nothing
 
 
 class Elasticity:
@@ -70,8 +75,8 @@ class Elasticity:
         self._joins: list[dict[str, Any]] = []  # join offers waiting for the current operation
 
     # -- commands ----------------------------------------------------------------------------------
-    def reply(self, cid: str, ok: bool, reason: str = "") -> None:
-        self.m.reply_command(cid, ok, reason)
+    def reply(self, cid: str, ok: bool, reason: str = "", **extra: Any) -> None:
+        self.m.reply_command(cid, ok, reason, **extra)
 
     def on_command(self, cmd: dict[str, Any]) -> None:
         """A ``litz scale`` command: accepted (and started) or refused with a reason, at once."""
@@ -93,7 +98,7 @@ class Elasticity:
         try:
             text = start(cid, cmd)
         except _Refused as exc:
-            self.reply(cid, False, str(exc))
+            self.reply(cid, False, str(exc), **({"host_holds_nothing": True} if exc.holds_nothing else {}))
             return
         self.reply(cid, True, text)
         log.info("%s %s: %s", kind, cid, text)
@@ -165,7 +170,8 @@ class Elasticity:
         on_host = [p for p in st.workers + st.servers if self.m.procs.get(p, {}).get("host") == host]
         if not on_host:
             hosts = sorted({self.m.procs.get(p, {}).get("host", "?") for p in st.workers + st.servers})
-            raise _Refused(f"no worker or server of this job runs on host {host!r} (hosts: {', '.join(hosts)})")
+            raise _Refused(f"no worker or server of this job runs on host {host!r} (hosts: {', '.join(hosts)})",
+                           holds_nothing=True)
         if all(w in on_host for w in st.workers) or all(s in on_host for s in st.servers):
             raise _Refused(f"draining {host} would leave the job without "
                            f"{'workers' if all(w in on_host for w in st.workers) else 'servers'}")

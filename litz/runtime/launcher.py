@@ -475,7 +475,7 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                     accepted = True
                 if cluster.exit_requested and all(p.poll() is not None for p in cluster.children.values()):
                     return 0
-                if cluster.job_ended:
+                if cluster.job_ended or drain.holds_nothing:
                     return 0
                 if not accepted and time.monotonic() > deadline:
                     raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")
@@ -512,6 +512,7 @@ class _HostDrain:
         self.cid: str | None = None
         self.accepted = False
         self.waiting = False  # asked, no answer yet (a request is answered within ``patience``)
+        self.holds_nothing = False  # the master says none of this host's processes is in the job
         self._asked_at = -float("inf")
         self._refusal: str | None = None
 
@@ -536,6 +537,9 @@ class _HostDrain:
         if ev.value.get("ok"):
             self.accepted = True
             log.warning("the master drains this host: %s", ev.value.get("reason"))
+        elif ev.value.get("host_holds_nothing"):  # (its processes never joined): nothing to move, leave now
+            self.holds_nothing = True
+            log.warning("no process of this host is part of the job (%s): leaving", ev.value.get("reason"))
         elif ev.value.get("reason") != self._refusal:
             self._refusal = ev.value.get("reason")
             log.error("the master refused to drain this host (asking again every %.0f s; a second SIGTERM "

@@ -1322,10 +1322,10 @@ class Master:
         self.state.paused = True
         return True
 
-    def reply_command(self, cid: str, ok: bool, reason: str = "") -> None:
+    def reply_command(self, cid: str, ok: bool, reason: str = "", **extra: Any) -> None:
         """Answer a command of the ``litz`` CLI (``litz checkpoint``, ``stop``, ``scale``), which
         waits for ``commands/result/<id>``."""
-        self.membership.put(f"{RESULTS}{cid}", {"ok": ok, "reason": reason, "time": time.time()})
+        self.membership.put(f"{RESULTS}{cid}", {"ok": ok, "reason": reason, "time": time.time(), **extra})
 
     def _commands_reason(self) -> str:
         """The reason a round begun for the waiting commands records: the stop's, if it is one of them."""

@@ -486,7 +486,10 @@ class Authenticator:
         elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
             self._flush(watch)
             watch.refused += 1
-            watch.failure = _FAILURES.get(value, f"its handshake failed (ZMTP error {value:#x})")
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # the value is a ZMTP protocol error code
+                watch.failure = _FAILURES.get(value, f"its handshake failed (ZMTP protocol error {value:#x})")
+            else:  # the value is an errno: the connection broke during the handshake
+                watch.failure = f"its connection broke during the handshake ({os.strerror(value) or value})"
         elif kind == zmq.EVENT_DISCONNECTED:
             # libzmq reports a failed handshake, then at once the disconnection naming the fd
             self._flush(watch, watch.peers.pop(value, UNKNOWN_PEER))
