@@ -452,6 +452,11 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
         master = agent.get(proc_key("master", "master"))
         if not master:
             raise ConfigError(f"no running job {job!r} on etcd {etcd} (no master registered)")
+        secured = master.get("secured")
+        if secured is not None and bool(secured) != (cluster.secret is not None):
+            raise ConfigError(f"job {job!r} authenticates every process with its job secret: join with "
+                              "--secret-file PATH (a copy of the job's secret file)" if secured else
+                              f"job {job!r} has no job secret: join without --secret-file")
         # The master gives the processes it asks for join_timeout to be ready: offer them only once
         # they can start at once, not while the zygote still imports on a host that may be busy.
         cluster.prepare(numba=master.get("numba") is True)

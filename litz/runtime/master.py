@@ -1727,6 +1727,7 @@ class Master:
             "role": "master", "id": "master", "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
             "numba": spawner.numba_loaded(),  # a joining host's agent warms its zygote up for our kernels
+            "secured": self.endpoint.secret is not None,  # a joining host without the secret is refused at once
         })
         stats: dict[str, dict[str, Any]] = {}
         stopped: dict[str, Any] | None = None  # a `litz stop` that ended the job
