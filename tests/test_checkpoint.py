@@ -483,18 +483,27 @@ def _launch_running_mlr(tmp_path: Path, job: str, *extra: str) -> tuple[subproce
         time.sleep(0.3)
 
 
+def _launch_starting_mlr(tmp_path: Path, job: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """``litz launch apps/mlr.py`` as a subprocess, as soon as its job record exists: the job is
+    still starting (its master does not run yet)."""
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
+    proc = subprocess.Popen(_mlr_command(job, "--epochs", "500"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "jobs" / f"{job}.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"litz launch never recorded its job: {proc.communicate()[1]}")
+        time.sleep(0.02)
+    return proc, env
+
+
 def test_litz_launch_exits_75_when_stopped_even_while_it_starts(tmp_path: Path) -> None:
     """The stop is sent as soon as the job's record exists, before its master watches for commands:
     the command waits for the master, so it is not written where nobody reads it."""
     job = f"stop-launch-{time.time_ns()}"
-    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
-    proc = subprocess.Popen(_mlr_command(job, "--epochs", "500"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc, env = _launch_starting_mlr(tmp_path, job)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "jobs" / f"{job}.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
         cmd = subprocess.run([sys.executable, "-m", "litz.cli", "stop", "--job", job], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
         assert cmd.returncode == 0 and "stopped (no checkpoint taken)" in cmd.stdout, cmd.stderr
@@ -510,14 +519,8 @@ def test_a_sigterm_while_the_job_starts_stops_it_once_it_runs(tmp_path: Path) ->
     """A scheduler may preempt a job it has just started: the signal is kept until the master runs
     (before, the launcher died of it with status 143 and left its job record behind)."""
     job = f"sigterm-start-{time.time_ns()}"
-    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
-    proc = subprocess.Popen(_mlr_command(job, "--epochs", "500"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc, _ = _launch_starting_mlr(tmp_path, job)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "jobs" / f"{job}.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
