@@ -256,6 +256,39 @@ def boruvka_merge(parent: np.ndarray, size: np.ndarray, comp: np.ndarray, a: np.
 
 
 @_jit
+def nearest_outside(data: np.ndarray, core: np.ndarray, label: np.ndarray, members: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every point ``p`` of ``members``: its cheapest mutual-reachability edge
+    ``max(core[p], core[q], |p - q|)`` to a point ``q`` of another component (``label[q] !=
+    label[p]``), by brute force over all points, ties by the smaller ``q``. Returns ``(a, b, w)``
+    (``a = members``; ``b = -1``, ``w = inf`` where every point is in ``p``'s component)."""
+    n, d = data.shape
+    m = members.shape[0]
+    b = np.full(m, -1, np.int64)
+    w = np.full(m, np.inf, np.float32)
+    for i in range(m):
+        p = members[i]
+        lp, cp = label[p], core[p]
+        best, arg = np.inf, -1
+        for q in range(n):
+            if label[q] == lp:
+                continue
+            floor = max(cp, core[q])
+            if floor > best:  # the edge cannot beat the best one, whatever the distance
+                continue
+            acc = 0.0
+            for j in range(d):
+                t = data[p, j] - data[q, j]
+                acc += t * t
+            mr = max(floor, np.sqrt(acc))
+            if mr < best:
+                best, arg = mr, q
+        b[i] = arg
+        w[i] = best
+    return members.copy(), b, w
+
+
+@_jit
 def bridge_components(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Edges of infinite weight that join the components of a spanning forest into one tree: the
     first component's root to every other root. In the hierarchy they are the last merges, at
@@ -460,3 +493,5 @@ def warmup() -> None:
     boruvka_merge(np.arange(n), np.ones(n, np.int64), cc, ca, cb, cw)
     ba, bb, bw = bridge_components(parent)
     clusters_from_tree(np.concatenate([a, ba]), np.concatenate([b, bb]), np.concatenate([ww, bw]), n, 5)
+    for points in (x.astype(np.float32), x):  # the app's points (float32), and a file's float64
+        nearest_outside(points, core_distances(dist, 3), (ids % 2).astype(np.int32), ids[:4])  # labels as bridged's

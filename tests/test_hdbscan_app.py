@@ -140,6 +140,26 @@ def test_kruskal_and_boruvka_give_minimum_spanning_forests_of_equal_weight() -> 
         assert set(labels[1200:]) == {labels[1200]} and labels[1200] >= 0  # the far group is one cluster
 
 
+def test_a_knn_graph_in_pieces_smaller_than_a_cluster_is_joined_by_exact_edges() -> None:
+    """300 points of 10 blobs with k = 15: the kNN graph is 10 pieces of about 30 points, each
+    smaller than min_cluster_size 50, so where they join decides the clusters. Joined by infinite
+    edges every point came out noise (FM 0.585); by their exact cheapest edges the labels are the
+    ``hdbscan`` library's, which finds two clusters and 122 noise points."""
+    cfg = hd.make_app(["--points", "300", "--reference", "none"]).config
+    x, perm = hd.job_points(cfg)
+    idx, dist = exact_graph(x, 15)
+    a, b, w, comps = hd.spanning_tree(idx, dist, 10, x, 50)
+    assert comps == 10 and len(a) == 299 and np.isfinite(w).all()  # one tree, of real edges only
+    labels = np.empty(300, np.int64)
+    labels[perm] = hk.clusters_from_tree(a, b, w, 300, 50)
+    reference = hd.reference_hdbscan(hd.load_points(cfg)[0], 10, 50)  # the points in the input's order
+    assert hd.fowlkes_mallows(reference, labels) == pytest.approx(1.0)
+    assert (labels >= 0).any() and set(np.bincount(labels[labels >= 0])) == {100, 78}
+    # without the points (as before), the same pieces all fall to noise
+    fa, fb, fw, _ = hd.spanning_tree(idx, dist, 10)
+    assert (hk.clusters_from_tree(fa, fb, fw, 300, 50) < 0).all()
+
+
 # ----------------------------------------------------------------------------------------------------
 # excess of mass
 # ----------------------------------------------------------------------------------------------------
