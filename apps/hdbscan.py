@@ -107,7 +107,7 @@ from apps.nndescent import (
     num_blocks,
     renumbered,
 )
-from apps.options import require_at_least
+from apps.options import require_at_least, require_finite, seed
 
 DEFAULTS: dict[str, Any] = {"k": 15, "min_samples": 10, "min_cluster_size": 50, "max_cluster_size": 0,
                             "reference_limit": 100_000}
@@ -537,7 +537,7 @@ class HDBDriver(litz.Driver):
 
     def progress(self) -> str:
         stage = getattr(self, "stage", "")
-        if stage == "nnd":
+        if stage == "nnd" and hasattr(self, "nnd"):  # (the phase may have failed to start)
             return self.nnd.progress()
         if stage == "boruvka":
             return f"Borůvka round {self.rounds + 1}, {self.components} components"
@@ -573,8 +573,8 @@ def parser() -> argparse.ArgumentParser:
                    help="boruvka: distributed rounds of micro-tasks; kruskal: one process (the master)")
     p.add_argument("--delta", type=float, default=0.001, help="NN-Descent stops below delta * n * k updates")
     p.add_argument("--max-rounds", type=int, default=30, help="NN-Descent rounds at most")
-    p.add_argument("--seed", type=int, default=0, help="seed of NN-Descent")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated set")
+    p.add_argument("--seed", type=seed, default=0, help="seed of NN-Descent")
+    p.add_argument("--data-seed", type=seed, default=0, help="seed of the generated set")
     p.add_argument("--reference", choices=("auto", "hdbscan", "truth", "none"), default="auto",
                    help="what the FM index compares with (auto: hdbscan up to --reference-limit points, else the "
                         "ground truth; a file has no ground truth)")
@@ -595,12 +595,12 @@ def make_app(argv: list[str]) -> litz.App:
     if not generated and not Path(args.data).is_file():
         raise litz.ConfigError(f"--data must be blobs, thesis or an existing .npy file, got {args.data!r}")
     require_at_least(args, k=1, min_samples=1, dims=1, max_rounds=1, points=1, clusters=1)
+    require_finite(args, non_negative=("delta",))
     gpu.check_device(args.device)
     if args.min_samples > args.k:
         raise litz.ConfigError(f"--min-samples ({args.min_samples}) must not exceed --k ({args.k}): the core "
                                "distance is read from the kNN graph")
-    if args.min_cluster_size < 2 or args.max_cluster_size < 0:
-        raise litz.ConfigError("--min-cluster-size must be at least 2 and --max-cluster-size at least 0")
+    require_at_least(args, min_cluster_size=2, max_cluster_size=0)
     thesis = args.data == "thesis"
     config: dict[str, Any] = {
         "data": args.data, "points": args.points or (100_000 if thesis else 10_000 if generated else None),

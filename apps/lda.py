@@ -96,7 +96,7 @@ import litz
 from apps import gpu
 from apps import lda_kernels as lk
 from apps.datasets import Corpus, load_text_corpus, partition_rows
-from apps.options import require_at_least
+from apps.options import require_at_least, require_finite, seed
 
 CORPORA = ("fortunes", "wordnet", "synthetic")
 
@@ -742,7 +742,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-docs", type=int, default=400, help="with --corpus synthetic")
     p.add_argument("--synthetic-doc-len", type=int, default=40, help="with --corpus synthetic")
     p.add_argument("--synthetic-topics", type=int, default=5, help="with --corpus synthetic")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--collect", action="store_true",
                    help="return the final assignments and tables in the job's result (for tests)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -753,12 +753,10 @@ def make_app(argv: list[str]) -> litz.App:
     """The app for ``litz launch apps/lda.py ARGV``. It loads the corpus here (cached on disk) because the
     tables' shapes depend on the vocabulary, and the count dtype on the most frequent word."""
     args = parser().parse_args(argv)
-    if (min(args.topics, args.iterations, args.ll_every, args.sweeps_per_task, args.pipeline) < 1
-            or min(args.alpha, args.beta) <= 0):
-        raise litz.ConfigError("LDA needs --topics, --iterations, --ll-every, --sweeps-per-task and --pipeline >= 1, "
-                               "and --alpha, --beta > 0")
-    require_at_least(args, blocks=0, chunks=1, min_count=0, top_words=0, synthetic_docs=1, synthetic_doc_len=1,
+    require_at_least(args, topics=1, iterations=1, ll_every=1, sweeps_per_task=1, pipeline=1, blocks=0, chunks=1,
+                     min_count=0, top_words=0, synthetic_docs=1, synthetic_doc_len=1,
                      synthetic_topics=1)
+    require_finite(args, positive=("alpha", "beta"))
     gpu.check_device(args.device)
     config: dict[str, Any] = {
         "corpus": args.corpus, "min_count": args.min_count, "topics": args.topics, "iterations": args.iterations,

@@ -83,7 +83,7 @@ from apps import gpu
 from apps.datasets import RatingsSplit, load_movielens, partition_rows, synthetic_ratings
 from apps.mf_arrays import ArrayALS
 from apps.mf_kernels import normal_equations, packed_width, solve_normal_equations, solve_rows, squared_error, warmup
-from apps.options import require_at_least
+from apps.options import require_at_least, require_finite, seed
 
 DEFAULTS: dict[str, Any] = {"rank": 10, "iterations": 15, "l2": 0.15, "block_size": 64}
 
@@ -526,8 +526,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
                    help="PS-side entities per parameter-server row")
     p.add_argument("--test-fraction", type=float, default=0.1, help="share of ratings held out for testing")
-    p.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial factors and of the partitioning")
+    p.add_argument("--split-seed", type=seed, default=0, help="seed of the train/test split")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the initial factors and of the partitioning")
     p.add_argument("--synthetic", type=_synthetic, default=None, metavar="USERS,ITEMS,RATINGS",
                    help="train on a generated rating set of this size instead of MovieLens")
     gpu.add_device_option(p, "the ALS half-steps", "apps/mf_gpu.py", "cupy")
@@ -541,8 +541,7 @@ def make_app(argv: list[str]) -> litz.App:
     """Parse the options, check them, and declare the two normal-equation tables."""
     args = parser().parse_args(argv)
     require_at_least(args, rank=1, iterations=1, block_size=1)
-    if not args.l2 > 0 or not math.isfinite(args.l2):
-        raise litz.ConfigError(f"--l2 must be a positive number (the normal equations need it), got {args.l2}")
+    require_finite(args, positive=("l2",))  # the normal equations need it
     if not 0.0 < args.test_fraction < 1.0:
         raise litz.ConfigError(f"--test-fraction must be between 0 and 1, got {args.test_fraction}")
     gpu.check_device(args.device, "cupy")
@@ -555,9 +554,14 @@ def make_app(argv: list[str]) -> litz.App:
     try:
         data = load_ratings(config)
     except ValueError as exc:
-        raise litz.ConfigError(f"--synthetic: {exc}") from None
+        raise litz.ConfigError(f"--synthetic: {exc}" if args.synthetic else str(exc)) from None
     except ImportError as exc:
         raise litz.ConfigError(str(exc)) from None
+    sizes = f", --synthetic {','.join(map(str, args.synthetic))}" if args.synthetic else ""
+    for split, count in (("training", len(data.train_ratings)), ("test", len(data.test_ratings))):
+        if not count:  # its RMSE would be reported as 0.0000, a perfect score of nothing
+            raise litz.ConfigError(f"the {split} split of {data.name} holds no rating "
+                                   f"(--test-fraction {args.test_fraction}{sizes})")
     n_exec, n_ps = _side_sizes(data, args.executors_own)
     config.update(num_executor_side=n_exec, num_ps_side=n_ps, mu=global_mean(data))
     bs = args.block_size

@@ -23,7 +23,7 @@ import litz
 from apps import gpu
 from apps.datasets import load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
 from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
-from apps.options import require_at_least
+from apps.options import require_at_least, require_finite, seed
 
 NUM_CLASSES = 10
 
@@ -209,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
                    help="principal directions flattened before training (0 = raw pixels)")
     p.add_argument("--blocks", type=int, default=8, help="row blocks of the weight table")
     p.add_argument("--train-rows", type=int, default=0, help="use only the first N training rows (0 = all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     gpu.add_device_option(p, "the SGD steps", "apps/mlr_cuda.py")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -221,9 +221,7 @@ def make_app(argv: list[str]) -> litz.App:
     dim = 784
     require_at_least(args, epochs=1, staleness=0, tasks_per_epoch=1, rows_per_task=0, batch_size=1,
                      precondition_rank=0, blocks=1, train_rows=0)
-    if not args.lr > 0 or not args.lr_decay >= 0 or not args.l2 >= 0:
-        raise litz.ConfigError(f"--lr must be > 0 and --lr-decay, --l2 >= 0, got {args.lr}, {args.lr_decay}, "
-                               f"{args.l2}")
+    require_finite(args, positive=("lr",), non_negative=("lr_decay", "l2"))
     gpu.check_device(args.device)
     if args.precondition_rank >= dim:
         raise litz.ConfigError(f"--precondition-rank must be below {dim}, got {args.precondition_rank}")

@@ -367,9 +367,13 @@ def sgd_steps(
     if rows.shape[0] == 0:
         return 0.0, 0
     rows_ro = read_only(np.ascontiguousarray(rows))
-    loss, correct = _sgd_steps_impl(
-        W, read_only(X), read_only(y), rows_ro, int(batch_size), float(lr), float(l2)
-    )
+    try:
+        loss, correct = _sgd_steps_impl(
+            W, read_only(X), read_only(y), rows_ro, int(batch_size), float(lr), float(l2)
+        )
+    except ZeroDivisionError:  # every probability of a row underflowed: its logits are not finite
+        raise FloatingPointError(f"SGD diverged: the weights are no longer finite (learning rate {lr}, l2 {l2}); "
+                                 "use a smaller --lr") from None
     return float(loss), int(correct)
 
 

@@ -92,7 +92,7 @@ import numpy as np
 import litz
 from apps import gpu
 from apps import nndescent_kernels as nk
-from apps.options import require_at_least
+from apps.options import require_at_least, seed
 
 #: Points per row of the ``knn`` table.
 BLOCK = 64
@@ -800,8 +800,8 @@ def parser() -> argparse.ArgumentParser:
                         "first, so that an executor's points are a region of space)")
     p.add_argument("--queries", type=int, default=DEFAULTS["queries"],
                    help="points whose exact neighbours measure the recall (all if fewer points)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial lists and the sampling")
-    p.add_argument("--data-seed", type=int, default=0, help="blobs: seed of the data")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the initial lists and the sampling")
+    p.add_argument("--data-seed", type=seed, default=0, help="blobs: seed of the data")
     p.add_argument("--return-graph", action="store_true", help="litz.run returns the graph too (for tests)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p

@@ -235,6 +235,12 @@ def test_cli_help_and_option_errors() -> None:
         hd.make_app(["--data", "nowhere.npy"])
     with pytest.raises(litz.ConfigError, match="--points must be a positive integer, got -5"):
         hd.make_app(["--points", "-5"])
+    with pytest.raises(litz.ConfigError, match="--delta must be a number >= 0, got -1.0"):  # failed in the job
+        hd.make_app(["--delta", "-1", "--reference", "none"])
+    with pytest.raises(litz.ConfigError, match="--min-cluster-size must be at least 2, got 1"):
+        hd.make_app(["--min-cluster-size", "1", "--reference", "none"])
+    with pytest.raises(SystemExit):  # argparse: a seed must be a non-negative integer (NumPy's rule)
+        hd.make_app(["--data-seed", "-1"])
     with pytest.raises(litz.ConfigError, match="--clusters must be a positive integer, got 0"):
         hd.make_app(["--clusters", "0"])
     assert "--device" in out.stdout

@@ -458,6 +458,9 @@ def test_vocabulary_layout_balances_chunks_and_inverts() -> None:
     (["--blocks", "-1"], "--blocks must be at least 0, got -1"),
     (["--chunks", "0"], "--chunks must be a positive integer, got 0"),
     (["--corpus", "synthetic", "--synthetic-docs", "0"], "--synthetic-docs must be a positive integer, got 0"),
+    (["--topics", "0"], "--topics must be a positive integer, got 0"),
+    (["--beta", "inf"], "--beta must be a positive number, got inf"),  # ran to a log-likelihood of nan
+    (["--alpha", "nan"], "--alpha must be a positive number, got nan"),
 ])
 def test_bad_options_are_refused_before_the_corpus_loads(argv: list[str], message: str) -> None:
     """Before, --blocks -1 failed every worker's load_input with an IndexError and a synthetic corpus

@@ -179,6 +179,10 @@ def test_bad_options_are_clear_errors() -> None:
         mf.make_app(["--rank", "0", "--synthetic", "10,10,50"])
     with pytest.raises(litz.ConfigError, match="--l2 must be a positive number"):
         mf.make_app(["--l2", "0", "--synthetic", "10,10,50"])
+    with pytest.raises(litz.ConfigError, match="the test split of .* holds no rating"):  # was "test RMSE 0.0000"
+        mf.make_app(["--synthetic", "200,100,3000", "--test-fraction", "1e-9"])
+    with pytest.raises(SystemExit):  # a seed must be a non-negative integer (was blamed on --synthetic)
+        mf.make_app(["--split-seed", "-1"])
     with pytest.raises(litz.ConfigError, match="--synthetic: bad synthetic size"):
         mf.make_app(["--synthetic", "10,10,500"])
     proc = _litz("launch", "apps/mf.py", "--rank", "-3", timeout=60)

@@ -64,8 +64,10 @@ def test_litz_launch_app_help_and_bad_etcd() -> None:
     (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     (["--epochs", "-2"], "--epochs must be a positive integer, got -2"),
     (["--staleness", "-1"], "--staleness must be at least 0, got -1"),
-    (["--lr", "-1"], "--lr must be > 0"),
-    (["--l2", "-0.1"], "--l2 >= 0"),
+    (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
+    (["--lr", "inf"], "--lr must be a positive number, got inf"),  # diverged to a division by zero in a task
+    (["--l2", "-0.1"], "--l2 must be a number >= 0, got -0.1"),
+    (["--lr-decay", "nan"], "--lr-decay must be a number >= 0, got nan"),
     (["--blocks", "786"], "--blocks must not exceed the 785 weight rows"),
     (["--precondition-rank", "900"], "--precondition-rank must be below 784, got 900"),
 ])

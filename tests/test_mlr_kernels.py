@@ -256,3 +256,14 @@ def test_the_batch_kernels_count_no_references() -> None:
     for kernel in (mk._sgd_batches, mk._logits, mk._apply_grad, mk._softmax_row):
         asm = machine_code(kernel)
         assert not counts_references(asm), kernel.__name__
+
+
+def test_diverged_weights_are_a_clear_error_not_a_division_by_zero() -> None:
+    """A learning rate of 1e30 made the logits NaN, every probability 0, and the kernel divided by
+    their sum: ZeroDivisionError inside the task, with nothing to say why."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((16, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 16).astype(np.int64)
+    W = np.full((5, 3), np.nan, np.float32)
+    with pytest.raises(FloatingPointError, match=r"SGD diverged: .* use a smaller --lr"):
+        mk.sgd_steps(W, X, y, np.arange(16, dtype=np.int64), 4, 1e30, 0.0)
