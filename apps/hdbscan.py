@@ -144,9 +144,14 @@ def _load(data: str, points: int, dims: int, clusters: int, noise: float, seed: 
         return gaussian_mixture(points, dims, clusters, noise, 10.0, seed)
     if data == "thesis":
         return gaussian_mixture(points, dims, clusters, noise, 5.0 * clusters ** (1.0 / dims), seed)
-    x = np.load(data, mmap_mode="r")
-    if x.ndim != 2:
+    try:
+        x = np.load(data, mmap_mode="r")
+    except (OSError, ValueError) as exc:  # not a .npy file, or one of Python objects
+        raise ValueError(f"{data}: not a NumPy .npy file of numbers ({exc})") from None
+    if x.ndim != 2 or 0 in x.shape:
         raise ValueError(f"{data}: a 2-d matrix of points expected, got shape {x.shape}")
+    if x.dtype.kind not in "biuf":  # complex parts would be dropped, strings cannot be distances
+        raise ValueError(f"{data}: real-valued points expected, got dtype {x.dtype}")
     x = x[:points] if points else x
     return np.ascontiguousarray(x, np.float32), None
 

@@ -292,3 +292,18 @@ def test_a_loss_in_the_spanning_tree_stage_recovers_and_the_labels_match(etcd, t
     assert out["clusters"] == ref.max() + 1
     assert hd.fowlkes_mallows(ref, out["labels"]) >= 0.95
     assert 1 <= out["boruvka_rounds"] <= 12
+
+
+def test_a_points_file_that_is_not_a_matrix_of_reals_is_refused_naming_it(tmp_path: Path) -> None:
+    text = tmp_path / "notes.npy"
+    text.write_text("hello")
+    cases = {text: "not a NumPy .npy file of numbers"}
+    for name, array, why in (
+            ("complex.npy", np.ones((50, 3), complex), "real-valued points expected, got dtype complex128"),  # (its
+            # imaginary part was dropped in silence)
+            ("empty.npy", np.ones((100, 0)), r"a 2-d matrix of points expected, got shape \(100, 0\)")):
+        np.save(tmp_path / name, array)
+        cases[tmp_path / name] = why
+    for path, why in cases.items():
+        with pytest.raises(litz.ConfigError, match=f"{path}: {why}"):
+            hd.make_app(["--data", str(path), "--reference", "none"])

@@ -183,6 +183,8 @@ def test_bad_options_are_clear_errors() -> None:
         mf.make_app(["--synthetic", "200,100,3000", "--test-fraction", "1e-9"])
     with pytest.raises(SystemExit):  # a seed must be a non-negative integer (was blamed on --synthetic)
         mf.make_app(["--split-seed", "-1"])
+    big = mf.make_app(["--synthetic", "200,100,3000", "--block-size", "1000000"])  # 200 users: one row of them
+    assert big.config["block_size"] == 200 and big.tables[0].shape[0] == 200 and big.tables[0].num_rows == 1
     with pytest.raises(litz.ConfigError, match="--synthetic: bad synthetic size"):
         mf.make_app(["--synthetic", "10,10,500"])
     proc = _litz("launch", "apps/mf.py", "--rank", "-3", timeout=60)
