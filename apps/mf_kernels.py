@@ -276,6 +276,9 @@ def solve_normal_equations(ne: np.ndarray, d: int, tag: float, l2: float) -> np.
     _check_rows("ne", ne, packed_width(d))
     out = np.empty((ne.shape[0], d))
     wrong = _solve_normal_equations(ne, float(tag), float(l2), out)
+    if wrong and np.all(ne[:, 0] == tag):  # every row is this iteration's: the systems are singular
+        raise np.linalg.LinAlgError(f"{wrong} of {ne.shape[0]} normal-equation systems are not positive definite "
+                                    f"(an --l2 of {l2} is too small for them)")
     if wrong:
         raise StaleSums(stale_sums_error(ne, wrong, tag) + " or not positive definite")
     return out

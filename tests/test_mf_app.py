@@ -58,6 +58,11 @@ def test_kernels_solve_the_ridge_regressions_and_their_normal_equations() -> Non
                                rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="not those of iteration tag 8"):
         solve_normal_equations(ne, rank + 1, tag=8.0, l2=l2)
+    # this iteration's sums, but singular (one rating, no regularization): said so, not blamed on the tags
+    one = normal_equations(*mf.to_csr(np.array([0]), np.array([0]), np.array([4.0]), 1), X[:1], 1, tag=7.0)
+    with pytest.raises(np.linalg.LinAlgError, match="1 of 1 normal-equation systems are not positive definite "
+                                                    r"\(an --l2 of 0.0 is too small"):
+        solve_normal_equations(one, rank + 1, tag=7.0, l2=0.0)
     pred = np.sum(X[rows, :rank] * F[cols, :rank], axis=1) + X[rows, rank] + F[cols, rank]
     assert squared_error(indptr, c, v, X, F) == pytest.approx(float(np.sum((vals - pred) ** 2)), rel=1e-12)
     with pytest.raises(TypeError, match="float64"):
