@@ -1477,6 +1477,9 @@ class Master:
         if r is None or r.phase not in ("snapshot", "writing"):
             return
         assert ck is not None
+        for msg in [m for m in self._deferred if m.type in ("checkpoint_snapshot", "checkpoint_written")]:
+            self._deferred.remove(msg)  # received with the completion that finished the job
+            self._handle_aside(msg)
         deadline = time.monotonic() + timeout
         while ck.round is r and time.monotonic() < deadline:
             while not self._written.empty():
@@ -1768,6 +1771,8 @@ class Master:
                     self._tell_recovered(driver)
                     if not driver._finished:
                         self._checkpoint_tick()
+                    elif batch:  # the rest of the batch: a checkpoint being written may wait for its answers
+                        self._deferred = batch + self._deferred
                 except _Rollback as rb:
                     leftover = batch + rb.received
                     while True:  # a loss noticed while the driver resumes: roll back again
