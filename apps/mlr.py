@@ -225,6 +225,9 @@ def make_app(argv: list[str]) -> litz.App:
     gpu.check_device(args.device)
     if args.precondition_rank >= dim:
         raise litz.ConfigError(f"--precondition-rank must be below {dim}, got {args.precondition_rank}")
+    if args.train_rows and args.tasks_per_epoch > args.train_rows:  # (tasks of no rows: thousands of empty ones)
+        raise litz.ConfigError(f"--tasks-per-epoch ({args.tasks_per_epoch}) must not exceed --train-rows "
+                               f"({args.train_rows}): each task covers 1/T of an executor's rows")
     if args.blocks > dim + 1:
         raise litz.ConfigError(f"--blocks must not exceed the {dim + 1} weight rows (bias included), got {args.blocks}")
     table = litz.Table("W", shape=(_block_rows(dim, args.blocks), NUM_CLASSES), dtype="float32",

@@ -69,6 +69,7 @@ def test_litz_launch_app_help_and_bad_etcd() -> None:
     (["--l2", "-0.1"], "--l2 must be a number >= 0, got -0.1"),
     (["--lr-decay", "nan"], "--lr-decay must be a number >= 0, got nan"),
     (["--blocks", "786"], "--blocks must not exceed the 785 weight rows"),
+    (["--train-rows", "80", "--tasks-per-epoch", "2000"], "--tasks-per-epoch (2000) must not exceed --train-rows (80)"),
     (["--precondition-rank", "900"], "--precondition-rank must be below 784, got 900"),
 ])
 def test_bad_options_are_refused_before_the_job_starts(argv: list[str], message: str) -> None:
