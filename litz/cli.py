@@ -56,6 +56,16 @@ def _app_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     return [f for f in frames if not within(f, [package])]
 
 
+def _app_location(exc: BaseException) -> str:
+    """`` (raised at FILE:LINE, in FUNCTION)`` for the application's innermost frame in ``exc``'s
+    traceback (the driver's ``ps.update`` of a wrong shape, say), else nothing."""
+    package = Path(__file__).resolve().parent
+    libraries = [*_library_dirs(), package]
+    own = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
+           and not any(root in Path(f.filename).resolve().parents for root in libraries)]
+    return f" (raised at {own[-1].filename}:{own[-1].lineno}, in {own[-1].name})" if own else ""
+
+
 def _app_error(what: str, exc: Exception) -> LitzError:
     """An application's own exception as a LitzError, with the traceback of the app's frames.
 
@@ -257,8 +267,8 @@ def launch(argv: list[str]) -> int:
     except JobStopped as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return EXIT_STOPPED
-    except LitzError as exc:
-        print(f"litz: {exc}", file=sys.stderr)
+    except LitzError as exc:  # Litz refused something: where the application's code asked for it, if it did
+        print(f"litz: {exc}{_app_location(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("litz: interrupted", file=sys.stderr)

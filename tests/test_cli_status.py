@@ -369,3 +369,18 @@ def test_scale_wait_says_when_the_size_asked_for_was_not_reached(capsys) -> None
     assert ("scale c2 ended with 2 workers and 1 servers, not the 3 workers asked for; lost on the way: w2"
             in capsys.readouterr().err)
     assert _scale_outcome("c3", "drain_host", "h", died) == 0  # a drain has no size to reach
+
+
+def test_a_refusal_of_the_drivers_own_call_says_where_it_was_made(tmp_path: Path, capsys) -> None:
+    from litz.cli import main
+
+    app = tmp_path / "bad_driver.py"
+    app.write_text("import numpy as np\nimport litz\n\n\nclass D(litz.Driver):\n"
+                   "    def dispatch_initial_tasks(self):\n        self.ps.update('t', 0, np.ones(5))\n\n\n"
+                   "def make_app(argv):\n    return litz.App(D, litz.Executor, tables=[litz.Table('t', (2,))], "
+                   "num_executors=1)\n")
+    assert main(["launch", str(app)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"litz: table 't': update of key 0 has shape (5,), expected (2,) (raised at {app}:7, in "
+                   "dispatch_initial_tasks)"), err
+    sys.modules.pop("bad_driver", None)
