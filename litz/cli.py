@@ -29,6 +29,10 @@ from litz.errors import JobStopped, LitzError, TaskError
 EXIT_STOPPED = 75
 
 
+#: Litz's own package: its frames are never the application's.
+_PACKAGE = Path(__file__).resolve().parent
+
+
 def _library_dirs() -> list[Path]:
     """Where Python's standard library and installed packages live."""
     import sysconfig
@@ -37,32 +41,33 @@ def _library_dirs() -> list[Path]:
     return sorted({Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
 
 
+def _within(path: str, roots: list[Path]) -> bool:
+    parents = Path(path).resolve().parents
+    return any(root in parents for root in roots)
+
+
+def _code_frames(exc: BaseException) -> tuple[list[traceback.FrameSummary], list[traceback.FrameSummary]]:
+    """``exc``'s traceback without importlib's frames, and those of its frames that are code of
+    this program: not a library's (the standard library, installed packages: json, pyarrow, ...)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    libraries = _library_dirs()
+    return frames, [f for f in frames if not _within(f.filename, libraries)]
+
+
 def _app_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     """The frames of ``exc``'s traceback that are the application's: not Litz's, not importlib's;
-    none if the innermost frame of code that is not a library (the standard library, installed
-    packages: json, pyarrow, ...) is Litz's, for then Litz called the library, and the error is
-    Litz's own, whatever frames of the application led to it."""
-    package = Path(__file__).resolve().parent
-    libraries = _library_dirs()
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
-
-    def within(f: traceback.FrameSummary, roots: list[Path]) -> bool:
-        parents = Path(f.filename).resolve().parents
-        return any(root in parents for root in roots)
-
-    own_code = [f for f in frames if not within(f, libraries)]
-    if own_code and within(own_code[-1], [package]):
+    none if the innermost frame of code that is not a library is Litz's, for then Litz called the
+    library, and the error is Litz's own, whatever frames of the application led to it."""
+    frames, code = _code_frames(exc)
+    if code and _within(code[-1].filename, [_PACKAGE]):
         return []
-    return [f for f in frames if not within(f, [package])]
+    return [f for f in frames if not _within(f.filename, [_PACKAGE])]
 
 
 def _app_location(exc: BaseException) -> str:
     """`` (raised at FILE:LINE, in FUNCTION)`` for the application's innermost frame in ``exc``'s
     traceback (the driver's ``ps.update`` of a wrong shape, say), else nothing."""
-    package = Path(__file__).resolve().parent
-    libraries = [*_library_dirs(), package]
-    own = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
-           and not any(root in Path(f.filename).resolve().parents for root in libraries)]
+    own = [f for f in _code_frames(exc)[1] if not _within(f.filename, [_PACKAGE])]
     return f" (raised at {own[-1].filename}:{own[-1].lineno}, in {own[-1].name})" if own else ""
 
 
@@ -76,8 +81,8 @@ def _app_error(what: str, exc: Exception) -> LitzError:
     own = _app_frames(exc)
     if own:
         te.stack = traceback.StackSummary.from_list(own)
-    elif isinstance(exc, SyntaxError) and exc.filename and Path(__file__).resolve().parent not in \
-            Path(exc.filename).resolve().parents:  # the app's file does not parse: its line says it all
+    elif isinstance(exc, SyntaxError) and exc.filename and not _within(exc.filename, [_PACKAGE]):
+        # the app's file does not parse: its line says it all
         te.stack = traceback.StackSummary.from_list([])
     return LitzError(f"{what}:\n{''.join(te.format()).rstrip()}")
 
@@ -462,9 +467,12 @@ def _master_registered(mem: Any, job: str, deadline: float) -> bool:
 
     from litz.runtime.node import proc_key
 
-    while mem.get(proc_key("master", "master")) is None:
-        if not _job_known(mem, job):
-            raise LitzError(f"no job named {job!r} is running on etcd {mem.url}")
+    master = proc_key("master", "master")
+    if mem.get(master) is not None:
+        return True
+    if not _job_known(mem, job):  # asked once: it reads everything under the job's name
+        raise LitzError(f"no job named {job!r} is running on etcd {mem.url}")
+    while mem.get(master) is None:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)

@@ -284,11 +284,13 @@ def has_complete_checkpoint(location: str) -> bool:
     return _newest_complete(fs, path) is not None
 
 
-def _newest_complete(fs: pafs.FileSystem, path: str) -> str | None:
-    """``path`` itself if it holds a manifest, else its newest complete full ``ckpt-*``, else None."""
+def _newest_complete(fs: pafs.FileSystem, path: str) -> tuple[str, dict[str, Any]] | None:
+    """``path`` itself if it holds a manifest, else its newest complete full ``ckpt-*``, else None;
+    with its manifest (read once: a job with partial checkpoints has hundreds)."""
     if has_manifest(fs, path):
-        return path
-    complete = [p for p, manifest in _usable_manifests(fs, path).items() if not manifest.get("partial_of")]
+        return path, read_manifest(fs, path)
+    complete = [(p, manifest) for p, manifest in _usable_manifests(fs, path).items()
+                if not manifest.get("partial_of")]
     return complete[-1] if complete else None
 
 
@@ -296,11 +298,11 @@ def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]
     """The checkpoint to resume from: ``location`` itself if it holds a manifest, else the newest
     complete full ``ckpt-*`` under it. Directories without a manifest are skipped, never used."""
     fs, path = filesystem(location)
-    chosen = _newest_complete(fs, path)
-    if chosen is None:
+    found = _newest_complete(fs, path)
+    if found is None:
         raise CheckpointError(f"no complete checkpoint in {location} (a checkpoint is complete once its "
                               f"{MANIFEST} is written)")
-    manifest = read_manifest(fs, chosen)
+    chosen, manifest = found
     if manifest.get("partial_of"):
         raise CheckpointError(f"{chosen} is a partial checkpoint (SCAR), which holds only some rows: resume from "
                               f"a full one, such as its base {manifest['partial_of']}, or from the checkpoint "

@@ -152,6 +152,11 @@ def _key_seed(key: Key) -> int:
     return zlib.crc32(repr(key).encode())
 
 
+def is_int(x: Any) -> bool:
+    """A Python or NumPy integer, not a bool (which Python counts as one): a count, a size, an id."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclass
 class Table:
     """A named parameter table.
@@ -187,7 +192,7 @@ class Table:
         if not isinstance(self.name, str) or not self.name:
             raise TableError(f"a table's name must be a non-empty string, got {self.name!r}")
         dims = self.shape if isinstance(self.shape, (tuple, list)) else (self.shape,)
-        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d > 0 for d in dims):
+        if not all(is_int(d) and d > 0 for d in dims):
             raise TableError(f"table {self.name!r}: shape must be positive ints (a row holds something), "
                              f"got {self.shape!r}")
         self.shape = tuple(int(d) for d in dims)
@@ -197,9 +202,7 @@ class Table:
             raise TableError(f"table {self.name!r}: {exc}") from None
         if self.dtype.kind not in "biufc":  # rows travel as raw bytes: objects, strings, dates do not
             raise TableError(f"table {self.name!r}: dtype {self.dtype} is not numeric (bool, int, float or complex)")
-        if self.num_rows is not None and not (isinstance(self.num_rows, (int, np.integer))
-                                              and not isinstance(self.num_rows, (bool, np.bool_))
-                                              and self.num_rows > 0):
+        if self.num_rows is not None and not (is_int(self.num_rows) and self.num_rows > 0):
             raise TableError(f"table {self.name!r}: num_rows must be a positive int or None, got {self.num_rows!r}")
         self._row_nbytes = math.prod(self.shape) * self.dtype.itemsize  # asked for every row logged or sent
         if isinstance(self.combiner, str):

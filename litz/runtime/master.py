@@ -31,7 +31,7 @@ from litz.api import App, Driver, JobResult, ParameterServer, Recovery, TaskFail
 from litz.errors import JobStopped, LitzError, ProcessLost, TableError
 from litz.ft.checkpoint import CheckpointCoordinator, select_top
 from litz.ft.driver_state import dump_driver, load_driver
-from litz.ps.tables import Table, lookup, shard_of, table_index
+from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
 from litz.runtime import spawner
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
@@ -105,8 +105,7 @@ class MasterState:
 
     def dispatch(self, executor_id: int, args: Any) -> int:
         """Queue a task for its executor's worker, tagged with the current version."""
-        is_id = isinstance(executor_id, (int, np.integer)) and not isinstance(executor_id, (bool, np.bool_))
-        worker = self.placement.get(int(executor_id)) if is_id else None
+        worker = self.placement.get(int(executor_id)) if is_int(executor_id) else None
         if worker is None:
             raise LitzError(f"dispatch_task: no executor {executor_id!r} (executors are 0..{self.num_executors - 1})")
         executor_id = int(executor_id)  # an id computed with NumPy is welcome; the task's record holds an int
@@ -1389,10 +1388,7 @@ class Master:
         ck, st = self.checkpoints, self.state
         if ck is None or st is None or self.driver is None:
             return
-        while not self._written.empty():
-            cid, error = self._written.get()
-            if ck.written(cid, "master", ["driver.pkl"], error):
-                self._finish_checkpoint()
+        self._driver_files_written()
         if ck.round is None and self._ckpt_commands:
             self.checkpoint(self._commands_reason())
         elif ck.round is None and ck.due(self.driver.iteration):
@@ -1482,10 +1478,7 @@ class Master:
             self._handle_aside(msg)
         deadline = time.monotonic() + timeout
         while ck.round is r and time.monotonic() < deadline:
-            while not self._written.empty():
-                cid, error = self._written.get()
-                if ck.written(cid, "master", ["driver.pkl"], error):
-                    self._finish_checkpoint()
+            self._driver_files_written()
             if ck.round is r and self.endpoint.router.poll(50):
                 while True:
                     try:
@@ -1497,6 +1490,16 @@ class Master:
         if ck.round is r:
             log.warning("checkpoint %s was still being written when the job finished; it has no manifest and "
                         "will never be used", r.path)
+
+    def _driver_files_written(self) -> None:
+        """Count the driver's checkpoint files written by their threads since last asked (the master
+        writes its part like any process); the last part of a round finishes it."""
+        ck = self.checkpoints
+        assert ck is not None
+        while not self._written.empty():
+            cid, error = self._written.get()
+            if ck.written(cid, "master", ["driver.pkl"], error):
+                self._finish_checkpoint()
 
     def _new_checkpoint_dir(self, fs: Any, root: str) -> str | None:
         """The running round's new ``ckpt-*`` directory; None, with the round finished as failed,
@@ -1706,8 +1709,7 @@ class Master:
         out = []
         entries = msg[field_name]
         for entry in entries if isinstance(entries, list) else [entries]:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int)
-                    and not isinstance(entry[0], bool)):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and is_int(entry[0])):
                 log.warning("malformed %s report from %s: %.200r; dropped", field_name, msg.sender, entry)
             elif entry[0] not in self.state.inflight:
                 log.warning("%s reported %s task %d, which is not in flight; dropped", msg.sender, field_name,
