@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import sys
 import threading
 import time
@@ -229,7 +230,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
         raise ValueError(f"NN-Descent over {n} points, but this executor's data has {data.shape[0]} rows")
     if args["op"] == "init":
         seed = int(args["seed"])
-        trees = _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30))
+        trees = _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30), owned)
         blocks, deltas, counts = _initial_lists(data, owned, k, seed, trees, block)
     else:
         nb = num_blocks(n, block)
@@ -319,32 +320,44 @@ def tree_space(data: np.ndarray, seed: int) -> np.ndarray:
     return out
 
 
-_TREE_CACHE: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+#: Pruned trees kept per process (of its executors, for refills after a loss).
+_TREES_KEPT = 64
+_TREE_CACHE: dict[tuple[int, int, int, str], tuple[np.ndarray, np.ndarray]] = {}
 _TREE_SPACE: dict[int, np.ndarray] = {}
 _TREE_DATA: list[np.ndarray] = []
 _TREE_LOCK = threading.Lock()
 
 
-def _trees(data: np.ndarray, seed: int, trees: int, leaf: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The ``trees`` random-projection trees of the initial lists, built once per process.
+def _trees(data: np.ndarray, seed: int, trees: int, leaf: int, owned: np.ndarray
+           ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ``trees`` random-projection trees of the initial lists, as far as ``owned`` points need them.
 
-    Every executor needs every tree (it offers each leaf's pairs to its own points only, so that it
-    sends only its own rows), and the trees are pure functions of (data, seed, tree): executors of
-    one worker process share them. Only the latest data set's trees are kept. High-dimensional data
-    is split in a projection of it (:func:`tree_space`).
+    An executor offers each leaf's pairs to its own points only (so that it sends only its own rows),
+    so it needs only the leaves that hold one of them: the branches without are not split
+    (:func:`~apps.nndescent_kernels.rp_tree` with ``keep``), and those leaves are exactly the whole
+    tree's. The trees are pure functions of (data, seed, tree): they are kept per process for a
+    refill of the same executor's lists after a loss. Only the latest data set's trees are kept.
+    High-dimensional data is split in a projection of it (:func:`tree_space`).
     """
+    own_key = hashlib.sha1(np.ascontiguousarray(owned, np.int64).tobytes()).hexdigest()
     with _TREE_LOCK:
         if not _TREE_DATA or _TREE_DATA[0] is not data:
             _TREE_CACHE.clear()
             _TREE_SPACE.clear()
             _TREE_DATA[:] = [data]
+        if seed not in _TREE_SPACE:
+            _TREE_SPACE[seed] = tree_space(data, seed)
+        keep = None
         out = []
         for t in range(trees):
-            key = (seed, t, leaf)
+            key = (seed, t, leaf, own_key)
             if key not in _TREE_CACHE:
-                if seed not in _TREE_SPACE:
-                    _TREE_SPACE[seed] = tree_space(data, seed)
-                _TREE_CACHE[key] = nk.rp_tree(_TREE_SPACE[seed], seed, t, leaf)
+                if keep is None:
+                    keep = np.zeros(len(data), np.uint8)
+                    keep[owned] = 1
+                _TREE_CACHE[key] = nk.rp_tree(_TREE_SPACE[seed], seed, t, leaf, keep)
+                while len(_TREE_CACHE) > _TREES_KEPT:  # executors that moved here and on: oldest first
+                    del _TREE_CACHE[next(iter(_TREE_CACHE))]
             out.append(_TREE_CACHE[key])
         return out
 

@@ -219,13 +219,13 @@ def test_every_distance_in_the_graph_is_the_pairs_one_distance(dim: int) -> None
     x = nk.read_only(np.random.default_rng(4).standard_normal((n, dim)).astype(np.float32))  # rounding shows
     graph = nk.empty_lists(nd.num_blocks(n, block) * block, k).reshape(-1, block, 3 * k)
     parts = [nd.NNDInput.partition(n, 3, e) for e in range(3)]
-    trees = nd._trees(x, 1, 3, 2 * k)
+    trees = [nd._trees(x, 1, 3, 2 * k, owned) for owned in parts]
 
     def merge(blocks: np.ndarray, deltas: np.ndarray) -> None:
         nd.KeepKNearest(k).merge_many([graph[b] for b in blocks], deltas)
 
-    for owned in parts:
-        merge(*nd._initial_lists(x, owned, k, 1, trees, block)[:2])
+    for owned, own_trees in zip(parts, trees, strict=True):
+        merge(*nd._initial_lists(x, owned, k, 1, own_trees, block)[:2])
     for rnd in range(3):
         updates = [nk.nnd_round(x, graph.reshape(-1, 3 * k)[:n].copy(), owned, k, k, 1, rnd, True, block)
                    for owned in parts]
@@ -263,7 +263,7 @@ def test_the_join_the_leaf_offers_and_the_combiner_count_no_references() -> None
     x = nk.read_only(np.random.default_rng(0).standard_normal((200, 10)).astype(np.float32))
     k, owned = 4, np.arange(100)
     G = nk.empty_lists(200, k)
-    order, bounds = nd._trees(x, 1, 1, 8)[0]
+    order, bounds = nd._trees(x, 1, 1, 8, np.arange(200))[0]
     # the kernels are called directly: a caller loaded from Numba's cache compiles no callee
     scratch = [np.empty(200, np.int64), np.empty(200, np.float32)]
     nk._leaf_offers(x, G, order, bounds, k, *nk.init_lists(200, owned, k)[1:], *scratch)
@@ -275,6 +275,31 @@ def test_the_join_the_leaf_offers_and_the_combiner_count_no_references() -> None
     for kernel in (nk._join_filtered, nk._leaf_offers, nk.merge_lists):
         asm = machine_code(kernel)
         assert not counts_references(asm), kernel.__name__
+
+
+def test_a_tree_pruned_to_the_owned_points_has_exactly_their_leaves_of_the_whole_tree() -> None:
+    """An executor builds only the branches of each tree that hold its own points: each of its leaves
+    must be, point for point and in order, the whole tree's leaf, and every leaf of the whole tree
+    with an owned point must be there; so its first lists are exactly those of the whole trees."""
+    x = nd.renumbered(nd.blobs(3000, 5, centers=4, seed=3))[0]  # an id range is then a region of space
+    owned = nd.NNDInput.partition(len(x), 5, 2)
+    keep = np.zeros(len(x), np.uint8)
+    keep[owned] = 1
+    k = 6
+    for tree in range(3):
+        order, bounds = nk.rp_tree(x, 7, tree, 12)
+        whole = [tuple(order[a:b]) for a, b in itertools.pairwise(bounds)]
+        assert sorted(np.concatenate([list(w) for w in whole]).tolist()) == list(range(len(x)))
+        p_order, p_bounds = nk.rp_tree(x, 7, tree, 12, keep)
+        pruned = [tuple(p_order[a:b]) for a, b in itertools.pairwise(p_bounds)]
+        assert pruned == [w for w in whole if keep[list(w)].any()]
+        assert len(pruned) < len(whole) / 2  # it did leave branches out
+    G = [nk.init_lists(len(x), owned, k) for _ in range(2)]
+    for tree in range(3):
+        for lists, mask in zip(G, (None, keep), strict=True):
+            nk.leaf_offers(x, lists[0], *nk.rp_tree(x, 7, tree, 12, mask), k, *lists[1:])
+    np.testing.assert_array_equal(G[0][0], G[1][0])
+    np.testing.assert_array_equal(G[0][3], G[1][3])
 
 
 def test_renumbered_points_come_with_their_trees_projection() -> None:
