@@ -39,23 +39,35 @@ random, a third less time per round). Every executor checks at its first task th
 same points as the others (a digest of sampled rows, :func:`data_fingerprint`): processes that
 renumbered differently would otherwise build a graph that mixes numberings without any error.
 
-**One round = one task per executor** (pynndescent's algorithm, distributed):
+**One round = two waves of one task per executor** (pynndescent's algorithm, distributed). The
+executors own contiguous ranges of points (:meth:`NNDInput.partition`), so each knows whose a
+point is.
 
-1. read the whole graph (``get_many``; one fetch per worker process, shared through the cache);
-2. sample each owned point's candidates: its neighbours and its reverse neighbours (points that
-   list it), new and old separately, ``max_candidates`` each by a priority hashed from
-   (seed, round, edge), so every executor agrees on every edge's priority; mark the sampled new
-   neighbours old;
-3. local join: compare each owned point's new candidates with each other and with its old ones;
-   offer each point of a pair to the other's list;
-4. send what changed, the offers accepted and the marks, as updates of the ``knn`` table.
+1. *offer* (wave A): read the owned points' lists; for each other executor, flag the blocks of
+   this executor's points that hold an edge to one of its points (table ``knn-mark``, one row of
+   flags per executor and ``MARK_ROW`` blocks, the round's wave number, combiner max);
+2. *join* (wave B), once every executor has offered:
+   a. read the lists that wave A flagged for this executor (the reverse edges to its points are
+      there) and the lists of the blocks holding its points' neighbours; the owned lists are those
+      read in wave A, which changes no list;
+   b. sample each owned point's candidates: its neighbours and its reverse neighbours (points that
+      list it), new and old separately, ``max_candidates`` each by a priority hashed from
+      (seed, round, edge), so every executor agrees on every edge's priority; mark the sampled new
+      neighbours old;
+   c. local join: compare each owned point's new candidates with each other and with its old
+      ones; offer each point of a pair to the other's list;
+   d. send what changed, the offers accepted and the marks, as updates of the ``knn`` table.
 
-The flags live in the table, not in executor state, because step 2 needs the flag of every edge
-that points *to* an owned point, and those edges belong to other points' lists; keeping them in
-the rows also leaves executors with no state to ship when they move.
+Every edge that touches an owned point is in the lists read in 2a, so the candidates, the offers
+and the update are exactly those of the same executor's round on the whole graph
+(:func:`~apps.nndescent_kernels.nnd_round`, tested round after round). The flags live in the
+table, not in executor state: an executor needs the flags of the edges that point *to* its points,
+and they belong to other points' lists. Flags carry their round's wave number, so the mark table
+needs no clearing; executors keep no state between the waves (the owned lists kept from wave A
+are only a saving), so they can move or be lost between them.
 
 **The d_max filter.** ``d_max(x)``, the distance of ``x``'s k-th neighbour, reaches every executor
-with the rows it reads in step 1 (it is the row's last distance). An offer ``(x, y, d)`` with
+with the rows it reads in step 2a (it is the row's last distance). An offer ``(x, y, d)`` with
 ``d >= d_max(x)`` cannot enter ``x``'s list, so it is dropped before sending; offers that pass
 tighten the executor's copy of the list, so later offers face a smaller ``d_max``. Without the
 filter (``--no-filter``, for comparison) an executor sends, for every point it does not own, the
@@ -67,10 +79,13 @@ them (an upper bound of the changes on the servers: two executors may find the s
 phase stops after the first round with fewer than ``delta * n * k`` updates (pynndescent's rule,
 ``delta`` = 0.001) or after ``max_rounds``.
 
-**Scaling.** Step 1 moves the whole graph to every worker process each round (``3k`` floats per
-point). That is the price of reverse neighbours in one round and it is small on one host (12 MB
-at 70,000 points, k = 15); across many hosts a second wave per round that sends reverse edges to
-their owners would replace it.
+**Scaling.** A round reads each executor's own lists once, and the lists around them: those
+pointing at its points and those of its points' neighbours. Before, each worker process read the
+whole graph every round (``3k`` floats per point) and each executor scanned all of it for reverse
+neighbours: at 2**19 points and k = 15, 94 MB per worker process per round, 1.1 GB a round for
+12 of them. Counted at 2**19 10-d blobs (blocks of 64 points, 8,192 in all): with 2 executors
+each reads its 4,096 blocks and 1,530-1,640 others a round; with 12, its 683 and 960-3,070 others
+(a region's border is large in 10 dimensions).
 
 Run it:  ``litz launch apps/nndescent.py [--data fashion-mnist|blobs] [--k 15] [--points N]``
 Last line printed: ``recall 0.9xx`` (against exact neighbours of a sample of query points).
@@ -179,9 +194,27 @@ def knn_table(n_points: int, k: int, name: str = "knn", *, block: int = BLOCK) -
                       num_rows=num_blocks(n_points, block))
 
 
+def default_max_candidates(k: int) -> int:
+    """Candidates sampled per point and kind when none is given: pynndescent's ``min(60, k)``."""
+    return min(60, int(k))
+
+
+def mark_table_name(table: str) -> str:
+    """The name of the mark table that goes with the neighbour-list table ``table``."""
+    return f"{table}-mark"
+
+
+#: Blocks per row of the mark table.
+MARK_ROW = 1024
+
+
 def nndescent_tables(n_points: int, k: int, *, name: str = "knn", block: int = BLOCK) -> list[litz.Table]:
-    """Every table the phase needs (only the neighbour lists: candidates and flags travel in them)."""
-    return [knn_table(n_points, k, name, block=block)]
+    """Every table the phase needs: the neighbour lists (:func:`knn_table`), and the marks of a
+    round's first wave. Mark row ``e * c + r`` (``c`` rows per executor) says, for blocks
+    ``r * MARK_ROW ..``, the latest wave in which the block held an edge to a point of executor
+    ``e`` (int64, combiner max): the lists that executor ``e`` reads for its reverse edges."""
+    return [knn_table(n_points, k, name, block=block),
+            litz.Table(mark_table_name(name), shape=(MARK_ROW,), dtype="int64", combiner="max")]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -194,8 +227,9 @@ class NNDInput:
     """What an executor serving NN-Descent tasks keeps in ``self.input`` (or in ``self.input.nnd``).
 
     ``data``: float32 ``(n, d)``, C-contiguous, every point (read-only is fine; a memory map is best);
-    ``owned``: int64 ids of the points this executor owns. The executors' ``owned`` must partition
-    ``range(n)``: the phase checks the count and the sum of the ids at its start.
+    ``owned``: int64 ids of the points this executor owns, which must be
+    ``NNDInput.partition(n, num_executors, executor_id)``: every executor then knows whose a point
+    is. Each task checks its own, and the phase checks the count and the sum of the ids at its start.
     """
 
     data: np.ndarray
@@ -220,31 +254,118 @@ def _nnd_input(executor: litz.Executor) -> NNDInput:
 def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[str, Any]:
     """Run one NN-Descent task (``args["phase"] == "nnd"``) on ``executor``; return its counters.
 
-    ``op == "init"``: random first lists for the owned points. ``op == "round"``: read the graph,
-    sample, join, send (module docstring). Everything the task needs is in ``args`` and the input.
+    ``op == "init"``: first lists for the owned points (a refill marks the lists it reads, too).
+    ``op == "round"``: read the lists around the owned points, sample, join, send (module docstring).
+    Everything the task needs is in ``args`` and the input.
     """
     inp = _nnd_input(executor)
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
     data, owned = inp.data, inp.owned
     if data.shape[0] != n:
         raise ValueError(f"NN-Descent over {n} points, but this executor's data has {data.shape[0]} rows")
+    bounds = _partition_bounds(executor, owned, n, int(args["executors"]))
     if args["op"] == "init":
         seed = int(args["seed"])
         trees = _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30), owned)
         blocks, deltas, counts = _initial_lists(data, owned, k, seed, trees, block)
+        if args.get("refill"):  # marks lost with a server: mark every edge of the owned lists again
+            _SENT_MARKS.pop((args["table"], int(executor.executor_id)), None)
+            own = _own_blocks(owned, block)
+            _send_marks(executor, args, bounds, own, executor.ps.get_many(args["table"], own), new_only=False)
     else:
-        nb = num_blocks(n, block)
-        G = executor.ps.get_many(args["table"], range(nb), out=_graph_buffer(nb, block, 3 * k)).reshape(-1, 3 * k)[:n]
-        blocks, deltas, counts = nk.nnd_round(data, G, owned, k, int(args["max_candidates"]), int(args["seed"]),
-                                              int(args["round"]), bool(args["filter"]), block,
-                                              _join_distances(args.get("device", "cpu")))
+        blocks, deltas, counts = _round(executor, data, owned, bounds, args)
     if len(blocks):
         executor.ps.update_many(args["table"], blocks, deltas)
+        _send_marks(executor, args, bounds, blocks, deltas)
     out = {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum()),
            "device": gpu.process_device(args.get("device", "cpu"))}
     if args["op"] == "init":
         out["fingerprint"] = data_fingerprint(data)
     return out
+
+
+def _partition_bounds(executor: litz.Executor, owned: np.ndarray, n: int, executors: int) -> np.ndarray:
+    """The executors' ranges of points, ``bounds[e] .. bounds[e + 1]``; the owned points must be
+    this executor's (:meth:`NNDInput.partition`), or no executor could tell whose a point is."""
+    bounds = np.linspace(0, n, executors + 1).round().astype(np.int64)
+    e = int(executor.executor_id)
+    lo, hi = int(bounds[e]), int(bounds[e + 1])
+    if len(owned) != hi - lo or (len(owned) and (int(owned[0]) != lo or int(owned[-1]) != hi - 1)):
+        raise ValueError(f"NN-Descent: executor {e} of {executors} must own points {lo} .. {hi - 1} "
+                         f"(NNDInput.partition(n, num_executors, executor_id)), but owns {len(owned)} others")
+    return bounds
+
+
+def _own_blocks(owned: np.ndarray, block: int) -> np.ndarray:
+    return np.unique(owned // block)
+
+
+#: The marks each executor of this process has sent: ``(table, executor id) -> (executors, blocks)`` bool.
+_SENT_MARKS: dict[tuple[str, int], np.ndarray] = {}
+
+
+def _send_marks(executor: litz.Executor, args: dict[str, Any], bounds: np.ndarray, blocks: np.ndarray,
+                lists: np.ndarray, new_only: bool = True) -> None:
+    """Mark, for the owners of both ends of every edge in ``lists`` (rows of graph blocks ``blocks``; of
+    an update, the new entries only, unless ``new_only`` is False),
+    the block of the other end (:func:`~apps.nndescent_kernels.edge_marks`): those are the lists
+    each owner reads in its next round. Marks are never taken back, so a mark this executor sent
+    before is not sent again (after the first rounds, most edges found join blocks already marked);
+    a refill, which follows the loss of marks with a server, sends them all again."""
+    n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
+    nb = num_blocks(n, block)
+    per = -(-nb // MARK_ROW)
+    marks = nk.edge_marks(np.ascontiguousarray(lists, np.float32), blocks, bounds, k, block, per * MARK_ROW, new_only)
+    key = (args["table"], int(executor.executor_id))
+    sent = _SENT_MARKS.get(key)
+    if sent is None or sent.shape != marks.shape:
+        sent = _SENT_MARKS[key] = np.zeros_like(marks)
+    marks &= ~sent
+    sent |= marks
+    keys, rows = np.nonzero(marks.reshape(len(bounds) - 1, per, MARK_ROW).any(axis=2))
+    if len(keys):
+        executor.ps.update_many(mark_table_name(args["table"]), (keys * per + rows).tolist(),
+                                marks.reshape(len(bounds) - 1, per, MARK_ROW)[keys, rows].astype(np.int64))
+
+
+#: This process's buffer for the rows a round reads, in the order of its blocks (see _graph_buffer).
+_ROW_BUFFER: list[np.ndarray] = []
+
+
+def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds: np.ndarray, args: dict[str, Any]
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One round of an executor (module docstring): read the marked lists and its own, sample, join, pack."""
+    n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
+    nb = num_blocks(n, block)
+    per = -(-nb // MARK_ROW)
+    me = int(executor.executor_id)
+    marked = executor.ps.get_many(mark_table_name(args["table"]), range(me * per, (me + 1) * per)).reshape(-1)[:nb] > 0
+    own = _own_blocks(owned, block)
+    marked[own] = True
+    read = np.flatnonzero(marked)
+    if not _ROW_BUFFER or _ROW_BUFFER[0].shape[0] < len(read) or _ROW_BUFFER[0].shape[1:] != (block, 3 * k):
+        _ROW_BUFFER[:] = [np.empty((max(len(read), nb // 4), block, 3 * k), np.float32)]
+    rows = executor.ps.get_many(args["table"], read, out=_ROW_BUFFER[0][:len(read)])
+    # the neighbours' lists must all be there (the join reads them): a mark lost with a server and not
+    # yet given again by a refill means a second read, after which the shared buffers cannot be trusted
+    neighbours = nk.list_blocks(rows, read, int(owned[0]), int(owned[-1]) + 1, k, block, nb) if len(owned) else marked
+    missing = np.flatnonzero(neighbours & ~marked)
+    if len(missing):
+        rows = rows.copy()
+        extra = executor.ps.get_many(args["table"], missing)
+        read, rows = np.concatenate([read, missing]), np.concatenate([rows, extra])
+    # from here to the update nothing yields to another task of this process (see _graph_buffer)
+    G = _graph_buffer(nb, block, 3 * k)
+    G[read] = rows
+    graph = G.reshape(-1, 3 * k)[:n]
+    pos = nk.own_index(n, owned)
+    touched = np.zeros(n, np.uint8)
+    counts = np.zeros(len(nk.COUNTERS), np.int64)
+    new, old, counts[5] = nk.sample_candidates(graph, k, pos, len(owned), int(args["max_candidates"]),
+                                               int(args["seed"]), int(args["round"]), touched, read, block)
+    blocks, deltas = nk.nnd_join(data, graph, owned, pos, touched, new, old, counts, k, bool(args["filter"]), block,
+                                 _join_distances(args.get("device", "cpu")))
+    return blocks, deltas, counts
 
 
 def _join_distances(option: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None:
@@ -260,13 +381,15 @@ _GRAPH_BUFFER: list[np.ndarray] = []
 
 
 def _graph_buffer(rows: int, block: int, width: int) -> np.ndarray:
-    """This process's buffer for a round's copy of the graph, reused from round to round.
+    """This process's buffer for the lists a join reads, reused from round to round, indexed by point.
 
     A fresh array of the whole graph (47 MB at 2**18 points) costs a page fault per 4 KB on first
-    touch, about as long as the copy into it. One buffer serves every executor of the process: a
-    task fills it when its ``get_many`` returns and is done with it when ``nnd_round`` returns, and
-    nothing in between yields to another task (tasks are greenlets of one thread; the kernel and
-    ``update_many`` never block), so no two tasks ever hold it at once.
+    touch, about as long as the copy into it. Only the rows a round reads are filled; the others
+    hold whatever an earlier task left, and are never read. One buffer (and one for the rows as
+    read, ``_ROW_BUFFER``) serves every executor of the process: a task's ``get_many`` fills the
+    row buffer when the task resumes, and the task is done with both when ``nnd_join`` returns;
+    nothing in between yields to another task (tasks are greenlets of one thread; the kernels and
+    ``update_many`` never block), so no two tasks ever hold them at once.
     """
     shape = (rows, block, width)
     if not _GRAPH_BUFFER or _GRAPH_BUFFER[0].shape != shape:
@@ -440,7 +563,7 @@ class NNDescentPhase:
         self.n, self.k, self.E = int(n_points), int(k), int(num_executors)
         self.delta, self.max_rounds, self.seed = float(delta), int(max_rounds), int(seed)
         self.table, self.block = table, int(block)
-        self.max_candidates = int(max_candidates or min(60, k))  # pynndescent's default
+        self.max_candidates = int(max_candidates or default_max_candidates(k))
         self.use_filter = bool(use_filter)
         self.trees = TREES if trees is None else int(trees)  # in all; every worker process builds them all
         self.report = report
@@ -465,7 +588,8 @@ class NNDescentPhase:
     def _dispatch(self, op: str) -> None:
         base = {"phase": "nnd", "op": op, "round": self.round, "n": self.n, "k": self.k, "block": self.block,
                 "table": self.table, "seed": self.seed, "max_candidates": self.max_candidates,
-                "filter": self.use_filter, "trees": self.trees, "device": self.device}
+                "filter": self.use_filter, "trees": self.trees, "device": self.device, "executors": self.E,
+                "refill": self._refilling}
         self._counts[:] = 0
         self._pending = self.E
         self._t = time.perf_counter()
@@ -838,7 +962,8 @@ def make_app(argv: list[str]) -> litz.App:
     except FileNotFoundError as exc:
         raise litz.ConfigError(str(exc).splitlines()[0]) from None
     config["n"] = n
-    return litz.App(NNDDriver, NNDExecutor, tables=nndescent_tables(n, args.k, block=args.block), config=config,
+    tables = nndescent_tables(n, args.k, block=args.block)
+    return litz.App(NNDDriver, NNDExecutor, tables=tables, config=config,
                     name="nndescent")
 
 

@@ -293,7 +293,8 @@ def _push_candidate(row: np.ndarray, mc: int, v: np.uint64) -> None:
 
 
 @_jit
-def _own_index(n: int, owned: np.ndarray) -> np.ndarray:
+def own_index(n: int, owned: np.ndarray) -> np.ndarray:
+    """``pos``: for each of the ``n`` points its index in ``owned``, or -1."""
     pos = np.full(n, -1, np.int64)
     for a in range(owned.shape[0]):
         pos[owned[a]] = a
@@ -302,15 +303,18 @@ def _own_index(n: int, owned: np.ndarray) -> np.ndarray:
 
 @_jit
 def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, seed: int, rnd: int,
-                      touched: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+                      touched: np.ndarray, blocks: np.ndarray | None = None, block: int = 0
+                      ) -> tuple[np.ndarray, np.ndarray, int]:
     """The join candidates of the ``m`` owned points, and the marks of the new ones sampled.
 
     As pynndescent's ``new_candidate_neighbors``: every edge ``i -> j`` of the graph ``G`` gets a
     priority (a hash of seed, round, i, j, so every executor computes the same) and offers ``j`` to
     ``i``'s candidates and ``i`` to ``j``'s (the reverse neighbours), new or old by the edge's flag;
     each point keeps the ``mc`` of smallest priority of each kind. Only owned points (``pos >= 0``)
-    keep candidates, but the whole graph is scanned for the reverse edges. A new edge ``i -> j``
-    whose ``j`` made it into ``i``'s new candidates is marked old in ``G`` (it is joined now).
+    keep candidates. The rows scanned are the whole graph, or the graph blocks ``blocks`` (of ``block``
+    points): for the same candidates they must hold the owned points and every point with an edge to
+    one (a job's executor reads only those, apps/nndescent.py); the other rows are never read. A new
+    edge ``i -> j`` whose ``j`` made it into ``i``'s new candidates is marked old in ``G`` (it is joined now).
     Returns ``(new, old, marked)``: candidate ids ``(m, mc)`` int64 (-1 padded) and the marks made
     (flag :data:`FLAG_MARKED`, sent as old); a point with marks is flagged in ``touched``.
 
@@ -325,7 +329,9 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     packed_new = np.full((m, mc), EMPTY_CANDIDATE, np.uint64)
     packed_old = np.full((m, mc), EMPTY_CANDIDATE, np.uint64)
     wants = np.empty(G.shape[0], np.bool_)
-    marked = _sample_into(G, k, pos, seed, rnd, touched, packed_new, packed_old, wants)
+    if blocks is None:  # the whole graph: one block
+        blocks, block = np.zeros(1, np.int64), max(1, G.shape[0])
+    marked = _sample_into(G, k, pos, seed, rnd, touched, packed_new, packed_old, wants, blocks, block)
     return _candidate_ids(packed_new), _candidate_ids(packed_old), marked
 
 
@@ -342,7 +348,7 @@ def _candidate_ids(packed: np.ndarray) -> np.ndarray:
 
 @_jit_bare
 def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, touched: np.ndarray, new: np.ndarray,
-                 old: np.ndarray, wants: np.ndarray) -> int:
+                 old: np.ndarray, wants: np.ndarray, blocks: np.ndarray, block: int) -> int:
     """:func:`sample_candidates` into its candidate lists (entries as :func:`_pair_high` says,
     :data:`EMPTY_CANDIDATE` on entry); returns the number of marks. Compiled without Numba's reference
     counting (``_jit_bare``): each push takes a row view, whose count costs an atomic increment and
@@ -359,61 +365,110 @@ def _sample_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, to
     n = G.shape[0]
     mc = new.shape[1]
     key = _round_key(seed, rnd)
-    for i in range(n):
-        pi = pos[i]
-        for s in range(k):
-            j = int(G[i, s])
-            if j < 0:
-                break
-            if G[i, 2 * k + s] <= 0:
-                continue
-            pj = pos[j]
-            if pi < 0 and pj < 0:
-                continue
-            hi = _pair_high(key, i, j)  # one priority per pair, for both candidates
-            if pi >= 0:
-                _push_candidate(new[pi], mc, hi | np.uint64(j))
-            if pj >= 0:
-                _push_candidate(new[pj], mc, hi | np.uint64(i))
+    for t in range(blocks.shape[0]):
+        for i in range(blocks[t] * block, min(n, (blocks[t] + 1) * block)):
+            pi = pos[i]
+            for s in range(k):
+                j = int(G[i, s])
+                if j < 0:
+                    break
+                if G[i, 2 * k + s] <= 0:
+                    continue
+                pj = pos[j]
+                if pi < 0 and pj < 0:
+                    continue
+                hi = _pair_high(key, i, j)  # one priority per pair, for both candidates
+                if pi >= 0:
+                    _push_candidate(new[pi], mc, hi | np.uint64(j))
+                if pj >= 0:
+                    _push_candidate(new[pj], mc, hi | np.uint64(i))
     some = False
     for i in range(n):
         pi = pos[i]
         wants[i] = pi >= 0 and new[pi, 0] != EMPTY_CANDIDATE
         some |= wants[i]
-    for i in range(n if some else 0):
-        wants_i = wants[i]
-        for s in range(k):
-            j = int(G[i, s])
-            if j < 0:
-                break
-            if G[i, 2 * k + s] > 0:
-                continue
-            wants_j = wants[j]
-            if not (wants_i or wants_j):
-                continue
-            hi = _pair_high(key, i, j)
-            if wants_i:
-                _push_candidate(old[pos[i]], mc, hi | np.uint64(j))
-            if wants_j:
-                _push_candidate(old[pos[j]], mc, hi | np.uint64(i))
+    for t in range(blocks.shape[0]):
+        for i in range(blocks[t] * block, min(n if some else 0, (blocks[t] + 1) * block)):
+            wants_i = wants[i]
+            for s in range(k):
+                j = int(G[i, s])
+                if j < 0:
+                    break
+                if G[i, 2 * k + s] > 0:
+                    continue
+                wants_j = wants[j]
+                if not (wants_i or wants_j):
+                    continue
+                hi = _pair_high(key, i, j)
+                if wants_i:
+                    _push_candidate(old[pos[i]], mc, hi | np.uint64(j))
+                if wants_j:
+                    _push_candidate(old[pos[j]], mc, hi | np.uint64(i))
     marked = 0
-    for i in range(n):
-        pi = pos[i]
-        if pi < 0:
-            continue
-        for s in range(k):
-            j = G[i, s]
-            if j < 0:
-                break
-            if G[i, 2 * k + s] > 0:
-                for c in range(mc):
-                    v = new[pi, c]
-                    if v != EMPTY_CANDIDATE and np.int64(v & _LOW32) == j:
-                        G[i, 2 * k + s] = FLAG_MARKED
-                        marked += 1
-                        touched[i] = 1
-                        break
+    for t in range(blocks.shape[0]):
+        for i in range(blocks[t] * block, min(n, (blocks[t] + 1) * block)):
+            pi = pos[i]
+            if pi < 0:
+                continue
+            for s in range(k):
+                j = G[i, s]
+                if j < 0:
+                    break
+                if G[i, 2 * k + s] > 0:
+                    for c in range(mc):
+                        v = new[pi, c]
+                        if v != EMPTY_CANDIDATE and np.int64(v & _LOW32) == j:
+                            G[i, 2 * k + s] = FLAG_MARKED
+                            marked += 1
+                            touched[i] = 1
+                            break
     return marked
+
+
+@_jit
+def edge_marks(lists: np.ndarray, blocks: np.ndarray, bounds: np.ndarray, k: int, block: int, width: int,
+               new_only: bool) -> np.ndarray:
+    """The blocks that each executor must read for the edges in ``lists`` (rows ``(len(blocks), block,
+    3k)`` of graph blocks ``blocks``): ``(executors, width)`` bool (``width`` at least the blocks), executor ``e``
+    owning points ``bounds[e] .. bounds[e + 1] - 1``. An edge ``i -> j`` marks ``j``'s block for
+    ``i``'s owner (its neighbour's list, for the join) and ``i``'s block for ``j``'s owner (the list
+    pointing at its point, for the reverse candidates). With ``new_only``, only the edges flagged new
+    (in an update: the offers; its old entries are marks of edges that were marked when made)."""
+    out = np.zeros((bounds.shape[0] - 1, width), np.bool_)
+    n = bounds[-1]
+    for t in range(blocks.shape[0]):
+        for r in range(block):
+            i = blocks[t] * block + r
+            if i >= n:
+                break
+            ei = np.searchsorted(bounds, i, side="right") - 1
+            for s in range(k):
+                j = int(lists[t, r, s])
+                if j < 0:
+                    break
+                if new_only and lists[t, r, 2 * k + s] <= 0:
+                    continue
+                out[ei, j // block] = True
+                out[np.searchsorted(bounds, j, side="right") - 1, i // block] = True
+    return out
+
+
+@_jit
+def list_blocks(rows: np.ndarray, blocks: np.ndarray, lo: int, hi: int, k: int, block: int, nb: int) -> np.ndarray:
+    """One flag per graph block: whether the list of a point of ``[lo, hi)`` in ``rows`` (lists of graph
+    blocks ``blocks``, ``(len(blocks), block, 3k)``) holds one of its points."""
+    out = np.zeros(nb, np.bool_)
+    for t in range(blocks.shape[0]):
+        for r in range(block):
+            i = blocks[t] * block + r
+            if i < lo or i >= hi:
+                continue
+            for s in range(k):
+                j = int(rows[t, r, s])
+                if j < 0:
+                    break
+                out[j // block] = True
+    return out
 
 
 @_jit
@@ -634,7 +689,7 @@ def nnd_sample(G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd
     """
     n = G.shape[0]
     counts = np.zeros(len(COUNTERS), np.int64)
-    pos = _own_index(n, owned)
+    pos = own_index(n, owned)
     touched = np.zeros(n, np.uint8)
     new, old, marked = sample_candidates(G, k, pos, owned.shape[0], mc, seed, rnd, touched)
     counts[5] = marked
@@ -648,18 +703,33 @@ NO_DISTANCES = np.zeros((0, 0, 0), np.float32)
 def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd: int,
               use_filter: bool, block: int, distances: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
               | None = None, chunk_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the graph (modified in place):
-    sample (:func:`nnd_sample`), join (:func:`local_join`), pack the update (:func:`pack_updates`).
+    """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the whole graph (modified in
+    place), in one process: sample (:func:`nnd_sample`), join and pack (:func:`nnd_join`). A job's
+    executors do the same in two waves without the whole graph (apps/nndescent.py); this is their
+    reference. Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
+    """
+    pos, touched, new, old, counts = nnd_sample(G, owned, k, mc, seed, rnd)
+    blocks, deltas = nnd_join(data, G, owned, pos, touched, new, old, counts, k, use_filter, block, distances,
+                              chunk_bytes)
+    return blocks, deltas, counts
+
+
+def nnd_join(data: np.ndarray, G: np.ndarray, owned: np.ndarray, pos: np.ndarray, touched: np.ndarray,
+             new: np.ndarray, old: np.ndarray, counts: np.ndarray, k: int, use_filter: bool, block: int,
+             distances: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None,
+             chunk_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """Join the owned points' candidates (:func:`local_join`) on ``G``, which must hold the lists of the
+    owned points and of every candidate (other rows are never read), and pack the update
+    (:func:`pack_updates`): ``(blocks, deltas)``, ``counts`` added to.
 
     ``distances(data, new, old)``, if given, computes the join pairs' distances of a run of owned
     points at once (a GPU: :func:`apps.nndescent_cuda.join_distances`); the lists come out as
     without it, up to the rounding of the distances. It is called on runs of owned points whose
     distances fit in ``chunk_bytes`` (``8 mc^2`` bytes a point: 115 KB at ``mc`` = 120, HDBSCAN's
     k = 60), joined in order, so the offers are the same as in one call.
-    Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
     """
     data = read_only(data)
-    pos, touched, new, old, counts = nnd_sample(G, owned, k, mc, seed, rnd)
+    mc = new.shape[1]
     box = empty_lists(1 if use_filter else G.shape[0], k)
     if distances is None:
         local_join(data, G, box, k, pos, owned, new, old, use_filter, touched, counts, NO_DISTANCES)
@@ -669,8 +739,7 @@ def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: in
             part = slice(lo, lo + run)
             local_join(data, G, box, k, pos, owned[part], new[part], old[part], use_filter, touched, counts,
                        distances(data, new[part], old[part]))
-    blocks, deltas = pack_updates(G, box, k, pos, use_filter, touched, block, counts)
-    return blocks, deltas, counts
+    return pack_updates(G, box, k, pos, use_filter, touched, block, counts)
 
 
 @_jit_fast
@@ -775,7 +844,7 @@ def locality_order(data: np.ndarray, seed: int, leaf_size: int) -> np.ndarray:
 def init_lists(n: int, owned: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Empty lists and bookkeeping for the first lists: ``(G, pos, touched, counts)`` for
     :func:`leaf_offers`, :func:`fill_random` and :func:`pack_updates`."""
-    return empty_lists(n, k), _own_index(n, owned), np.zeros(n, np.uint8), np.zeros(len(COUNTERS), np.int64)
+    return empty_lists(n, k), own_index(n, owned), np.zeros(n, np.uint8), np.zeros(len(COUNTERS), np.int64)
 
 
 @_points_read_only

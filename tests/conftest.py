@@ -192,7 +192,8 @@ def run_in_cuda_simulator(script: str, done: str, timeout: float = 300) -> str:
     prints ``done``; returns its output. A process of its own because ``NUMBA_ENABLE_CUDASIM`` must be
     set before ``numba.cuda`` is imported, and then replaces it for the whole process."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(root)}
+    path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])  # keep where deps may be
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -249,7 +250,8 @@ def test_sampling_pushes_candidates_without_a_call_or_reference_counts() -> None
     Fashion-MNIST's points took 51.5 against 66.1 ms, and 310 against 383 ms at 2**18 10-d points."""
     m, mc = 8, 2
     nk._sample_into(nk.empty_lists(8, 2), 2, np.arange(8), 0, 0, np.zeros(8, np.uint8),
-                    np.full((m, mc), nk.EMPTY_CANDIDATE), np.full((m, mc), nk.EMPTY_CANDIDATE), np.empty(8, np.bool_))
+                    np.full((m, mc), nk.EMPTY_CANDIDATE), np.full((m, mc), nk.EMPTY_CANDIDATE), np.empty(8, np.bool_),
+                    np.zeros(1, np.int64), 8)
     asm = machine_code(nk._sample_into)
     assert not calls_function(asm, "_push_candidate")
     assert not counts_references(asm)
@@ -300,6 +302,130 @@ def test_a_tree_pruned_to_the_owned_points_has_exactly_their_leaves_of_the_whole
             nk.leaf_offers(x, lists[0], *nk.rp_tree(x, 7, tree, 12, mask), k, *lists[1:])
     np.testing.assert_array_equal(G[0][0], G[1][0])
     np.testing.assert_array_equal(G[0][3], G[1][3])
+
+
+class WaveServers:
+    """The phase's tables in this process, rows created and merged as servers do; a wave's updates
+    are applied when the wave ends (``end_wave``), as if every task read before any other wrote."""
+
+    def __init__(self, tables: list[litz.Table]) -> None:
+        self.tables = {t.name: t for t in tables}
+        self.rows: dict[tuple[str, int], np.ndarray] = {}
+        self.waiting: list[tuple[str, list[int], np.ndarray]] = []
+
+    def _row(self, name: str, key: int) -> np.ndarray:
+        if (name, key) not in self.rows:
+            self.rows[name, key] = self.tables[name].initial_row(key)
+        return self.rows[name, key]
+
+    def get_many(self, name: str, keys: Any, out: np.ndarray | None = None) -> np.ndarray:
+        got = np.stack([self._row(name, int(key)) for key in keys])
+        if out is None:
+            return got
+        out[...] = got.reshape(out.shape)
+        return out
+
+    def update_many(self, name: str, keys: Any, deltas: np.ndarray) -> None:
+        self.waiting.append((name, [int(key) for key in keys], np.array(deltas, copy=True)))
+
+    def end_wave(self) -> None:
+        for name, keys, deltas in self.waiting:
+            self.tables[name].comb.merge_many([self._row(name, key) for key in keys], deltas)
+        self.waiting = []
+
+
+def test_executors_reading_only_the_marked_lists_make_exactly_the_one_process_rounds() -> None:
+    """Executors that each read only their own lists and those the marks name (the lists pointing at
+    their points and their points' neighbours') send exactly the updates that each one's round on
+    the whole graph in one process sends (:func:`nk.nnd_round`, whose sampling the test above
+    checks), round after round, so the graphs are the same, while reading fewer lists than all.
+    Without the marks of an edge's creator, reverse candidates from other executors' points would
+    be missing (and the join would read lists it was never given)."""
+    k, block, n, executors = 5, 8, 700, 3
+    x = nd.renumbered(nd.blobs(n, 4, centers=6, seed=8))[0]
+    parts = [nd.NNDInput.partition(n, executors, e) for e in range(executors)]
+    servers = WaveServers(nd.nndescent_tables(n, k, block=block))
+    people = [SimpleNamespace(input=nd.NNDInput(x, owned), ps=servers, executor_id=e) for e, owned in enumerate(parts)]
+    base = {"phase": "nnd", "n": n, "k": k, "block": block, "table": "knn", "seed": 4, "max_candidates": k,
+            "filter": True, "trees": 2, "device": "cpu", "executors": executors}
+    for executor in people:
+        nd.nndescent_run_task(executor, {**base, "op": "init", "round": -1})
+    servers.end_wave()
+    read = []
+    real_get = servers.get_many
+    servers.get_many = lambda name, keys, out=None: (read.append(len(list(keys))) if name == "knn" else None,
+                                                     real_get(name, keys, out))[1]
+    for rnd in range(4):
+        graph = np.concatenate([servers._row("knn", b) for b in range(nd.num_blocks(n, block))])[:n]
+        expected = [nk.nnd_round(x, graph.copy(), owned, k, k, 4, rnd, True, block) for owned in parts]
+        for executor in people:
+            nd.nndescent_run_task(executor, {**base, "op": "round", "round": rnd})
+        sent = [(keys, deltas) for name, keys, deltas in servers.waiting if name == "knn"]
+        servers.end_wave()
+        assert len(sent) == executors
+        for (keys, deltas), (blocks, want, _) in zip(sent, expected, strict=True):
+            assert keys == blocks.tolist()
+            np.testing.assert_array_equal(deltas, want)
+    assert len(read) == 4 * executors and max(read) < nd.num_blocks(n, block)  # never the whole graph
+
+
+def test_lost_marks_cost_candidates_never_correctness_and_a_refill_restores_them() -> None:
+    """Marks lost with a server (here: all of them) leave an executor without the lists that point at
+    its points (it may join fewer candidates), but it reads its points' neighbours' lists anyway, so
+    every offer it sends is a true distance: the join never reads a list it was not given. A refill
+    marks every edge of the owned lists again, and the rounds are exact once more."""
+    k, block, n, executors = 5, 8, 600, 3
+    x = nk.read_only(nd.renumbered(nd.blobs(n, 4, centers=5, seed=9))[0])
+    parts = [nd.NNDInput.partition(n, executors, e) for e in range(executors)]
+    servers = WaveServers(nd.nndescent_tables(n, k, block=block))
+    people = [SimpleNamespace(input=nd.NNDInput(x, owned), ps=servers, executor_id=e) for e, owned in enumerate(parts)]
+    base = {"phase": "nnd", "n": n, "k": k, "block": block, "table": "knn", "seed": 2, "max_candidates": k,
+            "filter": True, "trees": 2, "device": "cpu", "executors": executors}
+
+    def wave(**args: Any) -> list[tuple[list[int], np.ndarray]]:
+        for executor in people:
+            nd.nndescent_run_task(executor, {**base, **args})
+        sent = [(keys, deltas) for name, keys, deltas in servers.waiting if name == "knn"]
+        servers.end_wave()
+        return sent
+
+    def graph() -> np.ndarray:
+        return np.concatenate([servers._row("knn", b) for b in range(nd.num_blocks(n, block))])[:n]
+
+    wave(op="init", round=-1)
+    wave(op="round", round=0)
+    for key in [key for key in servers.rows if key[0] == "knn-mark"]:
+        del servers.rows[key]
+    reads = []
+    real_get = servers.get_many
+    servers.get_many = lambda name, keys, out=None: (reads.append(name), real_get(name, keys, out))[1]
+    sent = wave(op="round", round=1)
+    assert reads.count("knn") == 2 * executors  # the marked lists, then the neighbours' lists left out
+    servers.get_many = real_get
+    for keys, deltas in sent:
+        for b, rows in zip(keys, deltas, strict=True):
+            for r, row in enumerate(rows):
+                for s in range(k):
+                    if row[s] >= 0:
+                        assert row[k + s] == nk._sqdist(x, b * block + r, int(row[s]))
+    wave(op="init", round=-1, refill=True)
+    before = graph()
+    sent = wave(op="round", round=2)
+    for (keys, deltas), owned in zip(sent, parts, strict=True):
+        blocks, want, _ = nk.nnd_round(x, before.copy(), owned, k, k, 2, 2, True, block)
+        assert keys == blocks.tolist()
+        np.testing.assert_array_equal(deltas, want)
+
+
+def test_an_executor_must_own_its_partition() -> None:
+    """Executors find whose a point is from the partition, so an executor owning other points is refused."""
+    x = nd.blobs(100, 3)
+    servers = WaveServers(nd.nndescent_tables(100, 4, block=8))
+    odd = SimpleNamespace(input=nd.NNDInput(x, np.arange(0, 100, 2)), ps=servers, executor_id=0)
+    args = {"phase": "nnd", "op": "init", "n": 100, "k": 4, "block": 8, "table": "knn", "seed": 0, "trees": 1,
+            "round": -1, "executors": 2}
+    with pytest.raises(ValueError, match=r"executor 0 of 2 must own points 0 \.\. 49"):
+        nd.nndescent_run_task(odd, args)
 
 
 def test_renumbered_points_come_with_their_trees_projection() -> None:
