@@ -39,35 +39,34 @@ random, a third less time per round). Every executor checks at its first task th
 same points as the others (a digest of sampled rows, :func:`data_fingerprint`): processes that
 renumbered differently would otherwise build a graph that mixes numberings without any error.
 
-**One round = two waves of one task per executor** (pynndescent's algorithm, distributed). The
-executors own contiguous ranges of points (:meth:`NNDInput.partition`), so each knows whose a
-point is.
+**One round = one task per executor** (pynndescent's algorithm, distributed). The executors own
+contiguous ranges of points (:meth:`NNDInput.partition`), so each knows whose a point is.
 
-1. *offer* (wave A): read the owned points' lists; for each other executor, flag the blocks of
-   this executor's points that hold an edge to one of its points (table ``knn-mark``, one row of
-   flags per executor and ``MARK_ROW`` blocks, the round's wave number, combiner max);
-2. *join* (wave B), once every executor has offered:
-   a. read the lists that wave A flagged for this executor (the reverse edges to its points are
-      there) and the lists of the blocks holding its points' neighbours; the owned lists are those
-      read in wave A, which changes no list;
-   b. sample each owned point's candidates: its neighbours and its reverse neighbours (points that
-      list it), new and old separately, ``max_candidates`` each by a priority hashed from
-      (seed, round, edge), so every executor agrees on every edge's priority; mark the sampled new
-      neighbours old;
-   c. local join: compare each owned point's new candidates with each other and with its old
-      ones; offer each point of a pair to the other's list;
-   d. send what changed, the offers accepted and the marks, as updates of the ``knn`` table.
+1. read the executor's own lists and the lists its marks name (below): the lists of its points'
+   neighbours, and those that point at its points (its reverse edges are there);
+2. sample each owned point's candidates: its neighbours and its reverse neighbours (points that
+   list it), new and old separately, ``max_candidates`` each by a priority hashed from
+   (seed, round, edge), so every executor agrees on every edge's priority; mark the sampled new
+   neighbours old;
+3. local join: compare each owned point's new candidates with each other and with its old ones;
+   offer each point of a pair to the other's list;
+4. send what changed, the offers accepted and the flags, as updates of the ``knn`` table, and the
+   marks of the new edges.
 
-Every edge that touches an owned point is in the lists read in 2a, so the candidates, the offers
-and the update are exactly those of the same executor's round on the whole graph
-(:func:`~apps.nndescent_kernels.nnd_round`, tested round after round). The flags live in the
-table, not in executor state: an executor needs the flags of the edges that point *to* its points,
-and they belong to other points' lists. Flags carry their round's wave number, so the mark table
-needs no clearing; executors keep no state between the waves (the owned lists kept from wave A
-are only a saving), so they can move or be lost between them.
+**Marks** (table ``knn-mark``): whoever makes an edge ``i -> j`` (the first lists, an offer) marks
+``j``'s block for ``i``'s owner and ``i``'s block for ``j``'s owner, one flag per executor and
+block. Marks are never taken back: an edge that leaves a list leaves a mark that costs a read, not
+a wrong result. So every edge that touches an owned point is in the lists of step 1, and the
+candidates, the offers and the update are exactly those of the same executor's round on the whole
+graph (:func:`~apps.nndescent_kernels.nnd_round`, tested round after round). Marks lost with a
+server cost reverse candidates, never correctness: an executor checks that it has its points'
+neighbours' lists and reads the missing ones, and the refill after the loss marks every edge of
+the owned lists again. The new/old flags live in the table, not in executor state: an executor
+needs the flags of the edges that point *to* its points, and they belong to other points' lists;
+executors keep no state between rounds, so they can move or be lost between them.
 
 **The d_max filter.** ``d_max(x)``, the distance of ``x``'s k-th neighbour, reaches every executor
-with the rows it reads in step 2a (it is the row's last distance). An offer ``(x, y, d)`` with
+with the rows it reads in step 1 (it is the row's last distance). An offer ``(x, y, d)`` with
 ``d >= d_max(x)`` cannot enter ``x``'s list, so it is dropped before sending; offers that pass
 tighten the executor's copy of the list, so later offers face a smaller ``d_max``. Without the
 filter (``--no-filter``, for comparison) an executor sends, for every point it does not own, the
@@ -79,13 +78,12 @@ them (an upper bound of the changes on the servers: two executors may find the s
 phase stops after the first round with fewer than ``delta * n * k`` updates (pynndescent's rule,
 ``delta`` = 0.001) or after ``max_rounds``.
 
-**Scaling.** A round reads each executor's own lists once, and the lists around them: those
-pointing at its points and those of its points' neighbours. Before, each worker process read the
-whole graph every round (``3k`` floats per point) and each executor scanned all of it for reverse
-neighbours: at 2**19 points and k = 15, 94 MB per worker process per round, 1.1 GB a round for
-12 of them. Counted at 2**19 10-d blobs (blocks of 64 points, 8,192 in all): with 2 executors
-each reads its 4,096 blocks and 1,530-1,640 others a round; with 12, its 683 and 960-3,070 others
-(a region's border is large in 10 dimensions).
+**Scaling.** A round reads each executor's own lists and the marked ones around them. Before, each
+worker process read the whole graph every round (``3k`` floats per point) and each executor scanned
+all of it for reverse neighbours: at 2**19 points and k = 15, 94 MB per worker process per round,
+1.1 GB a round for 12 of them. Counted in one process at 2**19 points of HDBSCAN's 10-d blobs
+(blocks of 64 points, 8,192 in all), rounds 1-5: with 12 executors each read 1,650-3,700 blocks
+(median 2,570); with 2, a border in 10 dimensions is most of the graph (6,500-7,850 blocks).
 
 Run it:  ``litz launch apps/nndescent.py [--data fashion-mnist|blobs] [--k 15] [--points N]``
 Last line printed: ``recall 0.9xx`` (against exact neighbours of a sample of query points).
@@ -209,10 +207,9 @@ MARK_ROW = 1024
 
 
 def nndescent_tables(n_points: int, k: int, *, name: str = "knn", block: int = BLOCK) -> list[litz.Table]:
-    """Every table the phase needs: the neighbour lists (:func:`knn_table`), and the marks of a
-    round's first wave. Mark row ``e * c + r`` (``c`` rows per executor) says, for blocks
-    ``r * MARK_ROW ..``, the latest wave in which the block held an edge to a point of executor
-    ``e`` (int64, combiner max): the lists that executor ``e`` reads for its reverse edges."""
+    """Every table the phase needs: the neighbour lists (:func:`knn_table`) and the marks (module
+    docstring). Mark row ``e * c + r`` (``c`` rows per executor) says, for blocks ``r * MARK_ROW ..``,
+    whether executor ``e`` reads the block's lists (int64 0 or 1, combiner max)."""
     return [knn_table(n_points, k, name, block=block),
             litz.Table(mark_table_name(name), shape=(MARK_ROW,), dtype="int64", combiner="max")]
 

@@ -705,7 +705,7 @@ def nnd_round(data: np.ndarray, G: np.ndarray, owned: np.ndarray, k: int, mc: in
               | None = None, chunk_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One NN-Descent round of one executor on its copy ``G`` (n, 3k) of the whole graph (modified in
     place), in one process: sample (:func:`nnd_sample`), join and pack (:func:`nnd_join`). A job's
-    executors do the same in two waves without the whole graph (apps/nndescent.py); this is their
+    executors do the same from the lists around their points only (apps/nndescent.py); this is their
     reference. Returns ``(blocks, deltas, counts)``; ``counts`` follows :data:`COUNTERS`.
     """
     pos, touched, new, old, counts = nnd_sample(G, owned, k, mc, seed, rnd)
