@@ -428,6 +428,21 @@ def test_an_executor_must_own_its_partition() -> None:
         nd.nndescent_run_task(odd, args)
 
 
+def test_executors_of_one_process_share_trees_pruned_to_all_their_points() -> None:
+    """Two executors whose inputs were made in one process get the same trees, built once and pruned
+    to the points of both: each pruning its own would build most of the tree twice."""
+    x = nd.renumbered(nd.blobs(2000, 4, centers=4, seed=5))[0]
+    a, b = nd.NNDInput(x, nd.NNDInput.partition(2000, 4, 0)), nd.NNDInput(x, nd.NNDInput.partition(2000, 4, 2))
+    first = nd._trees(x, 3, 2, 12, a.owned)
+    assert nd._trees(x, 3, 2, 12, b.owned) is not first
+    assert all(p is q for p, q in zip(first, nd._trees(x, 3, 2, 12, b.owned), strict=True))
+    for order, bounds in first:
+        leaves = [set(order[lo:hi].tolist()) for lo, hi in itertools.pairwise(bounds)]
+        covered = set().union(*leaves)
+        assert covered >= set(a.owned.tolist()) | set(b.owned.tolist())
+        assert all(leaf & (set(a.owned.tolist()) | set(b.owned.tolist())) for leaf in leaves)
+
+
 def test_renumbered_points_come_with_their_trees_projection() -> None:
     """``renumbered`` gives the points in locality order and leaves this process the projection the
     initial lists' trees split: the same as projecting the renumbered points afresh."""
