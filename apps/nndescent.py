@@ -23,10 +23,11 @@ from its seed. The input is reloadable either way. An executor *owns* a partitio
 **Initial lists** (one task per executor): the leaves of random-projection trees over all points
 (``TREES`` = 8; on Fashion-MNIST they cut the rounds from 9 to 5 and the time by two thirds), then
 random points for lists still short (none with leaves of 30 points), as pynndescent does. Every
-worker process builds all the trees once (they are pure functions of the data and the seed; its
-executors share them) and each executor offers the leaves' pairs to its own points only, so it
-sends only its own rows. (Before, each executor built one tree and offered its leaves to every
-point: eight full copies of the graph went through the servers.) Data of more than
+worker process builds the trees once (they are pure functions of the data and the seed; its
+executors share them), only the branches that hold its executors' points, and each executor offers
+the leaves' pairs to its own points only, so it sends only its own rows. (Before, each executor
+built one tree and offered its leaves to every point: eight full copies of the graph went through
+the servers.) Data of more than
 ``TREE_DIMS`` dimensions is split in a random projection of it (:func:`tree_space`).
 
 **Locality.** An app may renumber the points first with :func:`locality_order` (the leaves of one
@@ -112,7 +113,7 @@ from apps.options import require_at_least, seed
 BLOCK = 64
 #: Ids are stored in float32: exact below this.
 MAX_POINTS = 2**24
-#: Random-projection trees of the initial lists (every worker process builds them all, once).
+#: Random-projection trees of the initial lists (each worker process builds them once, pruned to its points).
 TREES = 8
 #: Trees over data of more dimensions split a random Gaussian projection of it to this many
 #: (:func:`tree_space`): as good leaves for a fraction of the cost.
@@ -190,11 +191,6 @@ def knn_table(n_points: int, k: int, name: str = "knn", *, block: int = BLOCK) -
         raise litz.ConfigError(f"NN-Descent stores ids in float32: at most {MAX_POINTS - 1} points, got {n_points}")
     return litz.Table(name, shape=(block, 3 * k), dtype="float32", init=_empty_block, combiner=KeepKNearest(k),
                       num_rows=num_blocks(n_points, block))
-
-
-def default_max_candidates(k: int) -> int:
-    """Candidates sampled per point and kind when none is given: pynndescent's ``min(60, k)``."""
-    return min(60, int(k))
 
 
 def mark_table_name(table: str) -> str:
@@ -317,6 +313,10 @@ def _send_marks(executor: litz.Executor, args: dict[str, Any], bounds: np.ndarra
                                 marks.reshape(len(bounds) - 1, per, MARK_ROW)[keys, rows].astype(np.int64))
 
 
+#: A round whose marked blocks are at least this share of the range they span reads the whole range
+#: into place: with 2 executors most blocks are marked, and the copy through ``_ROW_BUFFER`` (and
+#: its first touch) cost more than the few blocks read in excess.
+DENSE_READ = 0.75
 #: This process's buffer for the rows a round reads, in the order of its blocks (see _graph_buffer).
 _ROW_BUFFER: list[np.ndarray] = []
 
@@ -332,20 +332,28 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     own = _own_blocks(owned, block)
     marked[own] = True
     read = np.flatnonzero(marked)
-    if not _ROW_BUFFER or _ROW_BUFFER[0].shape[0] < len(read) or _ROW_BUFFER[0].shape[1:] != (block, 3 * k):
-        _ROW_BUFFER[:] = [np.empty((max(len(read), nb // 4), block, 3 * k), np.float32)]
-    rows = executor.ps.get_many(args["table"], read, out=_ROW_BUFFER[0][:len(read)])
+    G = _graph_buffer(nb, block, 3 * k)
+    lo, hi = (int(read[0]), int(read[-1]) + 1) if len(read) else (0, 0)
+    if len(read) >= DENSE_READ * (hi - lo):  # most of a range: read all of it, straight into place
+        read = np.arange(lo, hi)
+        rows = executor.ps.get_many(args["table"], read, out=G[lo:hi])
+    else:
+        if not _ROW_BUFFER or _ROW_BUFFER[0].shape[0] < len(read) or _ROW_BUFFER[0].shape[1:] != (block, 3 * k):
+            _ROW_BUFFER[:] = [np.empty((max(len(read), nb // 4), block, 3 * k), np.float32)]
+        rows = executor.ps.get_many(args["table"], read, out=_ROW_BUFFER[0][:len(read)])
     # the neighbours' lists must all be there (the join reads them): a mark lost with a server and not
     # yet given again by a refill means a second read, after which the shared buffers cannot be trusted
-    neighbours = nk.list_blocks(rows, read, int(owned[0]), int(owned[-1]) + 1, k, block, nb) if len(owned) else marked
-    missing = np.flatnonzero(neighbours & ~marked)
+    have = np.zeros(nb, np.bool_)
+    have[read] = True
+    neighbours = nk.list_blocks(rows, read, int(owned[0]), int(owned[-1]) + 1, k, block, nb) if len(owned) else have
+    missing = np.flatnonzero(neighbours & ~have)
     if len(missing):
         rows = rows.copy()
         extra = executor.ps.get_many(args["table"], missing)
         read, rows = np.concatenate([read, missing]), np.concatenate([rows, extra])
     # from here to the update nothing yields to another task of this process (see _graph_buffer)
-    G = _graph_buffer(nb, block, 3 * k)
-    G[read] = rows
+    if rows.base is not G:
+        G[read] = rows
     graph = G.reshape(-1, 3 * k)[:n]
     pos = nk.own_index(n, owned)
     touched = np.zeros(n, np.uint8)
@@ -432,6 +440,9 @@ def tree_space(data: np.ndarray, seed: int) -> np.ndarray:
     return out
 
 
+#: A process prunes the trees to its executors' points only if they are at most this share of all:
+#: at 2**19 blobs a twelfth took 0.6 of the whole trees' time, a half as long as the whole trees.
+PRUNE_SHARE = 0.25
 #: Pruned trees kept per process (of its executors, for refills after a loss).
 _TREES_KEPT = 64
 _TREE_CACHE: dict[tuple[int, int, int, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -447,7 +458,10 @@ _LOCAL_OWNED: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
 
 def _note_owned(data: np.ndarray, owned: np.ndarray) -> None:
     with _TREE_LOCK:
-        _LOCAL_OWNED.setdefault(id(data), (data, []))[1].append(np.asarray(owned))
+        if id(data) not in _LOCAL_OWNED:  # only the latest data set's, as for the trees
+            _LOCAL_OWNED.clear()
+            _LOCAL_OWNED[id(data)] = (data, [])
+        _LOCAL_OWNED[id(data)][1].append(np.asarray(owned))
 
 
 def _trees(data: np.ndarray, seed: int, trees: int, leaf: int, owned: np.ndarray
@@ -470,7 +484,8 @@ def _trees(data: np.ndarray, seed: int, trees: int, leaf: int, owned: np.ndarray
         local = _LOCAL_OWNED.get(id(data))
         points = [owned, *local[1]] if local is not None and local[0] is data else [owned]
     mine = np.unique(np.concatenate([np.asarray(p, np.int64) for p in points]))
-    own_key = hashlib.sha1(mine.tobytes()).hexdigest()
+    prune = len(mine) <= PRUNE_SHARE * len(data)
+    own_key = hashlib.sha1(mine.tobytes()).hexdigest() if prune else "all"
     with _TREE_LOCK:
         if not _TREE_DATA or _TREE_DATA[0] is not data:
             _TREE_CACHE.clear()
@@ -483,7 +498,7 @@ def _trees(data: np.ndarray, seed: int, trees: int, leaf: int, owned: np.ndarray
         for t in range(trees):
             key = (seed, t, leaf, own_key)
             if key not in _TREE_CACHE:
-                if keep is None:
+                if keep is None and prune:
                     keep = np.zeros(len(data), np.uint8)
                     keep[mine] = 1
                 _TREE_CACHE[key] = nk.rp_tree(_TREE_SPACE[seed], seed, t, leaf, keep)
@@ -532,6 +547,14 @@ def nndescent_warmup() -> None:
         nk.merge_lists(G[b * 8:(b + 1) * 8], d, 4)
     for use_filter in (True, False):
         nk.nnd_round(x, G.copy(), owned, 4, 4, 0, 0, use_filter, 8)
+    # a job's round: sampling over the blocks it read, and the marks (other specializations: loaded
+    # from Numba's cache at the first task, they held the initial lists and round 1 back by 0.5 s)
+    blocks = np.arange(5, dtype=np.int64)
+    nk.sample_candidates(G.copy(), 4, nk.own_index(len(x), owned), len(owned), 4, 0, 0, np.zeros(len(x), np.uint8),
+                         blocks, 8)
+    rows = np.ascontiguousarray(G.reshape(5, 8, 12))
+    nk.edge_marks(rows, blocks, np.array([0, 20, 40], np.int64), 4, 8, MARK_ROW, True)
+    nk.list_blocks(rows, blocks, 0, 20, 4, 8, 5)
 
 
 class NNDescentExecutorMixin:
@@ -571,9 +594,9 @@ class NNDescentPhase:
         self.n, self.k, self.E = int(n_points), int(k), int(num_executors)
         self.delta, self.max_rounds, self.seed = float(delta), int(max_rounds), int(seed)
         self.table, self.block = table, int(block)
-        self.max_candidates = int(max_candidates or default_max_candidates(k))
+        self.max_candidates = int(max_candidates or min(60, k))  # pynndescent's default
         self.use_filter = bool(use_filter)
-        self.trees = TREES if trees is None else int(trees)  # in all; every worker process builds them all
+        self.trees = TREES if trees is None else int(trees)  # in all (each process prunes them to its points)
         self.report = report
         self.round = -1  # -1: initial lists
         self.converged = False
@@ -970,8 +993,7 @@ def make_app(argv: list[str]) -> litz.App:
     except FileNotFoundError as exc:
         raise litz.ConfigError(str(exc).splitlines()[0]) from None
     config["n"] = n
-    tables = nndescent_tables(n, args.k, block=args.block)
-    return litz.App(NNDDriver, NNDExecutor, tables=tables, config=config,
+    return litz.App(NNDDriver, NNDExecutor, tables=nndescent_tables(n, args.k, block=args.block), config=config,
                     name="nndescent")
 
 

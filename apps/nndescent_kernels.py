@@ -754,7 +754,7 @@ def _rp_leaves(data: np.ndarray, points: np.ndarray, seed: int, tree: int, leaf_
     flagged point, and ``order`` holds only their points. Why: an executor offers a leaf's pairs to
     its own points only, so it needs only the leaves of its own points, and a branch without them is
     never split (at 2**19 blobs and a twelfth of the points owned, the eight trees of the first lists
-    cost a fraction of the whole ones). The draws hash each node's place (range and depth), not the
+    cost half the whole ones). The draws hash each node's place (range and depth), not the
     count of nodes split before it, so a kept leaf is exactly the leaf of the whole tree.
     """
     dim = data.shape[1]
@@ -780,6 +780,8 @@ def _rp_leaves(data: np.ndarray, points: np.ndarray, seed: int, tree: int, leaf_
             normal[t] = data[a, t] - data[b, t]
             off -= normal[t] * (data[a, t] + data[b, t]) * np.float32(0.5)
         left = 0
+        kept = 0  # flagged points here, and on the left (counted where the points are read anyway)
+        kept_left = 0
         for r in range(lo, hi):
             i = order[r]
             m = off
@@ -787,28 +789,27 @@ def _rp_leaves(data: np.ndarray, points: np.ndarray, seed: int, tree: int, leaf_
                 m += normal[t] * data[i, t]
             side[r] = m < 0 if m != 0 else _hash(seed, tree, i, 3) & np.uint64(1) == 0
             left += side[r]
+            if prune:
+                kept += keep[i]
+                kept_left += keep[i] * side[r]
         if left == 0 or left == hi - lo:
+            left = 0
+            kept_left = 0
             for r in range(lo, hi):
                 side[r] = _hash(seed, tree + 7919, order[r], node) & np.uint64(1) == 0
-            left = 0
-            for r in range(lo, hi):
                 left += side[r]
+                if prune:
+                    kept_left += keep[order[r]] * side[r]
+        kept_right = kept - kept_left
         w = lo  # a stable partition: the left side moves down in place, the right side via scratch
         v = 0
-        kept_left = 0
-        kept_right = 0
         for r in range(lo, hi):
-            i = order[r]
             if side[r]:
-                order[w] = i
+                order[w] = order[r]
                 w += 1
-                if prune:
-                    kept_left += keep[i]
             else:
-                scratch[v] = i
+                scratch[v] = order[r]
                 v += 1
-                if prune:
-                    kept_right += keep[i]
         for r in range(v):
             order[w + r] = scratch[r]
         if not prune or kept_right > 0:

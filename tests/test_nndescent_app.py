@@ -430,9 +430,9 @@ def test_an_executor_must_own_its_partition() -> None:
 
 def test_executors_of_one_process_share_trees_pruned_to_all_their_points() -> None:
     """Two executors whose inputs were made in one process get the same trees, built once and pruned
-    to the points of both: each pruning its own would build most of the tree twice."""
+    to the points of both (a sixth of all here): each pruning its own would build most of the tree twice."""
     x = nd.renumbered(nd.blobs(2000, 4, centers=4, seed=5))[0]
-    a, b = nd.NNDInput(x, nd.NNDInput.partition(2000, 4, 0)), nd.NNDInput(x, nd.NNDInput.partition(2000, 4, 2))
+    a, b = nd.NNDInput(x, nd.NNDInput.partition(2000, 12, 0)), nd.NNDInput(x, nd.NNDInput.partition(2000, 12, 6))
     first = nd._trees(x, 3, 2, 12, a.owned)
     assert nd._trees(x, 3, 2, 12, b.owned) is not first
     assert all(p is q for p, q in zip(first, nd._trees(x, 3, 2, 12, b.owned), strict=True))
