@@ -384,7 +384,8 @@ def _graph_buffer(rows: int, block: int, width: int) -> np.ndarray:
     touch, about as long as the copy into it. Only the rows a round reads are filled; the others
     hold whatever an earlier task left, and are never read. One buffer (and one for the rows as
     read, ``_ROW_BUFFER``) serves every executor of the process: a task's ``get_many`` fills the
-    row buffer when the task resumes, and the task is done with both when ``nnd_join`` returns;
+    row buffer (or, for a dense read, this one) when the task resumes, and the task is done with
+    both when ``nnd_join`` returns;
     nothing in between yields to another task (tasks are greenlets of one thread; the kernels and
     ``update_many`` never block), so no two tasks ever hold them at once.
     """
