@@ -292,7 +292,11 @@ def _partition_bounds(executor: litz.Executor, owned: np.ndarray, n: int, execut
 
 
 def _own_blocks(owned: np.ndarray, block: int) -> np.ndarray:
-    return np.unique(owned // block)
+    """The graph blocks of an executor's points, a contiguous range (``_partition_bounds`` checked it;
+    ``np.unique`` of the ids took 40 ms a task at 2**19 points)."""
+    if not len(owned):
+        return np.empty(0, np.int64)
+    return np.arange(int(owned[0]) // block, int(owned[-1]) // block + 1, dtype=np.int64)
 
 
 def _send_marks(executor: litz.Executor, args: dict[str, Any], bounds: np.ndarray, blocks: np.ndarray,
