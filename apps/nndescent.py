@@ -308,13 +308,18 @@ def _send_marks(executor: litz.Executor, args: dict[str, Any], bounds: np.ndarra
     remembering what was sent would be wrong after a rollback to a checkpoint, which takes marks
     back with the lists, and the rows are few (at most one per executor and ``MARK_ROW`` blocks)."""
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
-    nb = num_blocks(n, block)
-    per = -(-nb // MARK_ROW)
+    per = _mark_rows(n, block)
     marks = nk.edge_marks(np.ascontiguousarray(lists, np.float32), blocks, bounds, k, block, per * MARK_ROW, new_only)
-    keys, rows = np.nonzero(marks.reshape(len(bounds) - 1, per, MARK_ROW).any(axis=2))
+    marks = marks.reshape(len(bounds) - 1, per, MARK_ROW)
+    keys, rows = np.nonzero(marks.any(axis=2))
     if len(keys):
         executor.ps.update_many(mark_table_name(args["table"]), (keys * per + rows).tolist(),
-                                marks.reshape(len(bounds) - 1, per, MARK_ROW)[keys, rows].astype(np.int64))
+                                marks[keys, rows].astype(np.int64))
+
+
+def _mark_rows(n: int, block: int) -> int:
+    """Mark rows per executor: executor ``e``'s are ``e * _mark_rows .. (e + 1) * _mark_rows - 1``."""
+    return -(-num_blocks(n, block) // MARK_ROW)
 
 
 #: A round whose marked blocks are at least this share of the range they span reads the whole range
@@ -330,7 +335,7 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     """One round of an executor (module docstring): read the marked lists and its own, sample, join, pack."""
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
     nb = num_blocks(n, block)
-    per = -(-nb // MARK_ROW)
+    per = _mark_rows(n, block)
     me = int(executor.executor_id)
     marked = executor.ps.get_many(mark_table_name(args["table"]), range(me * per, (me + 1) * per)).reshape(-1)[:nb] > 0
     own = _own_blocks(owned, block)
@@ -338,7 +343,8 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     read = np.flatnonzero(marked)
     G = _graph_buffer(nb, block, 3 * k)
     lo, hi = (int(read[0]), int(read[-1]) + 1) if len(read) else (0, 0)
-    if len(read) >= DENSE_READ * (hi - lo):  # most of a range: read all of it, straight into place
+    in_place = len(read) >= DENSE_READ * (hi - lo)
+    if in_place:  # most of a range: read all of it, straight into place
         read = np.arange(lo, hi)
         rows = executor.ps.get_many(args["table"], read, out=G[lo:hi])
     else:
@@ -352,11 +358,11 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     neighbours = nk.list_blocks(rows, read, int(owned[0]), int(owned[-1]) + 1, k, block, nb) if len(owned) else have
     missing = np.flatnonzero(neighbours & ~have)
     if len(missing):
-        rows = rows.copy()
+        rows = rows.copy()  # before the read yields: another task may then fill the shared buffers
         extra = executor.ps.get_many(args["table"], missing)
-        read, rows = np.concatenate([read, missing]), np.concatenate([rows, extra])
+        read, rows, in_place = np.concatenate([read, missing]), np.concatenate([rows, extra]), False
     # from here to the update nothing yields to another task of this process (see _graph_buffer)
-    if rows.base is not G:
+    if not in_place:
         G[read] = rows
     graph = G.reshape(-1, 3 * k)[:n]
     pos = nk.own_index(n, owned)
@@ -488,10 +494,9 @@ def _trees(data: np.ndarray, seed: int, trees: int, leaf: int, owned: np.ndarray
     with _TREE_LOCK:
         local = _LOCAL_OWNED.get(id(data))
         points = [owned, *local[1]] if local is not None and local[0] is data else [owned]
-    mine = np.unique(np.concatenate([np.asarray(p, np.int64) for p in points]))
-    prune = len(mine) <= PRUNE_SHARE * len(data)
-    own_key = hashlib.sha1(mine.tobytes()).hexdigest() if prune else "all"
-    with _TREE_LOCK:
+        mine = np.unique(np.concatenate([np.asarray(p, np.int64) for p in points]))
+        prune = len(mine) <= PRUNE_SHARE * len(data)
+        own_key = hashlib.sha1(mine.tobytes()).hexdigest() if prune else "all"
         if not _TREE_DATA or _TREE_DATA[0] is not data:
             _TREE_CACHE.clear()
             _TREE_SPACE.clear()
