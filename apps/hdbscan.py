@@ -113,6 +113,23 @@ DEFAULTS: dict[str, Any] = {"k": 15, "min_samples": 10, "min_cluster_size": 50, 
                             "reference_limit": 100_000}
 CORE_TABLE = "hdb_core"
 COMP_TABLE = "hdb_comp"
+#: The most points per row of the core-distance and component-label tables (:func:`label_block`).
+LABEL_BLOCK = 4096
+#: The rows those tables aim at, so that they spread over the servers.
+LABEL_ROWS = 64
+
+
+def label_block(n: int) -> int:
+    """Points per row of the core-distance and component-label tables of ``n`` points: the smallest
+    power of two that makes at most :data:`LABEL_ROWS` rows, between the kNN graph's ``BLOCK`` and
+    :data:`LABEL_BLOCK`.
+
+    Why not the graph's 64: every Borůvka round each executor reads all the labels and the driver
+    writes them all. At 2**19 points that was 8,192 keys, and the per-key work of the process cache
+    and the servers (microseconds a key) cost more than the 2 MB moved; 4,096 points a row (16 KB)
+    make it 128 keys. Why not one row: the rows would all live on one server.
+    """
+    return int(min(LABEL_BLOCK, max(BLOCK, 1 << max(0, (-(-n // LABEL_ROWS) - 1).bit_length()))))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -298,20 +315,23 @@ def _identity_labels(key: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray
 
 
 def hdbscan_tables(n: int, k: int) -> list[litz.Table]:
-    """The kNN graph, the core distances and the component labels (both written whole by the driver)."""
-    nb = num_blocks(n)
+    """The kNN graph, the core distances and the component labels (both written whole by the driver,
+    :func:`label_block` points a row)."""
+    lb = label_block(n)
+    nb = num_blocks(n, lb)
     return [*nndescent_tables(n, k),
-            litz.Table(CORE_TABLE, shape=(BLOCK,), dtype="float32", combiner="assign", num_rows=nb),
-            litz.Table(COMP_TABLE, shape=(BLOCK,), dtype="int32", init=_identity_labels, combiner="assign",
+            litz.Table(CORE_TABLE, shape=(lb,), dtype="float32", combiner="assign", num_rows=nb),
+            litz.Table(COMP_TABLE, shape=(lb,), dtype="int32", init=_identity_labels, combiner="assign",
                        num_rows=nb)]
 
 
 def _write_all(ps: litz.api.ParameterServer, table: str, values: np.ndarray, dtype: Any) -> None:
     """One value per point into every row of a block table (``assign``), in chunks of keys."""
-    nb = num_blocks(len(values))
-    padded = np.zeros(nb * BLOCK, dtype)
+    lb = label_block(len(values))
+    nb = num_blocks(len(values), lb)
+    padded = np.zeros(nb * lb, dtype)
     padded[:len(values)] = values
-    blocks = padded.reshape(nb, BLOCK)
+    blocks = padded.reshape(nb, lb)
     for lo in range(0, nb, READ_CHUNK):
         hi = min(nb, lo + READ_CHUNK)
         ps.update_many(table, range(lo, hi), blocks[lo:hi])
@@ -319,7 +339,7 @@ def _write_all(ps: litz.api.ParameterServer, table: str, values: np.ndarray, dty
 
 def _read_all(ps: litz.api.ParameterServer, table: str, n: int) -> np.ndarray:
     """Every row of a block table, flattened to one value per point (in chunks of keys)."""
-    nb = num_blocks(n)
+    nb = num_blocks(n, label_block(n))
     return np.concatenate([ps.get_many(table, range(lo, min(nb, lo + READ_CHUNK))).reshape(-1)
                            for lo in range(0, nb, READ_CHUNK)])[:n]
 
