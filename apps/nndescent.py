@@ -420,8 +420,16 @@ def _initial_lists(data: np.ndarray, owned: np.ndarray, k: int, seed: int,
                    trees: list[tuple[np.ndarray, np.ndarray]], block: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The owned points' first lists, as row updates ``(blocks, deltas, counts)``: the pairs of
-    every tree leaf offered to owned points, then random points for lists still short."""
-    G, pos, touched, counts = nk.init_lists(len(data), owned, k)
+    every tree leaf offered to owned points, then random points for lists still short.
+
+    The lists are built in this process's graph buffer (:func:`_graph_buffer`), of which only the
+    owned points' rows are emptied and used: the kernels read and write no other list. A fresh
+    ``(n, 3k)`` array, as :func:`~apps.nndescent_kernels.init_lists` makes, costs the first touch and
+    the filling of the whole graph (94 MB at 2**19 points, k = 15) in every executor's first task."""
+    n = len(data)
+    G = _graph_buffer(num_blocks(n, block), block, 3 * k).reshape(-1, 3 * k)[:n]
+    G[owned] = nk.empty_lists(1, k)
+    pos, touched, counts = nk.own_index(n, owned), np.zeros(n, np.uint8), np.zeros(len(nk.COUNTERS), np.int64)
     for order, bounds in trees:
         nk.leaf_offers(data, G, order, bounds, k, pos, touched, counts)
     nk.fill_random(data, G, owned, k, seed, touched, counts)
