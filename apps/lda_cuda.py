@@ -62,7 +62,7 @@ THREADS = 256
 #: A sweep over a block's tokens runs in this many waves (token i in wave i mod WAVES), each wave
 #: seeing the counts the waves before it left: a thread misses the moves of 1/WAVES of the tokens
 #: instead of all of them. See the module docstring for what it costs and gains.
-WAVES = 16
+WAVES = 64
 _U53 = 1.0 / 9007199254740992.0
 
 
