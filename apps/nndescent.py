@@ -254,6 +254,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     ``op == "round"``: read the lists around the owned points, sample, join, send (module docstring).
     Everything the task needs is in ``args`` and the input.
     """
+    start = time.perf_counter()
     inp = _nnd_input(executor)
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
     data, owned = inp.data, inp.owned
@@ -273,7 +274,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
         executor.ps.update_many(args["table"], blocks, deltas)
         _send_marks(executor, args, bounds, blocks, deltas)
     out = {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum()),
-           "device": gpu.process_device(args.get("device", "cpu"))}
+           "device": gpu.process_device(args.get("device", "cpu")), "seconds": time.perf_counter() - start}
     if args["op"] == "init":
         out["fingerprint"] = data_fingerprint(data)
     return out
@@ -626,6 +627,7 @@ class NNDescentPhase:
                                       "refills": 0, "devices": []}
         self._pending = 0
         self._counts = np.zeros(len(nk.COUNTERS), np.int64)
+        self._slowest = 0.0  # the round's slowest task's own seconds, as it measured them
         self._owned = [0, 0]
         self._fingerprints: dict[str, int] = {}
 
@@ -640,6 +642,7 @@ class NNDescentPhase:
                 "filter": self.use_filter, "trees": self.trees, "device": self.device, "executors": self.E,
                 "refill": self._refilling}
         self._counts[:] = 0
+        self._slowest = 0.0
         self._pending = self.E
         self._t = time.perf_counter()
         for e in range(self.E):
@@ -686,6 +689,7 @@ class NNDescentPhase:
         """Account one completion; at the end of a round, stop or dispatch the next. True once converged."""
         v = result.value
         self._counts += np.asarray(v["counts"], np.int64)
+        self._slowest = max(self._slowest, float(v.get("seconds", 0.0)))
         device = v.get("device", "cpu")
         if device not in self.stats["devices"]:
             self.stats["devices"] = sorted({*self.stats["devices"], device})
@@ -698,10 +702,13 @@ class NNDescentPhase:
             return False
         c = dict(zip(nk.COUNTERS, self._counts.tolist(), strict=True))
         seconds = time.perf_counter() - self._t
+        # the slowest task's own time (reads, kernels, sends): the rest of the round is the chain of
+        # messages around the tasks, the servers' merges and the driver
+        slowest = f"(slowest task {self._slowest:.3f} s)"
         if self._refilling:
             self._refilling = False
             self.stats["refills"] += 1
-            self._say(f"refill of the initial lists    distances {c['distances']:10d}  {seconds:.3f} s")
+            self._say(f"refill of the initial lists    distances {c['distances']:10d}  {seconds:.3f} s {slowest}")
         elif self.round < 0:
             if self._owned != [self.n, self.n * (self.n - 1) // 2]:
                 raise RuntimeError(f"the executors' owned points do not partition range({self.n}): "
@@ -711,7 +718,7 @@ class NNDescentPhase:
                                    f"executors saw each: {self._fingerprints})")
             self.stats["data_fingerprint"] = next(iter(self._fingerprints))
             self.stats["init_seconds"] = seconds
-            self._say(f"initial lists  {seconds:.3f} s")
+            self._say(f"initial lists  {seconds:.3f} s {slowest}")
         else:
             st = self.stats
             st["rounds"] = self.round + 1
@@ -722,7 +729,7 @@ class NNDescentPhase:
             st["candidates_sent"] += c["sent"]
             st["candidates_filtered"] = st["candidates_proposed"] - st["candidates_sent"]
             self._say(f"round {self.round + 1:3d}  updates {c['updates']:9d}  distances {c['distances']:10d}  "
-                      f"candidates sent {c['sent']:9d} of {c['proposed']:10d}  {seconds:.3f} s")
+                      f"candidates sent {c['sent']:9d} of {c['proposed']:10d}  {seconds:.3f} s {slowest}")
             if not self._refill_wanted and (c["updates"] < self.delta * self.n * self.k
                                             or self.round + 1 >= self.max_rounds):
                 self.converged = True
