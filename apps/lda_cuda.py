@@ -40,7 +40,11 @@ wordnet. They ran at 0.69-0.92x while a sweep was 16 launches (about 70 us of th
 and the host rebuilt its document lists after every task (about 45 ms for 1M tokens, 13 times the
 sweep). After 60 sweeps of a 16,000-token corpus
 the log-likelihood per token is about 0.6% below the sequential sampler's with 16 waves, 0.2% with
-64, 3% with 4, and about 72% with a single wave, which is why the waves exist.
+64, 3% with 4, and about 72% with a single wave, which is why the waves exist. On an H200 (session 33,
+``bench/bench_gpu.py --lda-waves 16,32,64,128``): 0.78%, 0.32%, 0.24% and 0.21% below with 16, 32,
+64 and 128 waves, and a sweep of 1M tokens took 3.8, 3.8, 4.7 and 6.4 ms at K = 50 (5.0, 6.0, 8.4
+and 13.8 ms at K = 200): each wave adds a grid sync. 16 waves left the GPU test's job 1.01% below
+the CPU's, over its 1% bound; 32 are the default, most of 64's gain at little of its cost.
 
 Random numbers: each thread hashes (task seed, sweep, token index) with splitmix64, so a task's draws
 depend only on its seed, as on the CPU (but not the same draws).
@@ -62,7 +66,7 @@ THREADS = 256
 #: A sweep over a block's tokens runs in this many waves (token i in wave i mod WAVES), each wave
 #: seeing the counts the waves before it left: a thread misses the moves of 1/WAVES of the tokens
 #: instead of all of them. See the module docstring for what it costs and gains.
-WAVES = 64
+WAVES = 32
 _U53 = 1.0 / 9007199254740992.0
 
 

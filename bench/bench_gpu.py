@@ -303,7 +303,7 @@ def main() -> None:
     ap.add_argument("--only", default="mlr,nndescent,mf,lda", help="comma-separated: mlr, nndescent, mf, lda")
     ap.add_argument("--lda-topics", default="50,200", help="K of the LDA sweeps")
     ap.add_argument("--lda-waves", default="16,32,64",
-                    help="wave counts of the GPU's LDA sweeps and log-likelihoods (apps/lda_cuda.WAVES: 64)")
+                    help="wave counts of the GPU's LDA sweeps and log-likelihoods (apps/lda_cuda.WAVES: 32)")
     ap.add_argument("--lda-jobs", default="synthetic:50:20,synthetic:200:20",
                     help="the LDA jobs, CORPUS:K:ITERATIONS, comma-separated (synthetic, fortunes, wordnet)")
     ap.add_argument("--mf-ranks", default="10,32,64", help="ranks of the MF task timings")
