@@ -130,10 +130,10 @@ def speed(sizes: list[int], layouts: list[Layout], k: int, both_msts: bool, fast
         n = 2 ** e
         x, truth = hd.gaussian_mixture(n, 10, 10, seed=0)
         print(f"{n} points:", flush=True)
-        runs: dict[tuple[Layout, str], dict[str, Any]] = {}
-        for layout in layouts:
+        runs: dict[tuple[int, Layout, str], dict[str, Any]] = {}  # by position: a layout given twice is run twice
+        for at, layout in enumerate(layouts):
             for mst in msts:
-                ours = runs[layout, mst] = litz_job(["--points", str(n), "--mst", mst], layout, k, rounds)
+                ours = runs[at, layout, mst] = litz_job(["--points", str(n), "--mst", mst], layout, k, rounds)
                 print(f"  litz, {layout_name(layout)}, {mst}: {ours['seconds']:.2f} s "
                       f"(job wall {ours['job_seconds']:.1f} s); phases: "
                       + ", ".join(f"{name} {v:.2f} s" for name, v in ours["times"].items())
@@ -147,7 +147,7 @@ def speed(sizes: list[int], layouts: list[Layout], k: int, both_msts: bool, fast
         print(("  hdbscan not run" if math.isnan(t_h) else f"  hdbscan {t_h:.2f} s")
               + "".join(f", fast_hdbscan ({m}) {t:.2f} s" for m, t in t_f.items()),
               flush=True)
-        for (layout, mst), ours in runs.items():
+        for (_, layout, mst), ours in runs.items():
             fm = hd.fowlkes_mallows(ref if ref is not None else truth, ours["labels"])
             vs_h = "hdbscan not run" if math.isnan(t_h) else f"{t_h / ours['seconds']:.1f}x hdbscan"
             print(f"  litz, {layout_name(layout)}, {mst}: {vs_h}"
