@@ -207,6 +207,46 @@ def test_max_cluster_size_is_respected_and_matches_hdbscan() -> None:
     assert hd.fowlkes_mallows(hd.reference_hdbscan(x, 10, 40, 500), limited) >= 0.95
 
 
+class AssignedRows:
+    """Tables in this process with the servers' checks, rows replaced on update (``assign``)."""
+
+    def __init__(self, tables: dict[str, litz.Table]) -> None:
+        self.tables = tables
+        self.rows: dict[tuple[str, int], np.ndarray] = {}
+
+    def get_many(self, name: str, keys: object) -> np.ndarray:
+        t = self.tables[name]
+        return np.stack([self.rows.get((name, key), t.initial_row(key)) for key in t.check_keys(keys)])
+
+    def update_many(self, name: str, keys: object, deltas: np.ndarray) -> None:
+        t = self.tables[name]
+        checked = t.check_keys(keys)
+        for key, row in zip(checked, t.check_delta(deltas, n=len(checked)), strict=True):
+            self.rows[name, key] = row
+
+
+def test_label_tables_hold_up_to_4096_points_a_row_and_round_trip_every_value() -> None:
+    """Borůvka's label and core-distance tables: every round each executor reads all the labels and
+    the driver writes them all, so their rows are wide (at most 64 rows, at most 4,096 points a row,
+    128 rows at 2**19), and what the driver writes, padded to whole rows, is what an executor reads
+    back, value for value, whatever ``n``; before the first write the labels are the identity."""
+    assert [hd.label_block(n) for n in (1, 3000, 4096, 4097, 100_000, 2 ** 19, 2 ** 20)] == [
+        64, 64, 64, 128, 2048, 4096, 4096]
+    for n in (3000, 5001, 70_000):
+        tables = {t.name: t for t in hd.hdbscan_tables(n, 5)}
+        ps = AssignedRows(tables)
+        lb = hd.label_block(n)
+        for name in (hd.CORE_TABLE, hd.COMP_TABLE):
+            assert tables[name].shape == (lb,) and tables[name].num_rows == -(-n // lb) <= hd.LABEL_ROWS
+        np.testing.assert_array_equal(hd._read_all(ps, hd.COMP_TABLE, n), np.arange(n))
+        labels = np.random.default_rng(n).integers(0, n, n)
+        core = np.random.default_rng(n + 1).random(n).astype(np.float32)
+        hd._write_all(ps, hd.COMP_TABLE, labels, np.int32)
+        hd._write_all(ps, hd.CORE_TABLE, core, np.float32)
+        np.testing.assert_array_equal(hd._read_all(ps, hd.COMP_TABLE, n), labels)
+        np.testing.assert_array_equal(hd._read_all(ps, hd.CORE_TABLE, n), core)
+
+
 # ----------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------
