@@ -232,9 +232,14 @@ class NNDInput:
         _note_owned(self.data, self.owned)
 
     @staticmethod
+    def bounds(n: int, num_executors: int) -> np.ndarray:
+        """The executors' ranges of points: executor ``e`` owns ``bounds[e] .. bounds[e + 1] - 1``."""
+        return np.linspace(0, n, num_executors + 1).round().astype(np.int64)
+
+    @staticmethod
     def partition(n: int, num_executors: int, executor_id: int) -> np.ndarray:
-        """Contiguous, nearly equal ranges: an executor's own lists then fill few table rows."""
-        bounds = np.linspace(0, n, num_executors + 1).round().astype(np.int64)
+        """Contiguous, nearly equal ranges (:meth:`bounds`): an executor's own lists then fill few table rows."""
+        bounds = NNDInput.bounds(n, num_executors)
         return np.arange(bounds[executor_id], bounds[executor_id + 1], dtype=np.int64)
 
 
@@ -283,7 +288,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
 def _partition_bounds(executor: litz.Executor, owned: np.ndarray, n: int, executors: int) -> np.ndarray:
     """The executors' ranges of points, ``bounds[e] .. bounds[e + 1]``; the owned points must be
     this executor's (:meth:`NNDInput.partition`), or no executor could tell whose a point is."""
-    bounds = np.linspace(0, n, executors + 1).round().astype(np.int64)
+    bounds = NNDInput.bounds(n, executors)
     e = int(executor.executor_id)
     lo, hi = int(bounds[e]), int(bounds[e + 1])
     if len(owned) != hi - lo or (len(owned) and (int(owned[0]) != lo or int(owned[-1]) != hi - 1)):
@@ -366,9 +371,7 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     if not in_place:
         G[read] = rows
     graph = G.reshape(-1, 3 * k)[:n]
-    pos = nk.own_index(n, owned)
-    touched = np.zeros(n, np.uint8)
-    counts = np.zeros(len(nk.COUNTERS), np.int64)
+    pos, touched, counts = nk.bookkeeping(n, owned)
     new, old, counts[5] = nk.sample_candidates(graph, k, pos, len(owned), int(args["max_candidates"]),
                                                int(args["seed"]), int(args["round"]), touched, read, block)
     blocks, deltas = nk.nnd_join(data, graph, owned, pos, touched, new, old, counts, k, bool(args["filter"]), block,
@@ -430,7 +433,7 @@ def _initial_lists(data: np.ndarray, owned: np.ndarray, k: int, seed: int,
     n = len(data)
     G = _graph_buffer(num_blocks(n, block), block, 3 * k).reshape(-1, 3 * k)[:n]
     G[owned] = nk.empty_lists(1, k)
-    pos, touched, counts = nk.own_index(n, owned), np.zeros(n, np.uint8), np.zeros(len(nk.COUNTERS), np.int64)
+    pos, touched, counts = nk.bookkeeping(n, owned)
     for order, bounds in trees:
         nk.leaf_offers(data, G, order, bounds, k, pos, touched, counts)
     nk.fill_random(data, G, owned, k, seed, touched, counts)

@@ -302,6 +302,14 @@ def own_index(n: int, owned: np.ndarray) -> np.ndarray:
 
 
 @_jit
+def bookkeeping(n: int, owned: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What an executor's first lists or round keeps beside the lists: ``(pos, touched, counts)``,
+    the owned points' index (:func:`own_index`), a flag per point whose list changed, and the
+    :data:`COUNTERS`."""
+    return own_index(n, owned), np.zeros(n, np.uint8), np.zeros(len(COUNTERS), np.int64)
+
+
+@_jit
 def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, seed: int, rnd: int,
                       touched: np.ndarray, blocks: np.ndarray | None = None, block: int = 0
                       ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -687,10 +695,7 @@ def nnd_sample(G: np.ndarray, owned: np.ndarray, k: int, mc: int, seed: int, rnd
     Returns ``(pos, touched, new, old, counts)``: what the join and the packing take (see
     :func:`nnd_round`), with ``counts`` (:data:`COUNTERS`) holding the marks so far.
     """
-    n = G.shape[0]
-    counts = np.zeros(len(COUNTERS), np.int64)
-    pos = own_index(n, owned)
-    touched = np.zeros(n, np.uint8)
+    pos, touched, counts = bookkeeping(G.shape[0], owned)
     new, old, marked = sample_candidates(G, k, pos, owned.shape[0], mc, seed, rnd, touched)
     counts[5] = marked
     return pos, touched, new, old, counts
@@ -845,7 +850,7 @@ def locality_order(data: np.ndarray, seed: int, leaf_size: int) -> np.ndarray:
 def init_lists(n: int, owned: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Empty lists and bookkeeping for the first lists: ``(G, pos, touched, counts)`` for
     :func:`leaf_offers`, :func:`fill_random` and :func:`pack_updates`."""
-    return empty_lists(n, k), own_index(n, owned), np.zeros(n, np.uint8), np.zeros(len(COUNTERS), np.int64)
+    return (empty_lists(n, k), *bookkeeping(n, owned))
 
 
 @_points_read_only
