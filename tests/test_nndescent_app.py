@@ -267,7 +267,8 @@ def test_the_join_the_leaf_offers_and_the_combiner_count_no_references() -> None
     G = nk.empty_lists(200, k)
     order, bounds = nd._trees(x, 1, 1, 8, np.arange(200))[0]
     # the kernels are called directly: a caller loaded from Numba's cache compiles no callee
-    scratch = [np.empty(200, np.int64), np.empty(200, np.float32)]
+    scratch = [np.empty(200, np.int64), np.empty(200, np.float32), np.empty((200, 200), np.float32),
+               np.empty(200, np.float32), np.empty(200, np.int64), np.empty(3 * k, np.float32)]
     nk._leaf_offers(x, G, order, bounds, k, *nk.init_lists(200, owned, k)[1:], *scratch)
     pos, touched, new, old, counts = nk.nnd_sample(G, owned, k, k, 1, 0)
     scratch = [G[:, 2 * k - 1].copy(), np.empty(2 * k, np.int64), np.empty(2 * k, np.int64),
@@ -277,6 +278,39 @@ def test_the_join_the_leaf_offers_and_the_combiner_count_no_references() -> None
     for kernel in (nk._join_filtered, nk._leaf_offers, nk.merge_lists):
         asm = machine_code(kernel)
         assert not counts_references(asm), kernel.__name__
+
+
+@pytest.mark.parametrize("dim", [3, 40])
+def test_leaf_offers_make_the_lists_that_offering_each_pair_makes(dim: int) -> None:
+    """The leaf offers measure each pair once and merge each owned point's sorted leaf mates into its
+    list; the lists, flags, touched points and counters must be those of offering every pair of a
+    leaf to both ends' lists one by one with ``_push``, tree after tree (ties included: with 3
+    dimensions of rounded values many pairs share a distance)."""
+    rng = np.random.default_rng(5)
+    x = nk.read_only(np.round(rng.standard_normal((700, dim)) * (2 if dim == 3 else 50)).astype(np.float32))
+    k = 6
+    owned = np.sort(rng.choice(len(x), 300, replace=False))
+    G, pos, touched, counts = nk.init_lists(len(x), owned, k)
+    ref, _, ref_touched, _ = nk.init_lists(len(x), owned, k)
+    pairs = 0
+    for tree in range(4):
+        order, bounds = nk.rp_tree(x, 2, tree, 2 * k + tree)
+        nk.leaf_offers(x, G, order, bounds, k, pos, touched, counts)
+        for lo, hi in itertools.pairwise(bounds):
+            for a in range(lo, hi):
+                for b in range(a + 1, hi):
+                    p, q = int(order[a]), int(order[b])
+                    if pos[p] < 0 and pos[q] < 0:
+                        continue
+                    pairs += 1
+                    d = nk._sqdist(x, p, q)
+                    for u, v in ((p, q), (q, p)):
+                        if pos[u] >= 0 and nk._push(ref[u], k, v, d, nk.FLAG_PROPOSED):
+                            ref_touched[u] = 1
+    np.testing.assert_array_equal(G, ref)
+    np.testing.assert_array_equal(touched, ref_touched)
+    assert counts[0] == pairs and counts[1] == 2 * pairs
+    assert (G[owned, :k] >= 0).all()  # every owned list is full: the trees did offer
 
 
 def test_a_tree_pruned_to_the_owned_points_has_exactly_their_leaves_of_the_whole_tree() -> None:
