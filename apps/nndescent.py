@@ -372,6 +372,7 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
         G[read] = rows
     graph = G.reshape(-1, 3 * k)[:n]
     pos, touched, counts = nk.bookkeeping(n, owned)
+    counts[nk.COUNTERS.index("rows_read")] = len(read)
     new, old, counts[5] = nk.sample_candidates(graph, k, pos, len(owned), int(args["max_candidates"]),
                                                int(args["seed"]), int(args["round"]), touched, read, block)
     blocks, deltas = nk.nnd_join(data, graph, owned, pos, touched, new, old, counts, k, bool(args["filter"]), block,
@@ -625,7 +626,8 @@ class NNDescentPhase:
         self._refilling = False  # the tasks out are a refill (initial lists again, after a loss)
         self._refill_wanted = False  # a server was lost during this round: refill after it
         self.stats: dict[str, Any] = {"rounds": 0, "updates": [], "distances": [], "proposed": [], "sent": [],
-                                      "rows_sent": [], "marked": [], "seconds": [], "candidates_proposed": 0,
+                                      "rows_sent": [], "marked": [], "rows_read": [], "seconds": [],
+                                      "candidates_proposed": 0,
                                       "candidates_sent": 0, "candidates_filtered": 0, "filter": self.use_filter,
                                       "refills": 0, "devices": []}
         self._pending = 0
@@ -725,14 +727,15 @@ class NNDescentPhase:
         else:
             st = self.stats
             st["rounds"] = self.round + 1
-            for name in ("updates", "distances", "proposed", "sent", "rows_sent", "marked"):
+            for name in ("updates", "distances", "proposed", "sent", "rows_sent", "marked", "rows_read"):
                 st[name].append(c[name])
             st["seconds"].append(seconds)
             st["candidates_proposed"] += c["proposed"]
             st["candidates_sent"] += c["sent"]
             st["candidates_filtered"] = st["candidates_proposed"] - st["candidates_sent"]
             self._say(f"round {self.round + 1:3d}  updates {c['updates']:9d}  distances {c['distances']:10d}  "
-                      f"candidates sent {c['sent']:9d} of {c['proposed']:10d}  {seconds:.3f} s {slowest}")
+                      f"candidates sent {c['sent']:9d} of {c['proposed']:10d}  blocks read {c['rows_read']:7d}  "
+                      f"{seconds:.3f} s {slowest}")
             if not self._refill_wanted and (c["updates"] < self.delta * self.n * self.k
                                             or self.round + 1 >= self.max_rounds):
                 self.converged = True

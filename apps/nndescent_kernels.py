@@ -46,7 +46,7 @@ FLAG_PROPOSED = 2  # only inside one kernel call: an entry this executor found (
 FLAG_MARKED = -1  # only inside one kernel call: a new entry its owner joins now (sent with FLAG_OLD)
 
 #: Counters returned by the round and init kernels, in this order.
-COUNTERS = ("distances", "proposed", "sent", "updates", "rows_sent", "marked")
+COUNTERS = ("distances", "proposed", "sent", "updates", "rows_sent", "marked", "rows_read")
 
 _jit = numba.njit(cache=True, nogil=True)
 _jit_fast = numba.njit(cache=True, nogil=True, fastmath=True)

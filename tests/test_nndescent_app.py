@@ -392,8 +392,9 @@ def test_executors_reading_only_the_marked_lists_make_exactly_the_one_process_ro
     for rnd in range(4):
         graph = np.concatenate([servers._row("knn", b) for b in range(nd.num_blocks(n, block))])[:n]
         expected = [nk.nnd_round(x, graph.copy(), owned, k, k, 4, rnd, True, block) for owned in parts]
-        for executor in people:
-            nd.nndescent_run_task(executor, {**base, "op": "round", "round": rnd})
+        before = len(read)
+        outs = [nd.nndescent_run_task(executor, {**base, "op": "round", "round": rnd}) for executor in people]
+        assert sum(o["counts"][nk.COUNTERS.index("rows_read")] for o in outs) == sum(read[before:])
         sent = [(keys, deltas) for name, keys, deltas in servers.waiting if name == "knn"]
         servers.end_wave()
         assert len(sent) == executors
