@@ -87,8 +87,10 @@ def empty_lists(m: int, k: int) -> np.ndarray:
 def _push(r: np.ndarray, k: int, q: float, d: float, f: float) -> int:
     """Merge the entry ``(q, d, f)`` into the sorted list ``r`` (length 3k); 1 if ``q`` entered the list.
 
-    An id already present keeps its smallest ``(distance, flag)``: a lower flag (an "old" mark) or a
-    smaller distance replaces the entry, which is then re-inserted at its place; that is no new entry.
+    An id already present keeps its smallest ``(distance, flag)``: a lower flag (an "old" mark) is
+    set in place, a smaller distance replaces the entry, which is then re-inserted at its place;
+    neither is a new entry. (A lower flag used to take the entry out and insert it again, at the
+    same place: a server merges millions of such marks in a round's first rounds.)
     The search for ``q`` reads the whole id row without an exit (empty slots, -1, never match), and
     :func:`_insert` counts its place: no loop ends on a data-dependent branch but the shift (an
     executor's round at 2**18 10-d points 1-5% faster, the combiner 0-8%, the same lists).
@@ -102,7 +104,11 @@ def _push(r: np.ndarray, k: int, q: float, d: float, f: float) -> int:
             s = t
     if s >= 0:
         ds = r[k + s]
-        if d < ds or (d == ds and f < r[2 * k + s]):
+        if d == ds:  # the same entry: only a lower flag changes it, in place (flags do not order a list)
+            if f < r[2 * k + s]:
+                r[2 * k + s] = f
+            return 0
+        if d < ds:
             for t in range(s, k - 1):  # take it out, then insert it again below
                 r[t] = r[t + 1]
                 r[k + t] = r[k + t + 1]
