@@ -31,6 +31,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from apps.kernel_util import insert_sorted
+
 _jit = numba.njit(cache=True, nogil=True)
 _inline = numba.njit(cache=True, nogil=True, inline="always")
 
@@ -71,15 +73,7 @@ def mutual_reachability_rows(ids: np.ndarray, knn_idx: np.ndarray, knn_dist: np.
             d = knn_dist[i, s]
             if v < 0 or v == u or not np.isfinite(d):
                 continue
-            x = max(d, cu, core[v])
-            # insertion sort by (w, v): rows are short (k ~ 15)
-            p = c
-            while p > 0 and (key_w[p - 1] > x or (key_w[p - 1] == x and key_v[p - 1] > v)):
-                key_w[p] = key_w[p - 1]
-                key_v[p] = key_v[p - 1]
-                p -= 1
-            key_w[p] = x
-            key_v[p] = v
+            insert_sorted(key_w, key_v, c, max(d, cu, core[v]), v)  # by (w, v): rows are short (k ~ 15)
             c += 1
         for s in range(c):
             nbr[i, s] = key_v[s]

@@ -16,12 +16,16 @@ time (README, "Reference counts in hot loops"). A kernel compiled with these opt
 
 :func:`read_only` is what the kernels' Python entry points pass their arrays through, so that one
 compiled specialization of each kernel serves every caller.
+
+:func:`insert_sorted` is one step of an insertion sort by (key, id), for the short rows that the
+kernels sort (a leaf's candidates, a point's mutual-reachability edges).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -30,7 +34,7 @@ from numba.core import cgutils
 from numba.core.cpu import CPUTargetOptions
 from numba.extending import intrinsic
 
-__all__ = ["NO_REFCOUNTS", "prefetch", "read_only"]
+__all__ = ["NO_REFCOUNTS", "insert_sorted", "prefetch", "read_only"]
 
 #: ``njit`` options for a kernel without reference counts: ``_nrt`` is a private option of Numba's CPU
 #: target, so a Numba without it gets the kernel with its counts (slower, still correct; the tests that
@@ -50,6 +54,19 @@ def read_only(a: np.ndarray) -> np.ndarray:
     view = a.view(np.ndarray)
     view.flags.writeable = False
     return view
+
+
+@numba.njit(cache=True, nogil=True)
+def insert_sorted(keys: np.ndarray, ids: np.ndarray, m: int, key: Any, ident: Any) -> None:
+    """Insert ``(key, ident)`` among the ``m`` entries of ``keys`` and ``ids`` (both of room for one
+    more), which are sorted by key, then id; the entries after it move up one place."""
+    t = m
+    while t > 0 and (keys[t - 1] > key or (keys[t - 1] == key and ids[t - 1] > ident)):
+        keys[t] = keys[t - 1]
+        ids[t] = ids[t - 1]
+        t -= 1
+    keys[t] = key
+    ids[t] = ident
 
 
 # LLVM 15 made pointers opaque, which renamed the intrinsic's overload

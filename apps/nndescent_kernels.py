@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numba
 import numpy as np
 
-from apps.kernel_util import NO_REFCOUNTS, read_only
+from apps.kernel_util import NO_REFCOUNTS, insert_sorted, read_only
 
 FLAG_OLD = 0
 FLAG_NEW = 1
@@ -958,14 +958,7 @@ def _leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.
                 d = D[x - lo, y - lo]
                 if y == x or d > worst:
                     continue
-                q = order[y]
-                t = m  # insertion into the sorted candidates (a leaf holds few)
-                while t > 0 and (cd[t - 1] > d or (cd[t - 1] == d and cq[t - 1] > q)):
-                    cd[t] = cd[t - 1]
-                    cq[t] = cq[t - 1]
-                    t -= 1
-                cd[t] = d
-                cq[t] = q
+                insert_sorted(cd, cq, m, d, order[y])  # a leaf holds few
                 m += 1
             if m and _merge_sorted(G[p], k, cd, cq, m, out):
                 touched[p] = 1
