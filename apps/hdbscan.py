@@ -275,7 +275,7 @@ def bridged(a: np.ndarray, b: np.ndarray, w: np.ndarray, parent: np.ndarray, poi
                 members = np.flatnonzero(np.isin(label, small)).astype(np.int64)
                 if not len(members) or len(members) * n > BRIDGE_PAIRS:
                     break
-            ea, eb, ew = hk.nearest_outside(points, core, label, members)
+            ea, eb, ew = hk.cheapest_outside(points, core, label, members)
             keep = eb >= 0
             added = hk.boruvka_merge(parent, size, label[ea[keep]].astype(np.int64), ea[keep], eb[keep], ew[keep])
             if not len(added[0]):

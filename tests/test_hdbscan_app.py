@@ -177,6 +177,44 @@ def hand_tree(fall15: float, fall16: float) -> tuple[np.ndarray, ...]:
     return p.astype(np.int64), c.astype(np.int64), lam.astype(np.float64), s.astype(np.int64)
 
 
+@pytest.mark.parametrize(("components", "width", "spread", "cores"),
+                         [(7, 12, 3, (0, 3)), (30, 12, 1, (0, 3)), (7, 12, 3, (0, 9)), (7, 2, 1, (10, 11)),
+                          (200, 12, 3, (0, 3))])
+def test_each_components_cheapest_edge_outside_it_is_the_brute_force_one(components: int, width: int, spread: int,
+                                                                         cores: tuple[int, int]) -> None:
+    """``cheapest_outside`` searches a component's members nearest another component first and skips
+    what a bound rules out (7 blobs; 30 tight ones, whose bounds are close to their edges; 7 blobs
+    whose core distances, up to 8, make many edges weigh the same; 7 blobs close together whose
+    core distances, all 10, make the cheapest edges all weigh 10, so the order of the points decides),
+    or searches every member over every point (200 components of 600 points are too many to bound).
+    Either way its edges must be true edges, and the cheapest of each component's, in the order (w,
+    a, b), that of the plain search over every member and every point outside. A component that
+    holds every point has no edge."""
+    rng = np.random.default_rng(3)
+    label = rng.integers(0, components, 600).astype(np.int32)  # as bridged passes them
+    centres = rng.integers(-width, width + 1, (components, 5))
+    x = (centres[label] + rng.integers(-spread, spread + 1, (600, 5))).astype(np.float32)
+    core = rng.integers(*cores, 600).astype(np.float32)
+    members = np.sort(rng.choice(600, 250, replace=False)).astype(np.int64)
+    a, b, w = hk.cheapest_outside(x, core, label, members)
+
+    def weight(p: int, q: np.ndarray) -> np.ndarray:  # float32, as the kernel and the tree keep them
+        d = np.sqrt(((x[q] - x[p]).astype(np.float64) ** 2).sum(axis=1))
+        return np.maximum(np.maximum(core[p], core[q]), d).astype(np.float32)
+
+    assert set(a.tolist()) <= set(members.tolist()) and (b >= 0).all() and (label[a] != label[b]).all()
+    assert all(wq == weight(p, np.array([q]))[0] for p, q, wq in zip(a, b, w, strict=True))
+    for c in np.unique(label[members]):
+        mine = members[label[members] == c]  # ascending, as ``out``: the first minimum is the smallest (a, b)
+        out = np.flatnonzero(label != c)
+        weights = np.stack([weight(p, out) for p in mine])
+        i, j = np.unravel_index(np.argmin(weights), weights.shape)
+        got = min((float(wq), int(p), int(q)) for p, q, wq in zip(a, b, w, strict=True) if label[p] == c)
+        assert got == (float(weights[i, j]), int(mine[i]), int(out[j])), c
+    a, b, w = hk.cheapest_outside(x, core, np.zeros(600, np.int32), members)
+    assert (b == -1).all() and np.isinf(w).all()
+
+
 def test_eom_selects_by_stability_on_a_hand_built_tree() -> None:
     n = 14
     # stabilities: 15: 4 * (5 - 1) = 16; 16: 8 * (2 - 1) = 8; 17: 4 * (3 - 2) = 4; 18: 4 * (4 - 2) = 8
