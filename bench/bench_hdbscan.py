@@ -197,7 +197,9 @@ def main() -> None:
     p.add_argument("--fast-euclidean", action="store_true", help="also fast_hdbscan with metric='euclidean'")
     p.add_argument("--no-fast-hdbscan", action="store_true", help="leave fast_hdbscan out")
     p.add_argument("--pynndescent", action="store_true", help="also time pynndescent's kNN graph alone")
-    p.add_argument("--hdbscan-limit", type=float, default=600.0, help="seconds an hdbscan run may take")
+    p.add_argument("--hdbscan-limit", type=float, default=600.0,
+                   help="hdbscan is skipped at a size once the previous size's run took more than "
+                        "LIMIT / 2.2 seconds (its time roughly doubles per size); -1 skips it")
     p.add_argument("--no-speed", action="store_true")
     p.add_argument("--no-accuracy", action="store_true")
     args = p.parse_args()
