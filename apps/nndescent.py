@@ -260,6 +260,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     Everything the task needs is in ``args`` and the input.
     """
     start = time.perf_counter()
+    laps = _Laps(start)
     inp = _nnd_input(executor)
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
     data, owned = inp.data, inp.owned
@@ -269,20 +270,40 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     if args["op"] == "init":
         seed = int(args["seed"])
         trees = _trees(data, seed, int(args.get("trees", 0)), max(2 * k, 30), owned)
+        laps.lap("trees")
         blocks, deltas, counts = _initial_lists(data, owned, k, seed, trees, block)
+        laps.lap("lists")
         if args.get("refill"):  # marks lost with a server: mark every edge of the owned lists again
             own = _own_blocks(owned, block)
             _send_marks(executor, args, bounds, own, executor.ps.get_many(args["table"], own), new_only=False)
     else:
-        blocks, deltas, counts = _round(executor, data, owned, bounds, args)
+        blocks, deltas, counts = _round(executor, data, owned, bounds, args, laps)
     if len(blocks):
         executor.ps.update_many(args["table"], blocks, deltas)
         _send_marks(executor, args, bounds, blocks, deltas)
+    laps.lap("send")
     out = {"phase": "nnd", "counts": counts.tolist(), "owned": len(owned), "owned_sum": int(owned.sum()),
-           "device": gpu.process_device(args.get("device", "cpu")), "seconds": time.perf_counter() - start}
+           "device": gpu.process_device(args.get("device", "cpu")), "seconds": time.perf_counter() - start,
+           "parts": laps.parts}
     if args["op"] == "init":
         out["fingerprint"] = data_fingerprint(data)
     return out
+
+
+class _Laps:
+    """The seconds of a task's successive parts (``trees``, ``lists`` / ``read``, ``sample``, ``join``;
+    then ``send``). The phase prints its rounds' slowest task's: the 16-core host's first-list tasks
+    took twice what one such task takes alone on 2 cores, and the parts say where."""
+
+    def __init__(self, start: float) -> None:
+        self.parts: dict[str, float] = {}
+        self._t = start
+
+    def lap(self, name: str) -> None:
+        """Charge the time since the last lap (or the start) to ``name``."""
+        now = time.perf_counter()
+        self.parts[name] = self.parts.get(name, 0.0) + now - self._t
+        self._t = now
 
 
 def _partition_bounds(executor: litz.Executor, owned: np.ndarray, n: int, executors: int) -> np.ndarray:
@@ -336,8 +357,8 @@ DENSE_READ = 0.75
 _ROW_BUFFER: list[np.ndarray] = []
 
 
-def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds: np.ndarray, args: dict[str, Any]
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds: np.ndarray, args: dict[str, Any],
+           laps: _Laps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One round of an executor (module docstring): read the marked lists and its own, sample, join, pack."""
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
     nb = num_blocks(n, block)
@@ -371,12 +392,15 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     if not in_place:
         G[read] = rows
     graph = G.reshape(-1, 3 * k)[:n]
+    laps.lap("read")
     pos, touched, counts = nk.bookkeeping(n, owned)
     counts[nk.COUNTERS.index("rows_read")] = len(read)
     new, old, counts[5] = nk.sample_candidates(graph, k, pos, len(owned), int(args["max_candidates"]),
                                                int(args["seed"]), int(args["round"]), touched, read, block)
+    laps.lap("sample")
     blocks, deltas = nk.nnd_join(data, graph, owned, pos, touched, new, old, counts, k, bool(args["filter"]), block,
                                  _join_distances(args.get("device", "cpu")))
+    laps.lap("join")
     return blocks, deltas, counts
 
 
@@ -633,6 +657,7 @@ class NNDescentPhase:
         self._pending = 0
         self._counts = np.zeros(len(nk.COUNTERS), np.int64)
         self._slowest = 0.0  # the round's slowest task's own seconds, as it measured them
+        self._slowest_parts: dict[str, float] = {}  # and its parts (_Laps)
         self._owned = [0, 0]
         self._fingerprints: dict[str, int] = {}
 
@@ -648,6 +673,7 @@ class NNDescentPhase:
                 "refill": self._refilling}
         self._counts[:] = 0
         self._slowest = 0.0
+        self._slowest_parts = {}
         self._pending = self.E
         self._t = time.perf_counter()
         for e in range(self.E):
@@ -694,7 +720,9 @@ class NNDescentPhase:
         """Account one completion; at the end of a round, stop or dispatch the next. True once converged."""
         v = result.value
         self._counts += np.asarray(v["counts"], np.int64)
-        self._slowest = max(self._slowest, float(v.get("seconds", 0.0)))
+        if float(v.get("seconds", 0.0)) >= self._slowest:
+            self._slowest = float(v.get("seconds", 0.0))
+            self._slowest_parts = dict(v.get("parts", {}))
         device = v.get("device", "cpu")
         if device not in self.stats["devices"]:
             self.stats["devices"] = sorted({*self.stats["devices"], device})
@@ -709,7 +737,8 @@ class NNDescentPhase:
         seconds = time.perf_counter() - self._t
         # the slowest task's own time (reads, kernels, sends): the rest of the round is the chain of
         # messages around the tasks, the servers' merges and the driver
-        slowest = f"(slowest task {self._slowest:.3f} s)"
+        parts = ", ".join(f"{name} {t:.3f}" for name, t in self._slowest_parts.items())
+        slowest = f"(slowest task {self._slowest:.3f} s{': ' + parts if parts else ''})"
         if self._refilling:
             self._refilling = False
             self.stats["refills"] += 1

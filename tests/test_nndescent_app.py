@@ -383,7 +383,8 @@ def test_executors_reading_only_the_marked_lists_make_exactly_the_one_process_ro
     base = {"phase": "nnd", "n": n, "k": k, "block": block, "table": "knn", "seed": 4, "max_candidates": k,
             "filter": True, "trees": 2, "device": "cpu", "executors": executors}
     for executor in people:
-        nd.nndescent_run_task(executor, {**base, "op": "init", "round": -1})
+        out = nd.nndescent_run_task(executor, {**base, "op": "init", "round": -1})
+        assert list(out["parts"]) == ["trees", "lists", "send"] and sum(out["parts"].values()) <= out["seconds"]
     servers.end_wave()
     read = []
     real_get = servers.get_many
@@ -395,6 +396,8 @@ def test_executors_reading_only_the_marked_lists_make_exactly_the_one_process_ro
         before = len(read)
         outs = [nd.nndescent_run_task(executor, {**base, "op": "round", "round": rnd}) for executor in people]
         assert sum(o["counts"][nk.COUNTERS.index("rows_read")] for o in outs) == sum(read[before:])
+        for o in outs:  # the task's parts, in order, as the phase prints its slowest task's
+            assert list(o["parts"]) == ["read", "sample", "join", "send"] and sum(o["parts"].values()) <= o["seconds"]
         sent = [(keys, deltas) for name, keys, deltas in servers.waiting if name == "knn"]
         servers.end_wave()
         assert len(sent) == executors
