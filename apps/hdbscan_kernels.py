@@ -302,8 +302,9 @@ def cheapest_outside(data: np.ndarray, core: np.ndarray, label: np.ndarray, memb
     radius = np.maximum.reduceat(np.sqrt(((x - centres[ball]) ** 2).sum(axis=1)), ball_starts[:-1])
     radius = radius * (1 + 1e-6) + 1e-12  # above the rounding of the distances the kernel computes
     min_core = np.minimum.reduceat(np.asarray(core, np.float64)[order], ball_starts[:-1])
-    by_comp = np.argsort(inverse[members], kind="stable").astype(np.int64)  # members grouped by component
-    member_starts = np.searchsorted(inverse[members][by_comp], np.arange(len(comps) + 1)).astype(np.int64)
+    member_comp = inverse[members]
+    by_comp = np.argsort(member_comp, kind="stable").astype(np.int64)  # members grouped by component
+    member_starts = np.searchsorted(member_comp[by_comp], np.arange(len(comps) + 1)).astype(np.int64)
     a, b, w = _cheapest_outside_bounded(data, core, members[by_comp], member_starts, order, ball_starts,
                                         ball_comp.astype(np.int64), centres, radius, min_core)
     has = member_starts[1:] > member_starts[:-1]

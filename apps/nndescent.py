@@ -720,9 +720,9 @@ class NNDescentPhase:
         """Account one completion; at the end of a round, stop or dispatch the next. True once converged."""
         v = result.value
         self._counts += np.asarray(v["counts"], np.int64)
-        if float(v.get("seconds", 0.0)) >= self._slowest:
-            self._slowest = float(v.get("seconds", 0.0))
-            self._slowest_parts = dict(v.get("parts", {}))
+        task_seconds = float(v.get("seconds", 0.0))
+        if task_seconds >= self._slowest:
+            self._slowest, self._slowest_parts = task_seconds, dict(v.get("parts", {}))
         device = v.get("device", "cpu")
         if device not in self.stats["devices"]:
             self.stats["devices"] = sorted({*self.stats["devices"], device})
