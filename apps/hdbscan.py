@@ -239,7 +239,7 @@ def spanning_tree(knn_idx: np.ndarray, knn_dist: np.ndarray, min_samples: int, p
 
 #: The most (point, point) pairs :func:`bridged` lets a round's search cover to join components
 #: exactly (all of them at first sight, as a brute force would: 1.5-3 s of one core in 10 dimensions;
-#: :func:`~apps.hdbscan_kernels.cheapest_outside` rules most out by bounds, 0.07-0.18 s a round at
+#: :func:`~apps.hdbscan_kernels.cheapest_outside` rules most out by bounds, 0.02-0.07 s a round at
 #: 2**14 blobs); beyond it they are joined like the others, by infinite edges.
 BRIDGE_PAIRS = 300_000_000
 

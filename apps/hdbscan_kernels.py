@@ -271,17 +271,22 @@ def cheapest_outside(data: np.ndarray, core: np.ndarray, label: np.ndarray, memb
 
     A brute-force search over all points, with shortcuts that change no answer. The points of each
     component are cut into balls of at most :data:`BALL_POINTS` consecutive ids (centre, radius,
-    smallest core distance). A component's members are searched together, nearest another
-    component first: a member visits the other components' balls in the order of a lower bound of
-    its edges to them (its distance to the centre less the radius, and the smallest core distance),
-    and stops at the first bound above the component's best edge so far; a member whose smallest
-    bound is above it is not searched at all; a distance stops adding dimensions once its sum is
+    smallest core distance). A component is searched ball by ball, nearest another component
+    first: each of its balls visits the other components' balls in the order of a lower bound of
+    the edges between them (the distance of the centres less both radii, and the smallest core
+    distances), and stops at the first bound above the component's best edge so far; a ball whose
+    smallest bound is above it is not searched at all; inside a pair of balls, a member whose bound
+    to the other ball is above it is skipped, and a distance stops adding dimensions once its sum is
     past the best edge's square. Margins far above the rounding keep every edge that could still
     win or tie. Components are searched in parallel. At 2**14 points of 10 blobs in 10 dimensions (a
     kNN graph in 10 pieces, every point a member) the search of every member over every point took
-    1.8-2.9 s of one core. With many small components (more than :data:`BOUND_BALLS` of a ball per
-    point) or few members (:data:`BOUND_MEMBERS`), each member scans every point (one edge per
-    member)."""
+    1.8-2.9 s of one core; bounding each member's edges to every ball, 0.05-0.07 and 0.15-0.18 s
+    for the two rounds of joins (the bounds themselves, a member times a ball, were most of it);
+    bounding pairs of balls first, 0.02-0.03 and 0.05-0.07 s. (In 10 dimensions a ball of 64 of a
+    blob's 1,600 points is most of the blob's width, so the bounds of balls rule out little by
+    themselves; balls of 16, 32 and 128 points were slower.) With many small components (more than
+    :data:`BOUND_BALLS` of a ball per point) or few members (:data:`BOUND_MEMBERS`), each member scans
+    every point (one edge per member)."""
     n = data.shape[0]
     members = np.ascontiguousarray(members, np.int64)
     comps, inverse = np.unique(np.asarray(label), return_inverse=True)
@@ -302,12 +307,12 @@ def cheapest_outside(data: np.ndarray, core: np.ndarray, label: np.ndarray, memb
     radius = np.maximum.reduceat(np.sqrt(((x - centres[ball]) ** 2).sum(axis=1)), ball_starts[:-1])
     radius = radius * (1 + 1e-6) + 1e-12  # above the rounding of the distances the kernel computes
     min_core = np.minimum.reduceat(np.asarray(core, np.float64)[order], ball_starts[:-1])
-    member_comp = inverse[members]
-    by_comp = np.argsort(member_comp, kind="stable").astype(np.int64)  # members grouped by component
-    member_starts = np.searchsorted(member_comp[by_comp], np.arange(len(comps) + 1)).astype(np.int64)
-    a, b, w = _cheapest_outside_bounded(data, core, members[by_comp], member_starts, order, ball_starts,
-                                        ball_comp.astype(np.int64), centres, radius, min_core)
-    has = member_starts[1:] > member_starts[:-1]
+    member = np.zeros(n, np.uint8)
+    member[members] = 1
+    comp_balls = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)  # component c: balls comp_balls[c]..
+    a, b, w = _cheapest_outside_bounded(data, core, member, order, ball_starts, comp_balls, centres, radius,
+                                        min_core)
+    has = a >= 0
     return a[has], b[has], w[has]
 
 
@@ -353,57 +358,70 @@ def _nearest_outside_all(data: np.ndarray, core: np.ndarray, label: np.ndarray, 
 
 
 @numba.njit(cache=True, nogil=True)
-def _bounds(data: np.ndarray, p: int, own: int, cp: float, ball_comp: np.ndarray, centres: np.ndarray,
-            radius: np.ndarray, min_core: np.ndarray, out: np.ndarray) -> float:
-    """Lower bounds of ``p``'s edges to the points of each ball (``inf`` for the balls of its own
-    component, ``own``) into ``out``; returns the smallest."""
+def _ball_bounds(own: int, lo: int, hi: int, centres: np.ndarray, radius: np.ndarray, min_core: np.ndarray,
+                 out: np.ndarray) -> float:
+    """Lower bounds of the edges between ball ``own`` and each ball into ``out`` (``inf`` for the balls
+    ``lo .. hi - 1``, its component's); returns the smallest."""
     low = np.inf
     for c in range(centres.shape[0]):
-        if ball_comp[c] == own:
+        if lo <= c < hi:
             out[c] = np.inf
             continue
         acc = 0.0
         for j in range(centres.shape[1]):
-            t = data[p, j] - centres[c, j]
+            t = centres[own, j] - centres[c, j]
             acc += t * t
-        out[c] = max(np.sqrt(acc) - radius[c], cp, min_core[c])
+        out[c] = max(np.sqrt(acc) - radius[own] - radius[c], min_core[own], min_core[c])
         low = min(low, out[c])
     return low
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _cheapest_outside_bounded(data: np.ndarray, core: np.ndarray, members: np.ndarray, member_starts: np.ndarray,
-                              order: np.ndarray, ball_starts: np.ndarray, ball_comp: np.ndarray,
-                              centres: np.ndarray, radius: np.ndarray, min_core: np.ndarray
-                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`cheapest_outside` by balls (ball ``t`` holds the points ``order[ball_starts[t]:ball_starts[t +
-    1]]`` of component ``ball_comp[t]``; component ``c``'s members are ``members[member_starts[c]:
-    member_starts[c + 1]]``): one edge per component."""
-    C = member_starts.shape[0] - 1
+def _cheapest_outside_bounded(data: np.ndarray, core: np.ndarray, member: np.ndarray, order: np.ndarray,
+                              ball_starts: np.ndarray, comp_balls: np.ndarray, centres: np.ndarray,
+                              radius: np.ndarray, min_core: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`cheapest_outside` by pairs of balls (ball ``t`` holds the points ``order[ball_starts[t]:
+    ball_starts[t + 1]]``; component ``c``'s balls are ``comp_balls[c] .. comp_balls[c + 1] - 1``;
+    ``member`` flags the members): one edge per component, ``a = -1`` for a component without members."""
+    C = comp_balls.shape[0] - 1
     a = np.full(C, -1, np.int64)
     b = np.full(C, -1, np.int64)
     w = np.full(C, np.inf, np.float32)
     for c0 in numba.prange(C):
-        lo, hi = member_starts[c0], member_starts[c0 + 1]
-        if lo == hi:
-            continue
+        lo, hi = comp_balls[c0], comp_balls[c0 + 1]
         bound = np.empty(centres.shape[0])
-        low = np.empty(hi - lo)
+        low = np.full(hi - lo, np.inf)
+        first = -1  # the component's first member (its smallest id: order is by id within a component)
         for t in range(hi - lo):
-            p = members[lo + t]
-            low[t] = _bounds(data, p, c0, core[p], ball_comp, centres, radius, min_core, bound)
-        best, bp, bq = np.float32(np.inf), members[lo], -1
-        for t in np.argsort(low):  # members nearest another component first
+            for r in range(ball_starts[lo + t], ball_starts[lo + t + 1]):
+                if member[order[r]]:
+                    if first < 0:
+                        first = order[r]
+                    low[t] = _ball_bounds(lo + t, lo, hi, centres, radius, min_core, bound)
+                    break
+        if first < 0:
+            continue
+        best, bp, bq = np.float32(np.inf), first, -1
+        for t in np.argsort(low):  # the component's balls nearest another component first
             if low[t] == np.inf or low[t] > best * (1.0 + 1e-5):
                 break
-            p = members[lo + t]
-            cp = core[p]
-            _bounds(data, p, c0, cp, ball_comp, centres, radius, min_core, bound)
+            _ball_bounds(lo + t, lo, hi, centres, radius, min_core, bound)
             for c in np.argsort(bound):
                 if bound[c] == np.inf or bound[c] > best * (1.0 + 1e-5):
                     break
-                for r in range(ball_starts[c], ball_starts[c + 1]):
-                    best, bp, bq = _edge_to(data, core, p, order[r], cp, best, bp, bq)
+                for r in range(ball_starts[lo + t], ball_starts[lo + t + 1]):
+                    p = order[r]
+                    if not member[p]:
+                        continue
+                    cp = core[p]
+                    acc = 0.0
+                    for j in range(data.shape[1]):
+                        d = data[p, j] - centres[c, j]
+                        acc += d * d
+                    if max(np.sqrt(acc) - radius[c], cp, min_core[c]) > best * (1.0 + 1e-5):
+                        continue
+                    for q in range(ball_starts[c], ball_starts[c + 1]):
+                        best, bp, bq = _edge_to(data, core, p, order[q], cp, best, bp, bq)
         a[c0], b[c0], w[c0] = bp, bq, best
     return a, b, w
 
