@@ -143,14 +143,43 @@ def _insert(r: np.ndarray, k: int, q: float, d: float, f: float) -> None:
 
 @_jit_bare
 def merge_lists(acc: np.ndarray, upd: np.ndarray, k: int) -> None:
-    """Merge every list of ``upd`` into the list of ``acc`` at the same row, in place (both ``(m, 3k)``)."""
+    """Merge every list of ``upd`` into the list of ``acc`` at the same row, in place (both ``(m, 3k)``).
+
+    An empty list of ``acc`` takes a valid list of ``upd`` (:func:`_valid_list`) as it is: what pushing
+    its entries one by one makes. Why: a server merges the first lists into empty rows, and there
+    each push was an insertion (half the first lists of 2**19 points: 0.17-0.20 s pushed)."""
     for i in range(acc.shape[0]):
         r = acc[i]
         u = upd[i]
+        if r[0] < 0 and _valid_list(u, k):
+            for s in range(3 * k):
+                r[s] = u[s]
+            continue
         for s in range(k):
             q = u[s]
             if q >= 0:
                 _push(r, k, q, u[k + s], u[2 * k + s])
+
+
+@_jit
+def _valid_list(u: np.ndarray, k: int) -> bool:
+    """Whether ``u`` is a list as the module docstring says: ids sorted by (distance, id), distinct,
+    then padding (-1, +inf, 0) to the end."""
+    m = 0
+    while m < k and u[m] >= 0:
+        m += 1
+    for s in range(m, k):
+        if u[s] != -1.0 or u[k + s] != np.inf or u[2 * k + s] != 0.0:
+            return False
+    for s in range(1, m):
+        d0, d1 = u[k + s - 1], u[k + s]
+        if not (d0 < d1 or (d0 == d1 and u[s - 1] < u[s])):  # also false for a NaN
+            return False
+    for s in range(m):  # sorted by (distance, id) does not make the ids distinct
+        for t in range(s + 1, m):
+            if u[s] == u[t]:
+                return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -86,6 +86,34 @@ def test_combiner_keeps_the_k_nearest_distinct_ids_in_any_order_and_grouping() -
         comb.merge_into(np.zeros((2, 9), np.float32), np.zeros((2, 9), np.float32))
 
 
+def test_an_empty_list_takes_a_valid_update_whole_and_any_other_entry_by_entry() -> None:
+    """``merge_lists`` copies a valid list into an empty one (the servers' first lists) instead of
+    pushing its entries; an update that is not a list (unsorted, an id twice, padding that is not
+    padding, a NaN) must still come out as the entries pushed one by one would leave it."""
+    k = 4
+    valid = nk.empty_lists(1, k)[0]
+    valid[:3], valid[k:k + 3], valid[2 * k:2 * k + 3] = [9, 2, 5], [0.5, 1.0, 1.0], [1, 0, 1]
+    unsorted = valid.copy()
+    unsorted[[0, 1]], unsorted[[k, k + 1]] = unsorted[[1, 0]], unsorted[[k + 1, k]]
+    twice = valid.copy()
+    twice[2] = 9  # id 9 at 0.5 and at 1.0: the nearer one stays
+    ties = valid.copy()
+    ties[[1, 2]] = [5, 2]  # equal distances out of id order
+    padding = valid.copy()
+    padding[2 * k + 3] = 1.0  # an empty slot with a flag
+    nan = valid.copy()
+    nan[k + 1] = np.nan
+    for upd in (valid, unsorted, twice, ties, padding, nan):
+        merged = nk.empty_lists(1, k)
+        nk.merge_lists(merged, upd[None].copy(), k)
+        pushed = nk.empty_lists(1, k)[0]
+        for s in range(k):
+            if upd[s] >= 0:
+                nk._push(pushed, k, upd[s], upd[k + s], upd[2 * k + s])
+        np.testing.assert_array_equal(merged[0], pushed)
+    assert nk._valid_list(valid, k) and not any(nk._valid_list(u, k) for u in (unsorted, twice, ties, padding, nan))
+
+
 def test_combiner_merge_many_equals_row_by_row_even_with_a_row_listed_twice() -> None:
     rng = np.random.default_rng(2)
     k, universe = 5, 30
