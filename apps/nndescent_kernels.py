@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numba
 import numpy as np
 
-from apps.kernel_util import NO_REFCOUNTS, insert_sorted, read_only
+from apps.kernel_util import NO_REFCOUNTS, insert_sorted, prefetch, read_only
 
 FLAG_OLD = 0
 FLAG_NEW = 1
@@ -1006,6 +1006,13 @@ def _leaf_offers(data: np.ndarray, G: np.ndarray, order: np.ndarray, bounds: np.
                 break
         if not mine:
             continue
+        for x in range(lo, hi):  # the owned points' lists are read below: fetch them while the distances run
+            p = order[x]
+            if pos[p] >= 0:
+                prefetch(G[p], 0)
+                prefetch(G[p], k)
+                prefetch(G[p], 2 * k)
+                prefetch(G[p], 3 * k - 1)
         for x in range(lo, hi):
             p = order[x]
             mp = pos[p] >= 0
