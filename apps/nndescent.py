@@ -395,8 +395,12 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     laps.lap("read")
     pos, touched, counts = nk.bookkeeping(n, owned)
     counts[nk.COUNTERS.index("rows_read")] = len(read)
-    new, old, counts[5] = nk.sample_candidates(graph, k, pos, len(owned), int(args["max_candidates"]),
-                                               int(args["seed"]), int(args["round"]), touched, read, block)
+    mc = int(args["max_candidates"])
+    if not _CANDIDATE_BUFFER or _CANDIDATE_BUFFER[0].shape[1] < len(owned) or _CANDIDATE_BUFFER[0].shape[2] != mc:
+        _CANDIDATE_BUFFER[:] = [np.empty((2, len(owned), mc), np.uint64)]
+    buf = _CANDIDATE_BUFFER[0]
+    new, old, counts[5] = nk.sample_candidates_into(graph, k, pos, int(args["seed"]), int(args["round"]), touched,
+                                                    read, block, buf[0, :len(owned)], buf[1, :len(owned)])
     laps.lap("sample")
     blocks, deltas = nk.nnd_join(data, graph, owned, pos, touched, new, old, counts, k, bool(args["filter"]), block,
                                  _join_distances(args.get("device", "cpu")))
@@ -414,6 +418,9 @@ def _join_distances(option: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray
 
 
 _GRAPH_BUFFER: list[np.ndarray] = []
+#: This process's candidate lists of a round (:func:`~apps.nndescent_kernels.sample_candidates_into`),
+#: reused as the graph buffer is, and free once ``nnd_join`` returns.
+_CANDIDATE_BUFFER: list[np.ndarray] = []
 
 
 def _graph_buffer(rows: int, block: int, width: int) -> np.ndarray:

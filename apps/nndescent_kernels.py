@@ -369,13 +369,25 @@ def sample_candidates(G: np.ndarray, k: int, pos: np.ndarray, m: int, mc: int, s
     cost as much as in the first round, whatever the updates. The lists the join reads are the
     same as with one pass (the priorities do not depend on the order).
     """
-    packed_new = np.full((m, mc), EMPTY_CANDIDATE, np.uint64)
-    packed_old = np.full((m, mc), EMPTY_CANDIDATE, np.uint64)
-    wants = np.empty(G.shape[0], np.bool_)
     if blocks is None:  # the whole graph: one block
         blocks, block = np.zeros(1, np.int64), max(1, G.shape[0])
-    marked = _sample_into(G, k, pos, seed, rnd, touched, packed_new, packed_old, wants, blocks, block)
-    return _candidate_ids(packed_new), _candidate_ids(packed_old), marked
+    return sample_candidates_into(G, k, pos, seed, rnd, touched, blocks, block, np.empty((m, mc), np.uint64),
+                                  np.empty((m, mc), np.uint64))
+
+
+@_jit
+def sample_candidates_into(G: np.ndarray, k: int, pos: np.ndarray, seed: int, rnd: int, touched: np.ndarray,
+                           blocks: np.ndarray, block: int, new: np.ndarray, old: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`sample_candidates` into the caller's ``(m, mc)`` uint64 arrays ``new`` and ``old`` (their
+    contents do not matter), which come back as the candidate ids (int64 views of them). A job's
+    executors pass a buffer of their process (apps/nndescent.py): two fresh arrays cost the first
+    touch of their pages every round (31 MB each at 2**19 points, half of them owned)."""
+    new[:] = EMPTY_CANDIDATE
+    old[:] = EMPTY_CANDIDATE
+    wants = np.empty(G.shape[0], np.bool_)
+    marked = _sample_into(G, k, pos, seed, rnd, touched, new, old, wants, blocks, block)
+    return _candidate_ids(new), _candidate_ids(old), marked
 
 
 @_jit
