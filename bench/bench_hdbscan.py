@@ -18,7 +18,8 @@ Two parts (each can be skipped):
   - **hdbscan** ``HDBSCAN(min_cluster_size=50, min_samples=10)``, its defaults (``algorithm='best'``:
     Borůvka on a KD-tree, ``approx_min_span_tree=True``, ``core_dist_n_jobs=4``). A size is skipped
     when the previous one took more than ``--hdbscan-limit / 2.2`` seconds (the time roughly doubles
-    and a bit), so that no run exceeds the limit (10 minutes by default).
+    and a bit), or ``/ 2.2**j`` for a size ``j`` steps above it, so that no run exceeds the limit (10
+    minutes by default).
   - **fast_hdbscan** ``HDBSCAN(min_cluster_size=50, min_samples=10, metric='l2')``: ``'l2'`` is not
     ``'euclidean'``, so it takes its pynndescent kNN-graph path, the peer of our design
     (DESIGN.md §8). With ``--fast-euclidean`` also ``metric='euclidean'`` (KD-tree Borůvka). It is
@@ -125,7 +126,7 @@ def speed(sizes: list[int], layouts: list[Layout], k: int, both_msts: bool, fast
             litz_job(["--points", "3000", "--mst", mst], layout, k)
     print(f"speed: 10 blobs in 10-d, min_cluster_size {MCS}, min_samples {MS}; Litz k={k}; "
           f"compile time excluded (warm-up first); {os.cpu_count()} CPUs", flush=True)
-    last_hdbscan = 0.0
+    last_hdbscan, last_e = 0.0, None
     for e in sizes:
         n = 2 ** e
         x, truth = hd.gaussian_mixture(n, 10, 10, seed=0)
@@ -140,9 +141,10 @@ def speed(sizes: list[int], layouts: list[Layout], k: int, both_msts: bool, fast
                       + f"; {ours['nnd_rounds']} NN-Descent rounds, {ours.get('boruvka_rounds', '-')} Borůvka rounds, "
                       f"{ours['clusters']} clusters", flush=True)
         ref, t_h = (None, float("nan"))
-        if last_hdbscan * 2.2 <= hdbscan_limit:
+        # its time roughly doubles per size, so a size 2**e after 2**last_e takes 2.2**(e - last_e) times as long
+        if last_hdbscan * 2.2 ** (1 if last_e is None else max(e - last_e, 1)) <= hdbscan_limit:
             ref, t_h = timed(hdbscan_default, x)
-            last_hdbscan = t_h
+            last_hdbscan, last_e = t_h, e
         t_f = {m: timed(fast_hdbscan_labels, x, m)[1] for m in metrics}
         print(("  hdbscan not run" if math.isnan(t_h) else f"  hdbscan {t_h:.2f} s")
               + "".join(f", fast_hdbscan ({m}) {t:.2f} s" for m, t in t_f.items()),
@@ -198,8 +200,8 @@ def main() -> None:
     p.add_argument("--no-fast-hdbscan", action="store_true", help="leave fast_hdbscan out")
     p.add_argument("--pynndescent", action="store_true", help="also time pynndescent's kNN graph alone")
     p.add_argument("--hdbscan-limit", type=float, default=600.0,
-                   help="hdbscan is skipped at a size once the previous size's run took more than "
-                        "LIMIT / 2.2 seconds (its time roughly doubles per size); -1 skips it")
+                   help="hdbscan is skipped at a size once the last size it ran took more than LIMIT / 2.2 "
+                        "seconds per doubling between them (its time roughly doubles per size); -1 skips it")
     p.add_argument("--no-speed", action="store_true")
     p.add_argument("--no-accuracy", action="store_true")
     args = p.parse_args()
