@@ -665,6 +665,7 @@ class NNDescentPhase:
         self._counts = np.zeros(len(nk.COUNTERS), np.int64)
         self._slowest = 0.0  # the round's slowest task's own seconds, as it measured them
         self._slowest_parts: dict[str, float] = {}  # and its parts (_Laps)
+        self._fastest = np.inf  # and its fastest task's: all slow alike, or one straggler?
         self._owned = [0, 0]
         self._fingerprints: dict[str, int] = {}
 
@@ -681,6 +682,7 @@ class NNDescentPhase:
         self._counts[:] = 0
         self._slowest = 0.0
         self._slowest_parts = {}
+        self._fastest = np.inf
         self._pending = self.E
         self._t = time.perf_counter()
         for e in range(self.E):
@@ -730,6 +732,7 @@ class NNDescentPhase:
         task_seconds = float(v.get("seconds", 0.0))
         if task_seconds >= self._slowest:
             self._slowest, self._slowest_parts = task_seconds, dict(v.get("parts", {}))
+        self._fastest = min(self._fastest, task_seconds)
         device = v.get("device", "cpu")
         if device not in self.stats["devices"]:
             self.stats["devices"] = sorted({*self.stats["devices"], device})
@@ -745,7 +748,8 @@ class NNDescentPhase:
         # the slowest task's own time (reads, kernels, sends): the rest of the round is the chain of
         # messages around the tasks, the servers' merges and the driver
         parts = ", ".join(f"{name} {t:.3f}" for name, t in self._slowest_parts.items())
-        slowest = f"(slowest task {self._slowest:.3f} s{': ' + parts if parts else ''})"
+        fastest = f"; fastest {self._fastest:.3f} s" if self.E > 1 else ""
+        slowest = f"(slowest task {self._slowest:.3f} s{': ' + parts if parts else ''}{fastest})"
         if self._refilling:
             self._refilling = False
             self.stats["refills"] += 1
