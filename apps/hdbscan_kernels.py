@@ -297,11 +297,11 @@ def cheapest_outside(data: np.ndarray, core: np.ndarray, label: np.ndarray, memb
     per = -(-sizes // BALL_POINTS)  # balls per component
     if per.sum() > BOUND_BALLS * max(n, 1) or len(members) < BOUND_MEMBERS * n:
         return _nearest_outside_all(data, core, label, members)
-    ball_comp = np.repeat(np.arange(len(comps)), per)
-    first = np.repeat(starts[:-1] - np.concatenate([[0], np.cumsum(per)[:-1]]) * BALL_POINTS, per)
-    ball_starts = np.minimum(first + np.arange(len(ball_comp)) * BALL_POINTS, np.repeat(starts[1:], per))
+    comp_balls = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)  # component c: balls comp_balls[c]..
+    first = np.repeat(starts[:-1] - comp_balls[:-1] * BALL_POINTS, per)
+    ball_starts = np.minimum(first + np.arange(comp_balls[-1]) * BALL_POINTS, np.repeat(starts[1:], per))
     ball_starts = np.append(ball_starts, n).astype(np.int64)  # ball t: order[ball_starts[t]:ball_starts[t + 1]]
-    ball = np.repeat(np.arange(len(ball_comp)), np.diff(ball_starts))  # the ball of order[i]
+    ball = np.repeat(np.arange(comp_balls[-1]), np.diff(ball_starts))  # the ball of order[i]
     x = np.asarray(data, np.float64)[order]
     centres = np.add.reduceat(x, ball_starts[:-1], axis=0) / np.diff(ball_starts).astype(np.float64)[:, None]
     radius = np.maximum.reduceat(np.sqrt(((x - centres[ball]) ** 2).sum(axis=1)), ball_starts[:-1])
@@ -309,7 +309,6 @@ def cheapest_outside(data: np.ndarray, core: np.ndarray, label: np.ndarray, memb
     min_core = np.minimum.reduceat(np.asarray(core, np.float64)[order], ball_starts[:-1])
     member = np.zeros(n, np.uint8)
     member[members] = 1
-    comp_balls = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)  # component c: balls comp_balls[c]..
     a, b, w = _cheapest_outside_bounded(data, core, member, order, ball_starts, comp_balls, centres, radius,
                                         min_core)
     has = a >= 0
@@ -632,5 +631,5 @@ def warmup() -> None:
     ba, bb, bw = bridge_components(parent)
     clusters_from_tree(np.concatenate([a, ba]), np.concatenate([b, bb]), np.concatenate([ww, bw]), n, 5)
     for points in (x.astype(np.float32), x):  # the app's points (float32), and a file's float64
-        cheapest_outside(points, core_distances(dist, 3), (ids % 2).astype(np.int32), ids[:4])  # labels as bridged's
-        cheapest_outside(points, core_distances(dist, 3), ids.astype(np.int32), ids[:4])  # every point alone
+        cheapest_outside(points, core_distances(dist, 3), (ids % 2).astype(np.int32), ids)  # by balls; labels as
+        cheapest_outside(points, core_distances(dist, 3), ids.astype(np.int32), ids[:4])  # bridged's; a scan

@@ -395,12 +395,9 @@ def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds:
     laps.lap("read")
     pos, touched, counts = nk.bookkeeping(n, owned)
     counts[nk.COUNTERS.index("rows_read")] = len(read)
-    mc = int(args["max_candidates"])
-    if not _CANDIDATE_BUFFER or _CANDIDATE_BUFFER[0].shape[1] < len(owned) or _CANDIDATE_BUFFER[0].shape[2] != mc:
-        _CANDIDATE_BUFFER[:] = [np.empty((2, len(owned), mc), np.uint64)]
-    buf = _CANDIDATE_BUFFER[0]
     new, old, counts[5] = nk.sample_candidates_into(graph, k, pos, int(args["seed"]), int(args["round"]), touched,
-                                                    read, block, buf[0, :len(owned)], buf[1, :len(owned)])
+                                                    read, block, *_candidate_buffers(len(owned),
+                                                                                     int(args["max_candidates"])))
     laps.lap("sample")
     blocks, deltas = nk.nnd_join(data, graph, owned, pos, touched, new, old, counts, k, bool(args["filter"]), block,
                                  _join_distances(args.get("device", "cpu")))
@@ -418,9 +415,16 @@ def _join_distances(option: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray
 
 
 _GRAPH_BUFFER: list[np.ndarray] = []
-#: This process's candidate lists of a round (:func:`~apps.nndescent_kernels.sample_candidates_into`),
-#: reused as the graph buffer is, and free once ``nnd_join`` returns.
 _CANDIDATE_BUFFER: list[np.ndarray] = []
+
+
+def _candidate_buffers(m: int, mc: int) -> tuple[np.ndarray, np.ndarray]:
+    """This process's two ``(m, mc)`` uint64 arrays for a round's new and old candidate lists
+    (:func:`~apps.nndescent_kernels.sample_candidates_into`), reused as the graph buffer is: a task is
+    done with them when ``nnd_join`` returns, before it could yield to another."""
+    if not _CANDIDATE_BUFFER or _CANDIDATE_BUFFER[0].shape[1] < m or _CANDIDATE_BUFFER[0].shape[2] != mc:
+        _CANDIDATE_BUFFER[:] = [np.empty((2, m, mc), np.uint64)]
+    return _CANDIDATE_BUFFER[0][0, :m], _CANDIDATE_BUFFER[0][1, :m]
 
 
 def _graph_buffer(rows: int, block: int, width: int) -> np.ndarray:
