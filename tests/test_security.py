@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +21,10 @@ import pytest
 import zmq
 
 import litz
-from litz.errors import ConfigError
-from litz.runtime import security
+from litz.errors import ConfigError, ProtocolError
+from litz.runtime import protocol, security
 from litz.runtime.security import JobSecret, generate_secret_file, load_secret
-from litz.runtime.transport import Endpoint, check_bind_host
+from litz.runtime.transport import Endpoint, check_bind_host, make_socket
 from tests import testapps
 from tests.conftest import processes_mentioning
 
@@ -145,6 +149,123 @@ def test_configured_settings_reach_endpoints_made_without_arguments(secret_file:
         ep.close()
 
 
+# -- without a secret: private sockets ---------------------------------------------------------
+
+def _socket_path(ep: Endpoint) -> str:
+    assert ep.address.startswith("ipc://"), ep.address
+    return ep.address[len("ipc://"):]
+
+
+def test_without_a_secret_an_endpoint_is_a_private_socket_that_its_user_reaches() -> None:
+    ep, peer = Endpoint("private"), Endpoint("peer")
+    try:
+        directory = security.socket_dir()
+        assert os.path.dirname(_socket_path(ep)) == str(directory)
+        st = os.lstat(directory)
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+        assert ep.private and not ep.counters()["secured"]
+        assert peer.connect("private", ep.address)
+        peer.send("private", "stats_request", rid=7)
+        assert ep.router.poll(5000)
+        msg = ep.recv()
+        assert msg is not None and msg.sender == "peer" and msg["rid"] == 7
+    finally:
+        ep.close()
+        peer.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_cannot_reach_a_private_socket() -> None:
+    # made with umask 0, the socket file itself is open to all (mode 777): only the directory,
+    # which only its user may enter, keeps others out
+    previous = os.umask(0)
+    try:
+        ep = Endpoint("private")
+    finally:
+        os.umask(previous)
+    try:
+        assert stat.S_IMODE(os.stat(_socket_path(ep)).st_mode) == 0o777
+        path = _socket_path(ep)
+        pid = os.fork()
+        if pid == 0:  # the other user: nobody
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    s.connect(path)
+                    code = 1  # connected: the hole is open
+                except PermissionError:
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "another user could connect to a job's socket"
+        assert not ep.router.poll(200)
+    finally:
+        ep.close()
+
+
+def test_a_private_endpoint_connects_only_to_its_users_sockets(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="litz.runtime.transport")
+    ep = Endpoint("careful")
+    try:
+        directory = security.socket_dir()
+        for address in ("tcp://127.0.0.1:9", "ipc:///tmp/elsewhere/1-0-x.sock", f"ipc://{directory}/../1-0-x.sock",
+                        f"ipc://{directory}/sub/1-0-x.sock", f"ipc://{directory}/1-0-x.txt", f"ipc://{directory}x/1-0-x.sock"):
+            assert not ep.connect("fake", address), address
+        assert "careful: not connecting to 'fake' at tcp://127.0.0.1:9" in caplog.text
+        with pytest.raises(ProtocolError, match="no address known for peer 'fake'"):
+            ep.send("fake", "stats_request", rid=1)
+        assert ep.connect("good", f"ipc://{directory}/1-0-x.sock")
+    finally:
+        ep.close()
+
+
+def test_a_socket_directory_others_could_enter_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = tmp_path / "s"
+    monkeypatch.setenv(security.SOCKET_DIR_ENV, str(good))
+    assert security.socket_dir() == good and stat.S_IMODE(good.stat().st_mode) == 0o700  # made
+    good.chmod(0o755)
+    with pytest.raises(ConfigError, match=r"open to group or others \(mode 755\): run chmod 700"):
+        Endpoint("x")
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    monkeypatch.setenv(security.SOCKET_DIR_ENV, str(link))
+    with pytest.raises(ConfigError, match="is not a directory"):
+        security.socket_dir()
+    monkeypatch.setenv(security.SOCKET_DIR_ENV, str(tmp_path / ("d" * 90)))
+    with pytest.raises(ConfigError, match="too long a path for Unix sockets"):
+        security.socket_dir()
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(0o700)
+        os.chown(theirs, 65534, 65534)
+        monkeypatch.setenv(security.SOCKET_DIR_ENV, str(theirs))
+        with pytest.raises(ConfigError, match="belongs to uid 65534, not to this user"):
+            security.socket_dir()
+
+
+def test_sockets_of_dead_processes_are_removed_and_live_ones_kept(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = tmp_path / "s"
+    directory.mkdir(0o700)
+    monkeypatch.setenv(security.SOCKET_DIR_ENV, str(directory))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, live, other = (directory / f"{dead.pid}-0-w0.sock", directory / f"{os.getppid()}-3-m.sock",
+                          directory / "notes.txt")
+    for path in (stale, live, other):
+        path.write_text("")
+    ep = Endpoint("sweeper")
+    try:
+        assert not stale.exists() and live.exists() and other.exists()
+        assert os.path.exists(_socket_path(ep))
+    finally:
+        ep.close()
+
+
 # -- outsiders are refused --------------------------------------------------------------------
 
 def test_a_member_is_heard(secured: Endpoint, secret_file: Path) -> None:
@@ -165,10 +286,11 @@ def test_outsider_endpoint_cannot_deliver_and_is_logged(secured: Endpoint, outsi
                                                          caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="litz.runtime.security")
     secret = None if outsider == "no secret" else JobSecret(os.urandom(32).hex().encode())
-    intruder = Endpoint("intruder", secret=secret)
+    # a plain socket: an Endpoint without a secret would not even connect to a TCP address
+    intruder = make_socket(zmq.Context.instance(), zmq.DEALER, identity="intruder", secret=secret)
     try:
-        intruder.connect("guarded", secured.address)
-        intruder.send("guarded", "stats_request", rid=1)
+        intruder.connect(secured.address)
+        intruder.send_multipart(protocol.encode("stats_request", rid=1), copy=False)
         assert not secured.router.poll(NOTHING_FOR), "an outsider delivered a message"
         assert wait_for(lambda: secured.counters()["auth_refused"] >= 1)
         assert wait_for(lambda: any(f"{secured.ident}: refused a connection from" in r.getMessage()

@@ -20,6 +20,12 @@ loopback unless a job secret is configured, and with a secret every socket speak
   CURVE client in when no ZAP handler is bound (we fail closed: a dead handler stalls
   handshakes, it never admits them).
 
+Without a secret, a job's processes do not listen on loopback TCP, which every user of the
+machine reaches: each binds a **private socket**, a Unix-domain socket in a directory that only
+its user may enter (``socket_dir``, mode 700), and connects only to sockets in that directory.
+Other users can then neither send a job's processes a message (which they would decode, and
+may unpickle) nor register an address of their own in an open etcd and be connected to.
+
 The process-wide **settings** (secret and bind host) exist because the master's endpoint is
 created deep inside the runtime: ``configure`` (or ``configured``) sets them once, and every
 ``Endpoint`` created without explicit arguments uses them.
@@ -38,10 +44,11 @@ import queue
 import secrets
 import socket
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +175,98 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+# -- private sockets (no secret) ------------------------------------------------------------
+
+SOCKET_DIR_ENV = "LITZ_SOCKET_DIR"
+MAX_SOCKET_PATH = 100  # a Unix socket's path must fit sun_path (108 bytes on Linux, 104 on BSDs)
+_SOCKET_SUFFIX = ".sock"
+_NAME_ROOM = 36  # "/PID-SEQ-TAG.sock": pid up to 7 digits, a sequence number, a tag of up to 12
+_socket_seq = itertools.count()
+_swept: set[str] = set()
+
+
+def socket_dir() -> Path:
+    """This user's directory of private job sockets: made (mode 700) and checked on each call.
+
+    ``$LITZ_SOCKET_DIR`` if set, else ``$XDG_RUNTIME_DIR/litz`` (a per-user directory the
+    session manager made), else ``litz-UID`` in the temporary directory. Every process of a
+    job inherits the same environment, so they all agree. The directory must be this user's,
+    not a link, and closed to group and others: anyone who could enter it could send the
+    job's processes messages, or replace their sockets.
+    """
+    chosen = os.environ.get(SOCKET_DIR_ENV)
+    if chosen:
+        path = Path(chosen)
+    elif os.environ.get("XDG_RUNTIME_DIR") and Path(os.environ["XDG_RUNTIME_DIR"]).is_dir():
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "litz"
+    else:
+        path = Path(tempfile.gettempdir()) / f"litz-{os.geteuid()}"
+    path = path.absolute()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot make the socket directory {path}: {exc.strerror} "
+                          f"(set {SOCKET_DIR_ENV} to a directory of yours)") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"the socket directory {path} is not a directory (a link or a file); "
+                          f"set {SOCKET_DIR_ENV} to a directory of yours")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"the socket directory {path} belongs to uid {st.st_uid}, not to this user "
+                          f"({os.geteuid()}): another user could send the job messages; remove it or set "
+                          f"{SOCKET_DIR_ENV} to a directory of yours")
+    if st.st_mode & 0o077:
+        raise ConfigError(f"the socket directory {path} is open to group or others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): run chmod 700 {path}, or set {SOCKET_DIR_ENV}")
+    if len(str(path)) + _NAME_ROOM > MAX_SOCKET_PATH:
+        raise ConfigError(f"the socket directory {path} is too long a path for Unix sockets "
+                          f"(at most {MAX_SOCKET_PATH - _NAME_ROOM} characters): set {SOCKET_DIR_ENV} to a shorter one")
+    return path
+
+
+def private_address(ident: str) -> str:
+    """A fresh ``ipc://`` address in ``socket_dir()`` for a process's mailbox named ``ident``.
+
+    The name starts with the process id, so that sockets left by killed processes (a socket
+    file outlives a ``kill -9``) are recognised and removed: once per directory and process.
+    """
+    directory = socket_dir()
+    if str(directory) not in _swept:
+        _swept.add(str(directory))
+        _remove_stale_sockets(directory)
+    tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in ident)[:12]
+    return f"ipc://{directory}/{os.getpid()}-{next(_socket_seq)}-{tag}{_SOCKET_SUFFIX}"
+
+
+def is_private_address(address: str) -> bool:
+    """Whether ``address`` is a socket in this user's socket directory (nothing else is connected to)."""
+    prefix = f"ipc://{socket_dir()}/"
+    name = address[len(prefix):]
+    return (address.startswith(prefix) and name.endswith(_SOCKET_SUFFIX) and "/" not in name
+            and name not in (".", ".."))
+
+
+def _remove_stale_sockets(directory: Path) -> None:
+    """Remove the sockets of processes that no longer exist (their names start with the pid)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid_text = name.split("-", 1)[0]
+        if not (name.endswith(_SOCKET_SUFFIX) and pid_text.isdigit()):
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            with suppress(OSError):
+                os.unlink(directory / name)
+        except OSError:  # it exists (another user's process, say): leave its socket alone
+            pass
 
 
 # -- process-wide settings ------------------------------------------------------------------

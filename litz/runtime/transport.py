@@ -3,10 +3,11 @@
 Each process owns one ``Endpoint``: a ROUTER socket bound to its address (its mailbox) and
 one DEALER per peer it talks to, whose identity is the process id, so a receiver always
 knows who sent a message. Because every socket is made by ``make_socket``, the security
-settings of a job apply to all of them: without a job secret an endpoint only listens on
-loopback; with one, its ROUTER is a CURVE server and its DEALERs CURVE clients with the job's
-key pair, and the process's authenticator refuses (counts, logs) every other peer (see
-``litz.runtime.security``).
+settings of a job apply to all of them: without a job secret an endpoint's ROUTER is a private
+Unix-domain socket in a directory only its user may enter, and it connects to no other kind
+of address (loopback TCP would let any local user in); with a secret, its ROUTER is a CURVE
+server on TCP and its DEALERs CURVE clients with the job's key pair, and the process's
+authenticator refuses (counts, logs) every other peer (see ``litz.runtime.security``).
 
 The endpoint counts messages and bytes sent, which the benchmarks report.
 """
@@ -84,7 +85,7 @@ class Endpoint:
 
     ``host`` and ``secret`` default to the process-wide settings (``security.configure``), so
     that endpoints created inside the runtime follow the job's configuration; pass
-    ``secret=None`` for an explicitly unsecured (loopback-only) endpoint. ``cluster=True``
+    ``secret=None`` for an endpoint without CURVE (private: reached by this user's processes only). ``cluster=True``
     demands a secret even on loopback.
     """
 
@@ -98,17 +99,23 @@ class Endpoint:
         check_bind_host(host, secret, cluster)
         self.ident = ident
         self.secret: JobSecret | None = secret
+        # without a secret, only this user's processes may reach (and be reached by) this one
+        self.private = secret is None and zmq.has("ipc")
         self.ctx = ctx or zmq.Context.instance()
         self.router = make_socket(self.ctx, zmq.ROUTER, secret=secret)
         self._watch: Watch | None = None
         try:
             if secret is not None:  # the authenticator must be ready before the first peer can knock
                 self._watch = security.guard(self.router, self.ctx, secret, label=ident)
-            port = self.router.bind_to_random_port(f"tcp://{host}")
+            if self.private:
+                address = security.private_address(ident)
+                self.router.bind(address)
+            else:
+                address = f"tcp://{host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
         except BaseException:
             self._close_router()
             raise
-        self.address = f"tcp://{host}:{port}"
+        self.address = address
         self.host = host
         self.peers: dict[str, str] = {}
         self._dealers: dict[str, zmq.Socket] = {}
@@ -117,14 +124,24 @@ class Endpoint:
         self.messages_received = 0
         self.bad_messages = 0
 
-    def connect(self, peer: str, address: str) -> None:
-        """Remember a peer's address; the DEALER is created on first send."""
+    def connect(self, peer: str, address: str) -> bool:
+        """Remember a peer's address; the DEALER is created on first send.
+
+        A private endpoint (no secret) refuses, with a warning, any address that is not a
+        socket in this user's directory, and returns False: addresses come from etcd too,
+        where without authentication anyone may register one.
+        """
+        if self.private and not security.is_private_address(address):
+            log.warning("%s: not connecting to %r at %s: without a job secret a job's processes are this "
+                        "user's private sockets (in %s)", self.ident, peer, address, security.socket_dir())
+            return False
         if self.peers.get(peer) == address:
-            return
+            return True
         old = self._dealers.pop(peer, None)
         if old is not None:
             old.close(linger=0)
         self.peers[peer] = address
+        return True
 
     def _dealer(self, peer: str) -> zmq.Socket:
         sock = self._dealers.get(peer)
