@@ -15,7 +15,9 @@ The endpoint counts messages and bytes sent, which the benchmarks report.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+from contextlib import suppress
 from typing import Any
 
 import zmq
@@ -104,6 +106,7 @@ class Endpoint:
         self.ctx = ctx or zmq.Context.instance()
         self.router = make_socket(self.ctx, zmq.ROUTER, secret=secret)
         self._watch: Watch | None = None
+        self.address = ""
         try:
             if secret is not None:  # the authenticator must be ready before the first peer can knock
                 self._watch = security.guard(self.router, self.ctx, secret, label=ident)
@@ -198,5 +201,8 @@ class Endpoint:
             # monitor events blocking, so events with no reader would freeze its I/O thread
             self.router.disable_monitor()
         self.router.close(linger=0)
+        if self.private and self.address:  # libzmq leaves an ipc socket's file behind
+            with suppress(OSError):
+                os.unlink(self.address[len("ipc://"):])
         if self._watch is not None:  # only now: a live CURVE ROUTER must never lack its ZAP handler
             security.release(self.ctx, self._watch)
