@@ -9,6 +9,11 @@ frequency, other load) hits both alike, and reports medians and the ratio secure
 * the transport alone, two endpoints in one process: small-message round trips per second and
   one-way bandwidth of 4 MB array messages (what encryption costs per message and per byte).
 
+"Plain" endpoints (no secret) are private Unix-domain sockets; CURVE runs over TCP. Two last rows
+compare the private sockets with plain loopback TCP (what endpoints without a secret used
+before they became private; any local user could reach them), the same messages through raw
+sockets made by ``make_socket``.
+
 Run: ``python bench/bench_security.py [--repeats 3] [--tasks 20000] [--epochs 4] [--workers 2]``
 """
 
@@ -26,16 +31,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # apps/ from a 
 
 import bench_microtasks as micro  # noqa: E402 - the bench folder is on sys.path when run as a script
 import numpy as np  # noqa: E402
+import zmq  # noqa: E402
 
 import litz  # noqa: E402
+from litz.runtime import protocol  # noqa: E402
 from litz.runtime.etcd_server import LocalEtcd  # noqa: E402
+from litz.runtime.protocol import Message  # noqa: E402
 from litz.runtime.security import generate_secret_file, load_secret  # noqa: E402
-from litz.runtime.transport import Endpoint  # noqa: E402
+from litz.runtime.transport import Endpoint, make_socket  # noqa: E402
 
 
-def _pair(secret: str | None) -> tuple[Endpoint, Endpoint]:
-    key = load_secret(secret) if secret else None
-    a, b = Endpoint("a", secret=key), Endpoint("b", secret=key)
+class LoopbackTCP:
+    """A plain loopback-TCP mailbox with the endpoint's send/recv (no CURVE, not private): the
+    baseline the private sockets replaced, for comparison only."""
+
+    def __init__(self, ident: str) -> None:
+        ctx = zmq.Context.instance()
+        self.ident, self.router = ident, make_socket(ctx, zmq.ROUTER)
+        self.address = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.dealer = make_socket(ctx, zmq.DEALER, identity=ident)
+
+    def connect(self, peer: str, address: str) -> None:
+        self.dealer.connect(address)
+
+    def send(self, peer: str, type_name: str, **fields: object) -> None:
+        self.dealer.send_multipart(protocol.encode(type_name, **fields), copy=False)
+
+    def recv(self) -> Message:
+        frames = self.router.recv_multipart(copy=False)
+        return protocol.decode(frames[1:], frames[0].bytes.decode())
+
+    def close(self) -> None:
+        self.dealer.close(linger=1000)
+        self.router.close(linger=0)
+
+
+TCP = "loopback TCP"  # a pseudo-secret: the raw TCP baseline instead of endpoints
+
+
+def _pair(secret: str | None) -> tuple[Endpoint | LoopbackTCP, Endpoint | LoopbackTCP]:
+    if secret == TCP:
+        a, b = LoopbackTCP("a"), LoopbackTCP("b")
+    else:
+        key = load_secret(secret) if secret else None
+        a, b = Endpoint("a", secret=key), Endpoint("b", secret=key)
     a.connect("b", b.address)
     b.connect("a", a.address)
     return a, b
@@ -100,17 +139,19 @@ def mlr_epoch(workers: int, epochs: int, etcd: str, secret: str | None) -> float
 
 
 def compare(name: str, unit: str, repeats: int, measure: Callable[[str | None], float], secret: str,
-            higher_is_better: bool) -> None:
+            higher_is_better: bool, labels: tuple[str, str] = ("plain", "CURVE"), base: str | None = None) -> None:
+    """Alternate ``measure(base)`` and ``measure(secret)``; print medians and their ratio."""
     plain: list[float] = []
     secured: list[float] = []
     for _ in range(repeats):
-        plain.append(measure(None))
+        plain.append(measure(base))
         secured.append(measure(secret))
     p, s = statistics.median(plain), statistics.median(secured)
     cost = (p / s - 1) if higher_is_better else (s / p - 1)
-    print(f"{name:<34} plain {p:12,.3f} {unit:<14} CURVE {s:12,.3f} {unit:<14} "
-          f"ratio CURVE/plain {s / p:5.3f}  ({cost:+.1%} cost)", flush=True)
-    print(f"{'':<34} runs plain {[round(x, 3) for x in plain]}  CURVE {[round(x, 3) for x in secured]}", flush=True)
+    a, b = labels
+    print(f"{name:<34} {a} {p:12,.3f} {unit:<14} {b} {s:12,.3f} {unit:<14} "
+          f"ratio {b}/{a} {s / p:5.3f}  ({cost:+.1%} cost)", flush=True)
+    print(f"{'':<34} runs {a} {[round(x, 3) for x in plain]}  {b} {[round(x, 3) for x in secured]}", flush=True)
 
 
 def main() -> None:
@@ -136,6 +177,9 @@ def main() -> None:
                 lambda s: roundtrip_rate(5000, s), secret, higher_is_better=True)
         compare("transport 4 MB arrays one way", "MB/s", args.repeats,
                 lambda s: bandwidth(100, s), secret, higher_is_better=True)
+        for name, unit, measure in (("round trips, private vs TCP", "trips/s", lambda s: roundtrip_rate(5000, s)),
+                                    ("4 MB arrays, private vs TCP", "MB/s", lambda s: bandwidth(100, s))):
+            compare(name, unit, args.repeats, measure, TCP, higher_is_better=True, labels=("private", "TCP"))
         if args.epochs >= 2:
             compare("MLR Fashion-MNIST epoch", "s/epoch", args.repeats,
                     lambda s: mlr_epoch(w, args.epochs, etcd.url, s), secret, higher_is_better=False)
