@@ -235,6 +235,9 @@ def test_a_socket_directory_others_could_enter_is_refused(tmp_path: Path, monkey
     monkeypatch.setenv(security.SOCKET_DIR_ENV, str(link))
     with pytest.raises(ConfigError, match="is not a directory"):
         security.socket_dir()
+    monkeypatch.setenv(security.SOCKET_DIR_ENV, "relative/dir")
+    with pytest.raises(ConfigError, match="must be an absolute path, not 'relative/dir'"):
+        security.socket_dir()
     monkeypatch.setenv(security.SOCKET_DIR_ENV, str(tmp_path / ("d" * 90)))
     with pytest.raises(ConfigError, match="too long a path for Unix sockets"):
         security.socket_dir()

@@ -199,11 +199,12 @@ def socket_dir() -> Path:
     chosen = os.environ.get(SOCKET_DIR_ENV)
     if chosen:
         path = Path(chosen)
-    elif os.environ.get("XDG_RUNTIME_DIR") and Path(os.environ["XDG_RUNTIME_DIR"]).is_dir():
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "litz"
+        if not path.is_absolute():  # every process must find the same directory, whatever its cwd
+            raise ConfigError(f"{SOCKET_DIR_ENV} must be an absolute path, not {chosen!r}")
+    elif (runtime := Path(os.environ.get("XDG_RUNTIME_DIR") or "relative")).is_absolute() and runtime.is_dir():
+        path = runtime / "litz"
     else:
-        path = Path(tempfile.gettempdir()) / f"litz-{os.geteuid()}"
-    path = path.absolute()
+        path = Path(tempfile.gettempdir()).absolute() / f"litz-{os.geteuid()}"
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
