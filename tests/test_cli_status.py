@@ -348,6 +348,10 @@ def test_bad_command_line_values_are_refused_before_anything_starts(tmp_path: Pa
         with pytest.raises(ConfigError, match="is not of the form http://HOST:PORT"):
             _parse_endpoints(url)
     assert _parse_endpoints("http://127.0.0.1:2379, [::1]:2380") == ["127.0.0.1:2379", "[::1]:2380"]
+    assert _parse_endpoints("unix:///dev/shm/litz-etcd-x/client:1") == ["unix:///dev/shm/litz-etcd-x/client:1"]
+    for url in ("unix://relative/client:1", "unix:///a/client:1,unix:///b/client:1"):
+        with pytest.raises(ConfigError, match="is not of the form unix:///ABSOLUTE/PATH"):
+            _parse_endpoints(url)
     # an application file is a Python source file, whatever its name ends with
     script = tmp_path / "sum_app.txt"
     script.write_text(app_file.read_text())

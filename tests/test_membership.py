@@ -56,10 +56,11 @@ def _has(kind: str, key: str) -> Callable[[list[Event]], bool]:
 
 
 @pytest.fixture
-def etcd() -> Iterator[LocalEtcd]:
-    """A fresh etcd for one test; afterwards its process and directory must be gone."""
+def etcd(request: pytest.FixtureRequest) -> Iterator[LocalEtcd]:
+    """A fresh etcd for one test (``private`` on Unix sockets when parametrized with True, as
+    ``litz launch`` starts it); afterwards its process and directory must be gone."""
     try:
-        server = LocalEtcd()
+        server = LocalEtcd(private=getattr(request, "param", False))
     except ConfigError as exc:
         pytest.skip(str(exc))
     server.start()
@@ -173,6 +174,7 @@ def test_a_local_etcd_gone_after_its_health_check_is_reported_with_its_log(monke
 # -- Membership ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("etcd", [False, True], ids=["tcp", "private"], indirect=True)
 def test_register_is_visible_to_another_member(members: Callable[..., Membership]) -> None:
     """Discovery: what one process registers, others read, by key and by prefix, within its own job."""
     a, b = members(), members()
@@ -192,6 +194,7 @@ def test_register_is_visible_to_another_member(members: Callable[..., Membership
     assert members(job="otherjob").get_prefix("") == {}
 
 
+@pytest.mark.parametrize("etcd", [False, True], ids=["tcp", "private"], indirect=True)
 def test_watch_delivers_puts_and_deletes(members: Callable[..., Membership]) -> None:
     """The hub learns of membership changes only through watch events and the on_event wake-up."""
     woken = threading.Event()
@@ -233,6 +236,7 @@ def test_deregister_removes_keys_at_once(members: Callable[..., Membership]) -> 
 
 
 @pytest.mark.parametrize(("ttl", "low", "high"), [(None, 3.2, 6.0), ("2", 1.2, 3.0)])
+@pytest.mark.parametrize("etcd", [False, True], ids=["tcp", "private"], indirect=True)
 def test_killed_process_disappears_within_ttl(etcd: LocalEtcd, members: Callable[..., Membership],
                                               ttl: str | None, low: float, high: float) -> None:
     """Failure detection itself: a SIGKILLed process's key expires with its lease and watchers see it,
@@ -297,6 +301,7 @@ def test_unreachable_endpoint_raises_within_connect_timeout() -> None:
         m.get("x")
 
 
+@pytest.mark.parametrize("etcd", [False, True], ids=["tcp", "private"], indirect=True)
 def test_register_survives_etcd_restart(etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
     """Restarting etcd must not stop a job: keep-alive and watches resume on their own."""
     a, b = members(), members()

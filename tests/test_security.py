@@ -12,8 +12,10 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ import zmq
 
 import litz
 from litz.errors import ConfigError, ProtocolError
-from litz.runtime import protocol, security
+from litz.runtime import jobs, protocol, security
 from litz.runtime.security import JobSecret, generate_secret_file, load_secret
 from litz.runtime.transport import Endpoint, check_bind_host, make_socket
 from tests import testapps
@@ -186,22 +188,7 @@ def test_another_user_cannot_reach_a_private_socket() -> None:
     try:
         assert stat.S_IMODE(os.stat(_socket_path(ep)).st_mode) == 0o777
         path = _socket_path(ep)
-        pid = os.fork()
-        if pid == 0:  # the other user: nobody
-            code = 3
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    s.connect(path)
-                    code = 1  # connected: the hole is open
-                except PermissionError:
-                    code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "another user could connect to a job's socket"
+        assert _as_nobody_connect(path) == 0, "another user could connect to a job's socket"
         assert not ep.router.poll(200)
     finally:
         ep.close()
@@ -267,6 +254,83 @@ def test_sockets_of_dead_processes_are_removed_and_live_ones_kept(tmp_path: Path
         assert os.path.exists(_socket_path(ep))
     finally:
         ep.close()
+
+
+def _tcp_listeners() -> set[str]:
+    """Socket inodes of every TCP socket listening on this machine (IPv4 and IPv6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    inodes.add(fields[9])
+    return inodes
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _as_nobody_connect(path: str) -> int:
+    """0 if user nobody is refused a connection to the Unix socket ``path``, 1 if connected."""
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(path)
+                    code = 1
+                except PermissionError:
+                    code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_local_job_without_etcd_listens_on_no_tcp_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its etcd, workers and servers all use Unix sockets in directories only their user enters."""
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"private-{time.time_ns()}"
+    app = litz.App(testapps.SlowDriver, testapps.SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=2,
+                   config={"stop_after": 3.0})
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=1, servers=1, job=job)),
+                              daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        record: dict = {}
+        while not (record and len(processes_mentioning(job)) >= 2):
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.1)
+            with suppress(ConfigError):
+                record = jobs.lookup(job)
+        url = record["etcd"]
+        assert url.startswith("unix:///"), url
+        etcd_dir = os.path.dirname(url[len("unix://"):])
+        st = os.lstat(etcd_dir)
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+        etcd_pids = processes_mentioning(f"--data-dir {etcd_dir}/data")
+        procs = processes_mentioning(job)
+        assert len(etcd_pids) == 1 and len(procs) >= 2
+        listening = _tcp_listeners()
+        for pid in etcd_pids + procs:
+            assert not _socket_inodes(pid) & listening, f"process {pid} listens on TCP"
+        if os.geteuid() == 0:
+            assert _as_nobody_connect(url[len("unix://"):]) == 0, "another user could reach the job's etcd"
+    finally:
+        runner.join(60)
+    assert out["res"].value == "done"
 
 
 # -- outsiders are refused --------------------------------------------------------------------

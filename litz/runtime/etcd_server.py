@@ -63,6 +63,25 @@ def find_etcd_binary() -> str:
 _RANDOM = random.SystemRandom()  # not the global generator, which an application may have seeded
 
 
+_CLIENT_SOCKET = "client:1"  # a private etcd's listeners (see LocalEtcd)
+_PEER_SOCKET = "peer:2"
+
+
+def _unix_http_get(path: str, resource: str, timeout: float) -> str:
+    """The body of an HTTP/1.0 GET of ``resource`` from the server on Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(f"GET {resource} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/"):
+        raise OSError(f"not an HTTP answer from {path}: {head[:60]!r}")
+    return body.decode("utf-8", errors="replace")
+
+
 def _ephemeral_ports() -> tuple[int, int]:
     """The range the kernel picks ports from for ``bind(0)`` and for the source of outgoing connections."""
     try:
@@ -227,6 +246,12 @@ class LocalEtcd:
     ``host`` other than loopback is for test clusters of network namespaces: etcd itself has
     no authentication here, so such an address must be reachable only by the job's hosts.
 
+    ``private=True`` (what ``litz launch`` starts for a job without ``--etcd``) listens on no
+    port at all: its client and peer listeners are Unix sockets in its temporary directory
+    (mode 700, this user's), so other users of the machine cannot reach it, and its URL is
+    ``unix:///…/client:1`` (etcd 3.4 names a Unix listener ``NAME:PORT`` in its working
+    directory).
+
     The short heartbeat (50 ms) and election timeout (500 ms) make the member elect itself within about half
     a second of starting and lower etcd's minimum lease TTL to one second, so Litz's short leases behave as
     they would on a production cluster, only with quicker tests.
@@ -240,6 +265,7 @@ class LocalEtcd:
         election_ms: int = 500,
         name: str = "litz-local",
         host: str = "127.0.0.1",
+        private: bool = False,
     ) -> None:
         """Prepare (but do not start) a server; ``binary`` defaults to :func:`find_etcd_binary`.
 
@@ -250,6 +276,7 @@ class LocalEtcd:
         self._election_ms = election_ms
         self._name = name
         self._host = host
+        self._private = private
         self._tmpdir: str | None = None
         self._client_port: int | None = None
         self._peer_port: int | None = None
@@ -261,15 +288,25 @@ class LocalEtcd:
 
     @property
     def url(self) -> str:
-        """Client URL, e.g. ``http://127.0.0.1:40123`` (what ``--etcd`` takes)."""
+        """Client URL, e.g. ``http://127.0.0.1:40123`` or ``unix:///dev/shm/litz-etcd-…/client:1``
+        (what ``--etcd`` takes)."""
+        if self._private:
+            return f"unix://{self._socket(_CLIENT_SOCKET)}"
         return f"http://{self.endpoint}"
 
     @property
     def endpoint(self) -> str:
-        """Client endpoint as ``host:port``, the form gRPC clients take."""
+        """Client endpoint as ``host:port`` (private: its ``unix://`` URL), the form gRPC clients take."""
+        if self._private:
+            return self.url
         if self._client_port is None:
             raise ConfigError("LocalEtcd has not been started")
         return f"{self._host}:{self._client_port}"
+
+    def _socket(self, name: str) -> str:
+        if self._tmpdir is None:
+            raise ConfigError("LocalEtcd has not been started")
+        return os.path.join(self._tmpdir, name)
 
     @property
     def pid(self) -> int | None:
@@ -302,7 +339,7 @@ class LocalEtcd:
         else:
             state = f"pid {proc.pid} exited with code {code}"
         log = _tail(self.log_path) if self._tmpdir is not None else "(no log: its directory is gone)"
-        where = self.url if self._client_port else "no port"
+        where = self.url if self._tmpdir is not None else "no address"
         return f"the local etcd on {where}: {state}; last lines of its log:\n{log}"
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -324,7 +361,8 @@ class LocalEtcd:
             remove_orphaned_dirs(parent)
             self._tmpdir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=parent)
             Path(self._tmpdir, _OWNER_FILE).write_text(f"{os.getpid()}\n")
-            self._client_port, self._peer_port = _free_loopback_ports(2, self._host)
+            if not self._private:
+                self._client_port, self._peer_port = _free_loopback_ports(2, self._host)
             self._finalizer = weakref.finalize(self, _finalize, self._proc_box, self._tmpdir)
         try:
             self._spawn()
@@ -387,15 +425,18 @@ class LocalEtcd:
 
     def __repr__(self) -> str:
         """Show where the server listens and whether it runs, for test failure output."""
-        where = f"{self._host}:{self._client_port}" if self._client_port else "not started"
+        where = self.url if self._tmpdir is not None else "not started"
         return f"<LocalEtcd {where} pid={self.pid}>"
 
     # -- internals --------------------------------------------------------------------------------------
 
     def _command(self) -> list[str]:
-        """Build etcd's command line: one member, loopback only, short Raft timeouts."""
-        client = f"http://{self._host}:{self._client_port}"
-        peer = f"http://{self._host}:{self._peer_port}"
+        """Build etcd's command line: one member, loopback (or private sockets) only, short Raft timeouts."""
+        if self._private:  # Unix listeners, named NAME:PORT in etcd's working directory (its temporary one)
+            client, peer = f"unix://{_CLIENT_SOCKET}", f"unix://{_PEER_SOCKET}"
+        else:
+            client = f"http://{self._host}:{self._client_port}"
+            peer = f"http://{self._host}:{self._peer_port}"
         return [
             self._binary,
             "--name", self._name,
@@ -406,7 +447,7 @@ class LocalEtcd:
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"{self._name}={peer}",
             "--initial-cluster-state", "new",
-            "--initial-cluster-token", f"litz-{os.getpid()}-{self._client_port}",
+            "--initial-cluster-token", f"litz-{os.getpid()}-{os.path.basename(self._tmpdir or '')}",
             "--heartbeat-interval", str(self._heartbeat_ms),
             "--election-timeout", str(self._election_ms),
             "--logger", "zap",
@@ -432,6 +473,7 @@ class LocalEtcd:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=self._tmpdir,  # where a private etcd makes its Unix sockets
             close_fds=True,
             start_new_session=True,  # group signals (Ctrl-C, a scheduler's SIGTERM) are for the launcher
         )
@@ -454,8 +496,11 @@ class LocalEtcd:
                     f"last lines of {self.log_path}:\n{_tail(self.log_path)}"
                 )
             try:
-                with opener.open(f"{self.url}/health", timeout=1.0) as resp:
-                    body = resp.read().decode("utf-8", errors="replace")
+                if self._private:
+                    body = _unix_http_get(self._socket(_CLIENT_SOCKET), "/health", timeout=1.0)
+                else:
+                    with opener.open(f"{self.url}/health", timeout=1.0) as resp:
+                        body = resp.read().decode("utf-8", errors="replace")
                 if '"true"' in body and proc.poll() is None:  # ours still runs: not another's answer
                     _log.debug("etcd %s healthy (pid %d)", self.url, proc.pid)
                     return

@@ -100,7 +100,7 @@ class LocalCluster:
         if self.etcd_url is None:
             # Fresh interpreters (LITZ_SPAWN=exec) start while etcd comes up: they retry their first
             # connection for a few seconds, and their imports take about as long as etcd's start.
-            self._etcd = LocalEtcd()
+            self._etcd = LocalEtcd(private=True)  # Unix sockets only this user reaches, no port
             self._etcd.start(wait=False)
             self.etcd_url = self._etcd.url
         if not self.join:  # before any process starts: the name must be this job's alone

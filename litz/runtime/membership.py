@@ -111,11 +111,17 @@ class _Transient(Exception):
 
 
 def _parse_endpoints(etcd: str) -> list[str]:
-    """Turn ``http://host:port`` / ``host:port`` (comma-separated for a cluster) into gRPC ``host:port``s.
+    """Turn ``http://host:port`` / ``host:port`` (comma-separated for a cluster) into gRPC ``host:port``s,
+    or ``unix:///path`` (a private local etcd's socket) into itself.
 
     TLS is not wired up yet, so ``https://`` is refused here with a clear message instead of failing later
     with an obscure handshake error.
     """
+    if etcd.strip().startswith("unix://"):  # a private local etcd (LocalEtcd(private=True)): one socket
+        path = etcd.strip()[len("unix://"):]
+        if not path.startswith("/") or "," in path:
+            raise ConfigError(f"etcd endpoint {etcd!r} is not of the form unix:///ABSOLUTE/PATH (one socket)")
+        return [f"unix://{path}"]
     endpoints = []
     for part in etcd.split(","):
         part = part.strip().rstrip("/")
@@ -228,8 +234,10 @@ class _Client(Etcd3Client):
     that runs and answers. Its own pool connects at once.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, endpoints: Sequence[str], **kwargs: Any) -> None:
+        super().__init__(endpoints, **kwargs)
+        if endpoints[0].startswith("unix://"):  # etcd3aio only builds ipv4: targets; gRPC takes unix:///path
+            self._manager.target = endpoints[0]
         self._manager.grpc_options.extend([
             ("grpc.use_local_subchannel_pool", 1),
             ("grpc.initial_reconnect_backoff_ms", 200),
