@@ -23,12 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"status-{time.time_ns()}"
-    app = litz.App(testapps.SlowDriver, testapps.SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=5,
-                   config={"stop_after": 6.0})
-    out: dict = {}
-    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=2, servers=2, job=job)),
-                              daemon=True)
-    runner.start()
+    runner, out = testapps.slow_job_in_background(job, workers=2, servers=2, executors=5, stop_after=6.0)
     env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path))
     try:
         deadline = time.monotonic() + 20

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import suppress
@@ -210,7 +211,18 @@ def test_a_private_endpoint_connects_only_to_its_users_sockets(caplog: pytest.Lo
         ep.close()
 
 
-def test_a_socket_directory_others_could_enter_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory with a short path (pytest's own may be too long for a socket directory)."""
+    path = Path(tempfile.mkdtemp(prefix="lz-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_socket_directory_others_could_enter_is_refused(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path = short_tmp
     good = tmp_path / "s"
     monkeypatch.setenv(security.SOCKET_DIR_ENV, str(good))
     assert security.socket_dir() == good and stat.S_IMODE(good.stat().st_mode) == 0o700  # made
@@ -237,9 +249,9 @@ def test_a_socket_directory_others_could_enter_is_refused(tmp_path: Path, monkey
             security.socket_dir()
 
 
-def test_sockets_of_dead_processes_are_removed_and_live_ones_kept(tmp_path: Path,
+def test_sockets_of_dead_processes_are_removed_and_live_ones_kept(short_tmp: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    directory = tmp_path / "s"
+    directory = short_tmp / "s"
     directory.mkdir(0o700)
     monkeypatch.setenv(security.SOCKET_DIR_ENV, str(directory))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -301,12 +313,7 @@ def test_a_local_job_without_etcd_listens_on_no_tcp_port(tmp_path: Path, monkeyp
     """Its etcd, workers and servers all use Unix sockets in directories only their user enters."""
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"private-{time.time_ns()}"
-    app = litz.App(testapps.SlowDriver, testapps.SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=2,
-                   config={"stop_after": 3.0})
-    out: dict = {}
-    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=1, servers=1, job=job)),
-                              daemon=True)
-    runner.start()
+    runner, out = testapps.slow_job_in_background(job, workers=1, servers=1, executors=2, stop_after=3.0)
     try:
         deadline = time.monotonic() + 20
         record: dict = {}

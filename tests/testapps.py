@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -293,6 +294,19 @@ class SlowDriver(litz.Driver):
 class SleepExecutor(litz.Executor):
     def run_task(self, args: dict) -> None:
         time.sleep(args["sleep"])
+
+
+def slow_job_in_background(job: str, *, workers: int, servers: int, executors: int, stop_after: float
+                           ) -> tuple[threading.Thread, dict]:
+    """Run a :class:`SlowDriver` job (``litz.run``, its own etcd) on a daemon thread, so that a test
+    can look at it while it runs; ``out["res"]`` holds its result once the thread has ended."""
+    app = litz.App(SlowDriver, SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=executors,
+                   config={"stop_after": stop_after})
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=workers, servers=servers, job=job)),
+                              daemon=True)
+    runner.start()
+    return runner, out
 
 
 class MigratingDriver(litz.Driver):

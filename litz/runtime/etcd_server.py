@@ -30,6 +30,7 @@ from typing import IO
 
 from litz.errors import ConfigError
 from litz.runtime.jobs import pid_alive
+from litz.runtime.security import MAX_SOCKET_PATH
 
 __all__ = ["LocalEtcd", "data_parent", "find_etcd_binary", "remove_orphaned_dirs"]
 
@@ -359,6 +360,9 @@ class LocalEtcd:
         if self._tmpdir is None:
             parent = data_parent()
             remove_orphaned_dirs(parent)
+            if self._private and len(os.path.join(parent, _DIR_PREFIX + "x" * 8, _CLIENT_SOCKET)) > MAX_SOCKET_PATH:
+                raise ConfigError(f"the directory for a private etcd, {parent}, is too long a path for its Unix "
+                                  "sockets: set LITZ_ETCD_TMPDIR to a shorter one")
             self._tmpdir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=parent)
             Path(self._tmpdir, _OWNER_FILE).write_text(f"{os.getpid()}\n")
             if not self._private:
