@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -291,22 +290,15 @@ def _socket_inodes(pid: int) -> set[str]:
 
 
 def _as_nobody_connect(path: str) -> int:
-    """0 if user nobody is refused a connection to the Unix socket ``path``, 1 if connected."""
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                try:
-                    s.connect(path)
-                    code = 1
-                except PermissionError:
-                    code = 0
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    """0 if user nobody is refused a connection to the Unix socket ``path``, 1 if connected.
+
+    In a fresh interpreter (single-threaded: forking this one, with gRPC's and ZeroMQ's threads,
+    can crash the child), which imports what it needs before it gives up root."""
+    code = ("import os, socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+            "os.setgid(65534)\nos.setuid(65534)\n"
+            "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(0)\nsys.exit(1)\n")
+    return subprocess.run([sys.executable, "-c", code, path], timeout=30).returncode
 
 
 def test_a_local_job_without_etcd_listens_on_no_tcp_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
