@@ -480,10 +480,17 @@ def condense_tree(left: np.ndarray, right: np.ndarray, dist: np.ndarray, size: n
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The condensed tree (``hdbscan``'s): ``(parent, child, lambda, child_size)`` rows.
 
-    Walks the dendrogram top-down (descending node ids). A split into two children of at least
-    ``min_cluster_size`` points makes two new clusters; a smaller child's points fall out of the
-    current cluster at this lambda (recorded as ``drop`` on the subtree and emitted at its leaves);
-    a larger child continues the current cluster.
+    Walks the dendrogram top-down (descending node ids). At a node, every edge of its distance
+    is cut at once: children at the same distance (a tie, which the binary dendrogram orders
+    arbitrarily) are opened, down to the parts below that distance. If two or more parts have at
+    least ``min_cluster_size`` points, each becomes a new cluster; if one does, it continues the
+    current cluster; smaller parts' points fall out of the current cluster at this lambda
+    (recorded as ``drop`` on a subtree and emitted at its leaves).
+
+    Cutting tied edges one at a time, as ``hdbscan`` and ``fast_hdbscan`` do, can split a
+    cluster into two big parts and, at the same lambda, one of them into small ones: a cluster
+    born and dead at once, of zero stability, that excess of mass may then select (HDBSCAN*
+    removes all edges of a level together; see ``tests/test_hdbscan_app.py``).
     """
     n = left.shape[0] + 1
     rows = 2 * n
@@ -494,14 +501,18 @@ def condense_tree(left: np.ndarray, right: np.ndarray, dist: np.ndarray, size: n
     label = np.full(2 * n - 1, -1, np.int64)  # cluster of a node that is not dropped
     drop_to = np.full(2 * n - 1, -1, np.int64)  # cluster its points fall out of, if dropped
     drop_lam = np.zeros(2 * n - 1, np.float64)
+    opened = np.zeros(2 * n - 1, np.bool_)  # a node cut together with an ancestor at its distance
+    parts = np.empty(n, np.int64)  # a node's parts below its distance
+    stack = np.empty(n, np.int64)
     label[2 * n - 2] = n
     nxt = n + 1
     pos = 0
     for node in range(2 * n - 2, n - 1, -1):
+        if opened[node]:
+            continue
         i = node - n
-        kids = (left[i], right[i])
         if drop_to[node] >= 0:
-            for c in kids:
+            for c in (left[i], right[i]):
                 if c < n:
                     rp[pos] = drop_to[node]
                     rc[pos] = c
@@ -512,16 +523,30 @@ def condense_tree(left: np.ndarray, right: np.ndarray, dist: np.ndarray, size: n
                     drop_to[c] = drop_to[node]
                     drop_lam[c] = drop_lam[node]
             continue
-        lam = 1.0 / dist[i] if dist[i] > 0.0 else np.inf
+        d = dist[i]
+        lam = 1.0 / d if d > 0.0 else np.inf
         cl = label[node]
-        cnt0 = size[kids[0] - n] if kids[0] >= n else 1
-        cnt1 = size[kids[1] - n] if kids[1] >= n else 1
-        big0 = cnt0 >= min_cluster_size
-        big1 = cnt1 >= min_cluster_size
-        for j in range(2):
-            c = kids[j]
-            cnt = cnt0 if j == 0 else cnt1
-            if big0 and big1:
+        m = 0
+        big = 0
+        stack[0] = right[i]
+        stack[1] = left[i]
+        sp = 2
+        while sp > 0:
+            sp -= 1
+            c = stack[sp]
+            if c >= n and dist[c - n] == d:
+                opened[c] = True
+                stack[sp] = right[c - n]
+                stack[sp + 1] = left[c - n]
+                sp += 2
+            else:
+                parts[m] = c
+                m += 1
+                big += (size[c - n] if c >= n else 1) >= min_cluster_size
+        for j in range(m):
+            c = parts[j]
+            cnt = size[c - n] if c >= n else 1
+            if cnt >= min_cluster_size and big >= 2:
                 label[c] = nxt
                 rp[pos] = cl
                 rc[pos] = nxt
@@ -529,7 +554,7 @@ def condense_tree(left: np.ndarray, right: np.ndarray, dist: np.ndarray, size: n
                 rs[pos] = cnt
                 pos += 1
                 nxt += 1
-            elif (big0 if j == 0 else big1):
+            elif cnt >= min_cluster_size:
                 label[c] = cl
             elif c < n:
                 rp[pos] = cl

@@ -42,6 +42,94 @@ def separated_blobs(n: int, centers: int, seed: int) -> np.ndarray:
                       random_state=seed)[0].astype(np.float32)
 
 
+def _find(root: list[int], a: int) -> int:
+    while root[a] != a:
+        root[a] = root[root[a]]
+        a = root[a]
+    return a
+
+
+def level_set_hdbscan(x: np.ndarray, min_samples: int, min_cluster_size: int) -> np.ndarray:
+    """HDBSCAN* from its definition (Campello et al. 2015), by brute force, for small sets: the
+    labels ``hk`` must give. Mutual-reachability distances of all pairs, a minimum spanning tree
+    by Prim's algorithm, then each level of the tree's weights from the top: remove every edge of
+    that weight at once, and look at the connected parts of each cluster (ties are cut together,
+    unlike a binary dendrogram). Excess of mass with the root excluded, ties kept by the parent."""
+    n = len(x)
+    dist = np.sqrt(((x[:, None, :] - x[None, :, :]) ** 2).sum(-1))
+    core = np.sort(dist, axis=1)[:, min_samples]  # column 0 is the point itself
+    mr = np.maximum(dist, np.maximum(core[:, None], core[None, :]))
+    inside, best, src, edges = np.zeros(n, bool), mr[0].copy(), np.zeros(n, int), []
+    inside[0] = True
+    for _ in range(n - 1):
+        v = int(np.argmin(np.where(inside, np.inf, best)))
+        edges.append((src[v], v, best[v]))
+        inside[v] = True
+        closer = ~inside & (mr[v] < best)
+        best[closer], src[closer] = mr[v][closer], v
+    clusters = [{"points": set(range(n)), "birth": 0.0, "parent": -1, "children": [], "stability": 0.0}]
+    live, fell_from = [0], {}
+    for level in sorted({w for _, _, w in edges}, reverse=True):
+        lam = 1.0 / level if level > 0 else np.inf
+        root = list(range(n))
+        for a, b, w in edges:
+            if w < level:
+                root[_find(root, a)] = _find(root, b)
+        still = []
+        for c in live:
+            cl = clusters[c]
+            parts: dict[int, set[int]] = {}
+            for p in cl["points"]:
+                parts.setdefault(_find(root, p), set()).add(p)
+            if len(parts) == 1:
+                still.append(c)
+                continue
+            big = [q for q in parts.values() if len(q) >= min_cluster_size]
+            keep = big[0] if len(big) == 1 else None
+            for q in parts.values():
+                if q is keep:
+                    continue
+                cl["stability"] += (lam - cl["birth"]) * len(q)
+                if len(big) >= 2 and len(q) >= min_cluster_size:
+                    cl["children"].append(len(clusters))
+                    still.append(len(clusters))
+                    clusters.append({"points": q, "birth": lam, "parent": c, "children": [], "stability": 0.0})
+                else:
+                    fell_from.update(dict.fromkeys(q, c))
+            if keep is not None:
+                cl["points"] = keep
+                still.append(c)
+        live = still
+    selected: set[int] = set()
+
+    def excess_of_mass(c: int) -> float:
+        below = sum(excess_of_mass(k) for k in clusters[c]["children"])
+        if c != 0 and (not clusters[c]["children"] or clusters[c]["stability"] >= below):
+            selected.add(c)
+            return clusters[c]["stability"]
+        return below
+
+    excess_of_mass(0)
+    labels = np.full(n, -1)
+    names: dict[int, int] = {}
+    for p, c in fell_from.items():
+        top = -1
+        while c >= 0:  # the topmost selected cluster above the one p fell out of
+            top = c if c in selected else top
+            c = clusters[c]["parent"]
+        if top >= 0:
+            labels[p] = names.setdefault(top, len(names))
+    return labels
+
+
+def same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """The same noise points and the same clusters, whatever their numbers."""
+    if not np.array_equal(a < 0, b < 0):
+        return False
+    pairs = set(zip(a[a >= 0].tolist(), b[b >= 0].tolist(), strict=True))
+    return len(pairs) == len({p for p, _ in pairs}) == len({q for _, q in pairs})
+
+
 # ----------------------------------------------------------------------------------------------------
 # against the hdbscan library
 # ----------------------------------------------------------------------------------------------------
@@ -56,9 +144,11 @@ def test_labels_match_hdbscan_on_separated_blobs(seed: int) -> None:
     assert hd.fowlkes_mallows(ref, labels) >= 0.95
 
 
-def test_tree_equals_hdbscan_given_its_spanning_tree() -> None:
-    """Dendrogram, condensed tree, EOM and labelling are exactly the library's: fed the library's own
-    minimum spanning tree of an overlapping, noisy set, the labels are the same partition."""
+def test_tree_matches_hdbscan_given_its_spanning_tree_and_cuts_ties_together() -> None:
+    """Dendrogram, condensed tree, EOM and labelling: fed the library's own minimum spanning tree of
+    an overlapping, noisy set, the labels are exactly HDBSCAN*'s (the level-set reference). The
+    library cuts tied edges one at a time; here that leaves 3 of its 1,500 points in a cluster
+    that HDBSCAN* calls noise, so it agrees with us at FM 0.998, with the same clusters."""
     import hdbscan
 
     x, _ = hd.gaussian_mixture(1500, 2, 12, noise=0.2, half_width=12.0, seed=3)
@@ -68,8 +158,27 @@ def test_tree_equals_hdbscan_given_its_spanning_tree() -> None:
     labels = hk.clusters_from_tree(mst[:, 0].astype(np.int64), mst[:, 1].astype(np.int64),
                                    mst[:, 2].astype(np.float32), len(x), 25)
     assert ref.labels_.max() >= 3 and (ref.labels_ < 0).sum() > 50
-    assert hd.fowlkes_mallows(ref.labels_, labels) == pytest.approx(1.0)
+    assert same_partition(labels, level_set_hdbscan(x.astype(np.float64), 8, 25))
+    assert hd.fowlkes_mallows(ref.labels_, labels) >= 0.99
     assert labels.max() == ref.labels_.max()
+
+
+def test_tied_distances_are_cut_together_as_hdbscan_star_defines() -> None:
+    """Points on a small integer grid: mutual-reachability distances tie everywhere (core distances,
+    duplicates). Cutting a level's tied edges one at a time, a cluster could split into two big
+    parts and one of them at once into small ones: a cluster of zero stability, which excess of
+    mass may select (the libraries do, on about a third of these sets; so did this code, which
+    agreed with the reference on 170 of 300). Every set must give exactly HDBSCAN*'s labels."""
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        n, dims = int(rng.integers(12, 60)), int(rng.integers(1, 3))
+        x = rng.integers(0, int(rng.integers(3, 12)), size=(n, dims)).astype(np.float64)
+        if rng.random() < 0.5:
+            x += rng.normal(0, 1e-3, x.shape)  # no coordinate ties; core distances still tie
+        min_samples, min_cluster_size = int(rng.integers(2, 5)), int(rng.integers(2, 6))
+        idx, dist = exact_graph(x, n - 1)
+        labels = hd.cluster_graph(idx, dist, min_samples, min_cluster_size)
+        assert same_partition(labels, level_set_hdbscan(x, min_samples, min_cluster_size)), (n, dims, x.tolist())
 
 
 def test_core_distance_is_hdbscan_convention() -> None:
