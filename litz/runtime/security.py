@@ -243,9 +243,10 @@ def private_address(ident: str) -> str:
     return f"ipc://{directory}/{os.getpid()}-{next(_socket_seq)}-{tag}{_SOCKET_SUFFIX}"
 
 
-def is_private_address(address: str) -> bool:
-    """Whether ``address`` is a socket in this user's socket directory (nothing else is connected to)."""
-    prefix = f"ipc://{socket_dir()}/"
+def is_private_address(address: str, directory: Path | None = None) -> bool:
+    """Whether ``address`` is a socket in ``directory`` (default: this user's socket directory);
+    a private endpoint connects to nothing else."""
+    prefix = f"ipc://{directory or socket_dir()}/"
     name = address[len(prefix):]
     return (address.startswith(prefix) and name.endswith(_SOCKET_SUFFIX) and "/" not in name
             and name not in (".", ".."))

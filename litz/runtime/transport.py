@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -107,10 +108,12 @@ class Endpoint:
         self.router = make_socket(self.ctx, zmq.ROUTER, secret=secret)
         self._watch: Watch | None = None
         self.address = ""
+        self._socket_dir: Path | None = None
         try:
             if secret is not None:  # the authenticator must be ready before the first peer can knock
                 self._watch = security.guard(self.router, self.ctx, secret, label=ident)
             if self.private:
+                self._socket_dir = security.socket_dir()
                 address = security.private_address(ident)
                 self.router.bind(address)
             else:
@@ -134,9 +137,9 @@ class Endpoint:
         socket in this user's directory, and returns False: addresses come from etcd too,
         where without authentication anyone may register one.
         """
-        if self.private and not security.is_private_address(address):
+        if self.private and not security.is_private_address(address, self._socket_dir):
             log.warning("%s: not connecting to %r at %s: without a job secret a job's processes are this "
-                        "user's private sockets (in %s)", self.ident, peer, address, security.socket_dir())
+                        "user's private sockets (in %s)", self.ident, peer, address, self._socket_dir)
             return False
         if self.peers.get(peer) == address:
             return True
