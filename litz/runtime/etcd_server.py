@@ -308,6 +308,12 @@ class LocalEtcd:
             raise ConfigError("LocalEtcd has not been started")
         return f"{self._host}:{self._client_port}"
 
+    def _where(self) -> str | None:
+        """The URL, or None before the address is chosen (no exception: for messages)."""
+        if self._tmpdir is None or (not self._private and self._client_port is None):
+            return None
+        return self.url
+
     def _socket(self, name: str) -> str:
         if self._tmpdir is None:
             raise ConfigError("LocalEtcd has not been started")
@@ -344,7 +350,7 @@ class LocalEtcd:
         else:
             state = f"pid {proc.pid} exited with code {code}"
         log = _tail(self.log_path) if self._tmpdir is not None else "(no log: its directory is gone)"
-        where = self.url if self._tmpdir is not None else "no address"
+        where = self._where() or "no address"
         return f"the local etcd on {where}: {state}; last lines of its log:\n{log}"
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -433,7 +439,7 @@ class LocalEtcd:
 
     def __repr__(self) -> str:
         """Show where the server listens and whether it runs, for test failure output."""
-        where = self.url if self._tmpdir is not None else "not started"
+        where = self._where() or "not started"
         return f"<LocalEtcd {where} pid={self.pid}>"
 
     # -- internals --------------------------------------------------------------------------------------
