@@ -16,6 +16,7 @@ import pytest
 import litz
 from litz.errors import LitzError
 from tests import testapps
+from tests.conftest import run_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"status-{time.time_ns()}"
-    runner, out = testapps.slow_job_in_background(job, workers=2, servers=2, executors=5, stop_after=6.0)
+    runner, out = run_in_thread(testapps.slow_app(executors=5, stop_after=6.0), workers=2, servers=2, job=job)
     env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path))
     try:
         deadline = time.monotonic() + 20

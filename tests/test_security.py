@@ -28,7 +28,7 @@ from litz.runtime import jobs, protocol, security
 from litz.runtime.security import JobSecret, generate_secret_file, load_secret
 from litz.runtime.transport import Endpoint, check_bind_host, make_socket
 from tests import testapps
-from tests.conftest import processes_mentioning
+from tests.conftest import processes_mentioning, run_in_thread, wait_running
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
@@ -305,7 +305,7 @@ def test_a_local_job_without_etcd_listens_on_no_tcp_port(tmp_path: Path, monkeyp
     """Its etcd, workers and servers all use Unix sockets in directories only their user enters."""
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"private-{time.time_ns()}"
-    runner, out = testapps.slow_job_in_background(job, workers=1, servers=1, executors=2, stop_after=3.0)
+    runner, out = run_in_thread(testapps.slow_app(executors=2, stop_after=3.0), workers=1, servers=1, job=job)
     try:
         deadline = time.monotonic() + 20
         record: dict = {}
@@ -427,6 +427,28 @@ def test_job_runs_with_curve_and_sums_are_exact(etcd, secret_file: Path) -> None
     assert res.total("secured") == len(res.stats) == 4  # master, server and both workers
     assert res.total("auth_refused") == 0
     assert security.settings().secret is None  # the launcher restored the process-wide settings
+
+
+def test_processes_started_later_get_the_secret_the_job_started_with(tmp_path: Path, secret_file: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher reads the secret file once and hands its processes the key through a pipe: a
+    scale-out after the file was replaced (with another secret) still joins the job."""
+    from litz.cli import job_status, scale
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    job = f"rotated-{time.time_ns()}"
+    runner, out = run_in_thread(testapps.slow_app(executors=4, stop_after=10.0), workers=1, servers=1, job=job,
+                                secret_file=secret_file)
+    try:
+        wait_running(job, out)
+        generate_secret_file(secret_file, overwrite=True)  # the file now holds another secret
+        assert scale(["--job", job, "--workers", "2", "--wait", "--timeout", "30"]) == 0
+        workers = [p for p in job_status(job)["processes"] if p["role"] == "worker"]
+        assert len(workers) == 2 and all(p["executors"] for p in workers)
+    finally:
+        runner.join(60)
+    assert out["res"].value == "done"
+    assert out["res"].total("secured") == len(out["res"].stats) and out["res"].total("auth_refused") == 0
 
 
 def test_running_server_refuses_an_outsider_and_logs_it(etcd, secret_file: Path) -> None:

@@ -7,7 +7,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -296,17 +295,11 @@ class SleepExecutor(litz.Executor):
         time.sleep(args["sleep"])
 
 
-def slow_job_in_background(job: str, *, workers: int, servers: int, executors: int, stop_after: float
-                           ) -> tuple[threading.Thread, dict]:
-    """Run a :class:`SlowDriver` job (``litz.run``, its own etcd) on a daemon thread, so that a test
-    can look at it while it runs; ``out["res"]`` holds its result once the thread has ended."""
-    app = litz.App(SlowDriver, SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=executors,
-                   config={"stop_after": stop_after})
-    out: dict = {}
-    runner = threading.Thread(target=lambda: out.update(res=litz.run(app, workers=workers, servers=servers, job=job)),
-                              daemon=True)
-    runner.start()
-    return runner, out
+def slow_app(executors: int, stop_after: float) -> litz.App:
+    """Sleeping tasks on every executor for ``stop_after`` seconds (:class:`SlowDriver`): a job to
+    look at, scale or disturb while it runs."""
+    return litz.App(SlowDriver, SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=executors,
+                    config={"stop_after": stop_after})
 
 
 class MigratingDriver(litz.Driver):

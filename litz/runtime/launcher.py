@@ -6,7 +6,9 @@ private etcd it started) on the way out, whatever happened, so no process is lef
 
 Security: a job binds to loopback unless given another ``host``, which requires a job secret
 (``secret_file``, or ``$LITZ_SECRET_FILE``). With a secret, every process of the job, the
-master included, uses ZeroMQ CURVE (see ``litz.runtime.security``).
+master included, uses ZeroMQ CURVE (see ``litz.runtime.security``). The secret is read once,
+when the cluster starts; the processes it starts later (a scale-out, a recovery) get its key
+through a pipe on their stdin, so a secret file replaced meanwhile does not lock them out.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ class LocalCluster:
         # refuse a bad secret or an unsecured non-loopback host here, not in N children's logs
         self.secret = security.load_secret(secret_file) if secret_file is not None else None
         check_bind_host(host, self.secret)
-        self.secret_file = str(Path(secret_file).expanduser().resolve()) if secret_file is not None else None
         self.job = job
         self.workers = workers
         self.servers = servers
@@ -187,23 +188,38 @@ class LocalCluster:
         env.pop("LITZ_SECRET_FILE", None)  # the child uses exactly the secret this cluster was given
         args = ["--id", ident, "--job", self.job, "--etcd", str(self.etcd_url), "--host", self.host,
                 "--log-level", self.log_level]
-        if self.secret_file is not None:
-            args += ["--secret-file", self.secret_file]
+        stdin: int | None = None
+        if self.secret is not None:
+            # the key this cluster loaded at its start, through a pipe only the child reads: not the
+            # file's path, whose content may have changed since (a new secret would lock it out)
+            args.append("--secret-stdin")
+            stdin, w = os.pipe()
+            os.write(w, self.secret.secret_key + b"\n")
+            os.close(w)
+        try:
+            self._start_child(module, ident, args, env, numba, stdin)
+        finally:
+            if stdin is not None:
+                os.close(stdin)
+
+    def _start_child(self, module: str, ident: str, args: list[str], env: dict[str, str], numba: bool,
+                     stdin: int | None) -> None:
         # A session of its own: a signal to the launcher's process group (Ctrl-C, `timeout`, a batch
         # scheduler's SIGTERM to the job) reaches only the launcher, which stops the job in order;
         # the child still dies with it (PR_SET_PDEATHSIG, litz.runtime.node).
         with open(self.rundir / f"{ident}.log", "wb") as errlog:
             if self._spawner is not None:
                 try:
-                    self.children[ident] = self._spawner.spawn(module, args, env, None, errlog, numba=numba)
+                    self.children[ident] = self._spawner.spawn(module, args, env, None, errlog, numba=numba,
+                                                               stdin=stdin)
                     return
                 except spawner.SpawnFailed as exc:  # its children died with it and are recovered as lost
                     log.warning("%s; starting %s and the processes after it as fresh interpreters", exc, ident)
                     self._spawner = None  # a later cluster gets a new zygote (spawner.shared)
             # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
             self.children[ident] = subprocess.Popen([sys.executable, "-m", module, *args], env=env,
-                                                    stdin=subprocess.DEVNULL, stderr=errlog,
-                                                    start_new_session=True)
+                                                    stdin=subprocess.DEVNULL if stdin is None else stdin,
+                                                    stderr=errlog, start_new_session=True)
 
     def prepare(self, numba: bool = False) -> None:
         """Return once this host can start processes at once: its zygote has imported (and initialised

@@ -382,12 +382,22 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
+def _read_all(fd: int) -> bytes:
+    """Everything until end of file from ``fd`` (a pipe the launcher wrote and closed)."""
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
-    """Entry point of a worker or server process: ``--id --job --etcd [--host] [--secret-file]``.
+    """Entry point of a worker or server process: ``--id --job --etcd [--host] [--secret-file | --secret-stdin]``.
 
     ``--secret-file`` (default: ``$LITZ_SECRET_FILE``) turns on CURVE for every socket of the
-    process; a host outside loopback requires it. A bad secret file is a configuration error:
-    exit code 2 with a one-line reason in the log, before anything listens.
+    process; a host outside loopback requires it. ``--secret-stdin`` reads the job's CURVE key
+    from stdin instead: how a launcher starts its processes, with the secret it loaded at its
+    start. A bad secret is a configuration error: exit code 2 with a one-line reason in the
+    log, before anything listens.
     """
     import argparse
 
@@ -398,6 +408,8 @@ def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--secret-file", default=os.environ.get("LITZ_SECRET_FILE") or None,
                         help="the job secret (CURVE); required outside loopback")
+    parser.add_argument("--secret-stdin", action="store_true",
+                        help="read the job's CURVE key from stdin (how a launcher passes the secret it loaded)")
     parser.add_argument("--log-level", default=os.environ.get("LITZ_LOG_LEVEL", "WARNING"))
     args = parser.parse_args(argv)
     die_with_parent()
@@ -409,7 +421,12 @@ def main(node_cls: type[Node], argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.id} %(levelname)s %(name)s: %(message)s")
     try:
-        security.configure(args.secret_file, host=args.host)
+        if args.secret_stdin:
+            secret: security.JobSecret | str | None = security.JobSecret.from_curve_key(
+                _read_all(0), "the launcher (stdin)")
+        else:
+            secret = args.secret_file
+        security.configure(secret, host=args.host)
         node = node_cls(args.id, args.job, args.etcd, args.host)
     except ConfigError as exc:
         log.error("%s: %s", args.id, exc)

@@ -98,6 +98,22 @@ class JobSecret:
         self.public_key: bytes = zmq.curve_public(self.secret_key)
         self.source = source
 
+    @classmethod
+    def from_curve_key(cls, secret_key: bytes, source: str) -> JobSecret:
+        """The job secret as its derived CURVE secret key (z85, 40 characters): how a launcher hands
+        its processes the secret it loaded, through a pipe, rather than the path of a file whose
+        content may have changed since (a new secret there would lock its new processes out)."""
+        secret_key = secret_key.strip()
+        try:
+            if len(secret_key) != 40:
+                raise ValueError(f"{len(secret_key)} characters, not 40")
+            public = zmq.curve_public(secret_key)
+        except (ValueError, zmq.ZMQError) as exc:
+            raise ConfigError(f"the job's key from {source} is not a CURVE secret key: {exc}") from None
+        obj = cls.__new__(cls)
+        obj.secret_key, obj.public_key, obj.source = secret_key, public, source
+        return obj
+
     @property
     def public_key_bytes(self) -> bytes:
         """The raw 32-byte public key, as ZAP requests carry it."""

@@ -216,15 +216,18 @@ class Spawner:
         return self.process.returncode is None and self._sock.fileno() >= 0
 
     def spawn(self, module: str, args: list[str], env: dict[str, str], stdout: int | None,
-              stderr: IO[bytes], numba: bool = False, timeout: float = 60.0) -> ForkedProcess:
-        """Fork ``python -m module args`` with this environment and these streams; the child's pid
-        once it exists (the first request waits for the zygote's imports). Numba is initialised in the
-        zygote first (once) if ``numba`` or if this process has it loaded (:func:`numba_loaded`)."""
+              stderr: IO[bytes], numba: bool = False, timeout: float = 60.0, stdin: int | None = None
+              ) -> ForkedProcess:
+        """Fork ``python -m module args`` with this environment and these streams (stdin: /dev/null
+        unless given); the child's pid once it exists (the first request waits for the zygote's
+        imports). Numba is initialised in the zygote first (once) if ``numba`` or if this process
+        has it loaded (:func:`numba_loaded`)."""
         if module not in ENTRY_POINTS:
             raise ValueError(f"the zygote starts {sorted(ENTRY_POINTS)}, not {module!r}")
         request = {"module": module, "args": args, "env": env, "cwd": os.getcwd(), "numba": numba or numba_loaded()}
         with open(os.devnull, "rb") as devnull:
-            fds = [devnull.fileno(), 1 if stdout is None else stdout, stderr.fileno()]  # None: the launcher's
+            fds = [devnull.fileno() if stdin is None else stdin, 1 if stdout is None else stdout,
+                   stderr.fileno()]  # stdout None: the launcher's
             reply = self._ask(request, fds, f"start {module}", timeout)
         if "pid" not in reply:
             raise SpawnFailed(f"the process spawner could not start {module}: {reply.get('error')}")
