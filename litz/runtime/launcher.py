@@ -188,38 +188,47 @@ class LocalCluster:
         env.pop("LITZ_SECRET_FILE", None)  # the child uses exactly the secret this cluster was given
         args = ["--id", ident, "--job", self.job, "--etcd", str(self.etcd_url), "--host", self.host,
                 "--log-level", self.log_level]
-        stdin: int | None = None
         if self.secret is not None:
-            # the key this cluster loaded at its start, through a pipe only the child reads: not the
-            # file's path, whose content may have changed since (a new secret would lock it out)
-            args.append("--secret-stdin")
-            stdin, w = os.pipe()
-            os.write(w, self.secret.secret_key + b"\n")
-            os.close(w)
-        try:
-            self._start_child(module, ident, args, env, numba, stdin)
-        finally:
-            if stdin is not None:
-                os.close(stdin)
-
-    def _start_child(self, module: str, ident: str, args: list[str], env: dict[str, str], numba: bool,
-                     stdin: int | None) -> None:
+            args.append("--secret-stdin")  # see _key_pipe
         # A session of its own: a signal to the launcher's process group (Ctrl-C, `timeout`, a batch
         # scheduler's SIGTERM to the job) reaches only the launcher, which stops the job in order;
         # the child still dies with it (PR_SET_PDEATHSIG, litz.runtime.node).
         with open(self.rundir / f"{ident}.log", "wb") as errlog:
             if self._spawner is not None:
                 try:
-                    self.children[ident] = self._spawner.spawn(module, args, env, None, errlog, numba=numba,
-                                                               stdin=stdin)
+                    with self._key_pipe() as stdin:
+                        self.children[ident] = self._spawner.spawn(module, args, env, None, errlog, numba=numba,
+                                                                   stdin=stdin)
                     return
                 except spawner.SpawnFailed as exc:  # its children died with it and are recovered as lost
                     log.warning("%s; starting %s and the processes after it as fresh interpreters", exc, ident)
                     self._spawner = None  # a later cluster gets a new zygote (spawner.shared)
             # no preexec_fn: a plain fork while gRPC threads run in this process can crash the child
-            self.children[ident] = subprocess.Popen([sys.executable, "-m", module, *args], env=env,
-                                                    stdin=subprocess.DEVNULL if stdin is None else stdin,
-                                                    stderr=errlog, start_new_session=True)
+            with self._key_pipe() as stdin:
+                self.children[ident] = subprocess.Popen([sys.executable, "-m", module, *args], env=env,
+                                                        stdin=subprocess.DEVNULL if stdin is None else stdin,
+                                                        stderr=errlog, start_new_session=True)
+
+    @contextlib.contextmanager
+    def _key_pipe(self) -> Iterator[int | None]:
+        """A child's stdin holding the job's CURVE key (None without a secret), closed here after.
+
+        The key this cluster loaded at its start, through a pipe only the child reads: not the
+        secret file's path, whose content may have changed since (a new secret would lock the
+        child out). A fresh pipe for each attempt to start a child: a failed one may have read it.
+        """
+        if self.secret is None:
+            yield None
+            return
+        r, w = os.pipe()
+        try:
+            try:
+                os.write(w, self.secret.secret_key + b"\n")  # 41 bytes: far below a pipe's buffer
+            finally:
+                os.close(w)
+            yield r
+        finally:
+            os.close(r)
 
     def prepare(self, numba: bool = False) -> None:
         """Return once this host can start processes at once: its zygote has imported (and initialised
