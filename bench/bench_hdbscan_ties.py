@@ -28,22 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # apps/ and tests/ from a checkout
 
 import numpy as np  # noqa: E402
-from sklearn.neighbors import NearestNeighbors  # noqa: E402
 
 from apps import hdbscan as hd  # noqa: E402
-from tests.hdbscan_reference import level_set_hdbscan, same_partition  # noqa: E402
-
-
-def exact_graph(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every other point of each point, nearest first (ties by id), as the app's graph."""
-    n = len(x)
-    d, i = NearestNeighbors(n_neighbors=n).fit(x).kneighbors(x)
-    idx, dist = np.empty((n, n - 1), np.int64), np.empty((n, n - 1), np.float32)
-    for r in range(n):  # drop the point itself, which a repeated point need not list first
-        keep = sorted((dd, ii) for dd, ii in zip(d[r], i[r], strict=True) if ii != r)
-        idx[r] = [ii for _, ii in keep]
-        dist[r] = [dd for dd, _ in keep]
-    return idx, dist
+from tests.hdbscan_reference import all_other_points, level_set_hdbscan, same_partition  # noqa: E402
 
 
 def main() -> None:
@@ -65,7 +52,7 @@ def main() -> None:
                 x += rng.normal(0, jitter, x.shape)
             ms, mcs = int(rng.integers(2, 5)), int(rng.integers(2, 6))
             truth = level_set_hdbscan(x, ms, mcs)
-            idx, dist = exact_graph(x)
+            idx, dist = all_other_points(x)
             ours = hd.cluster_graph(idx, dist, ms, mcs)
             lib = hd.reference_hdbscan(x, ms, mcs)
             fast = fast_hdbscan.HDBSCAN(min_cluster_size=mcs, min_samples=ms).fit(x).labels_

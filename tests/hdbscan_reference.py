@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+from sklearn.neighbors import NearestNeighbors
 
 
 def _find(root: list[int], a: int) -> int:
@@ -92,3 +93,15 @@ def same_partition(a: np.ndarray, b: np.ndarray) -> bool:
         return False
     pairs = set(zip(a[a >= 0].tolist(), b[b >= 0].tolist(), strict=True))
     return len(pairs) == len({p for p, _ in pairs}) == len({q for _, q in pairs})
+
+
+def all_other_points(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every other point of each point, nearest first (ties by id), as the app's graph."""
+    n = len(x)
+    d, i = NearestNeighbors(n_neighbors=n).fit(x).kneighbors(x)
+    idx, dist = np.empty((n, n - 1), np.int64), np.empty((n, n - 1), np.float32)
+    for r in range(n):  # drop the point itself, which a repeated point need not list first
+        keep = sorted((dd, ii) for dd, ii in zip(d[r], i[r], strict=True) if ii != r)
+        idx[r] = [ii for _, ii in keep]
+        dist[r] = [dd for dd, _ in keep]
+    return idx, dist

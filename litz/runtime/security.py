@@ -245,13 +245,12 @@ def socket_dir() -> Path:
     return path
 
 
-def private_address(ident: str) -> str:
-    """A fresh ``ipc://`` address in ``socket_dir()`` for a process's mailbox named ``ident``.
+def private_address(ident: str, directory: Path) -> str:
+    """A fresh ``ipc://`` address in ``directory`` (``socket_dir()``) for a process's mailbox named ``ident``.
 
     The name starts with the process id, so that sockets left by killed processes (a socket
     file outlives a ``kill -9``) are recognised and removed: once per directory and process.
     """
-    directory = socket_dir()
     if str(directory) not in _swept:
         _swept.add(str(directory))
         _remove_stale_sockets(directory)
@@ -259,10 +258,10 @@ def private_address(ident: str) -> str:
     return f"ipc://{directory}/{os.getpid()}-{next(_socket_seq)}-{tag}{_SOCKET_SUFFIX}"
 
 
-def is_private_address(address: str, directory: Path | None = None) -> bool:
-    """Whether ``address`` is a socket in ``directory`` (default: this user's socket directory);
-    a private endpoint connects to nothing else."""
-    prefix = f"ipc://{directory or socket_dir()}/"
+def is_private_address(address: str, directory: Path) -> bool:
+    """Whether ``address`` is a socket in ``directory`` (``socket_dir()``); a private endpoint
+    connects to nothing else."""
+    prefix = f"ipc://{directory}/"
     name = address[len(prefix):]
     return (address.startswith(prefix) and name.endswith(_SOCKET_SUFFIX) and "/" not in name
             and name not in (".", ".."))

@@ -102,19 +102,18 @@ class Endpoint:
         check_bind_host(host, secret, cluster)
         self.ident = ident
         self.secret: JobSecret | None = secret
-        # without a secret, only this user's processes may reach (and be reached by) this one
-        self.private = secret is None and zmq.has("ipc")
         self.ctx = ctx or zmq.Context.instance()
         self.router = make_socket(self.ctx, zmq.ROUTER, secret=secret)
         self._watch: Watch | None = None
         self.address = ""
+        # without a secret, only this user's processes may reach (and be reached by) this one
         self._socket_dir: Path | None = None
         try:
             if secret is not None:  # the authenticator must be ready before the first peer can knock
                 self._watch = security.guard(self.router, self.ctx, secret, label=ident)
-            if self.private:
+            if secret is None and zmq.has("ipc"):
                 self._socket_dir = security.socket_dir()
-                address = security.private_address(ident)
+                address = security.private_address(ident, self._socket_dir)
                 self.router.bind(address)
             else:
                 address = f"tcp://{host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
@@ -129,6 +128,11 @@ class Endpoint:
         self.bytes_sent = 0
         self.messages_received = 0
         self.bad_messages = 0
+
+    @property
+    def private(self) -> bool:
+        """Whether this endpoint is a private socket (no secret): it reaches only its user's sockets."""
+        return self._socket_dir is not None
 
     def connect(self, peer: str, address: str) -> bool:
         """Remember a peer's address; the DEALER is created on first send.
