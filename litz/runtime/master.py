@@ -1068,7 +1068,7 @@ class Master:
                 where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
             else:
                 log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(rec.losts))
-        rec.source = where["path"] if where else None
+        rec.source = storage.display(self.checkpoints.location, where["path"]) if where else None
         rec.partials = [path for path, _ in where["partials"]] if where else []
         self._restore_round += 1
         rec.round = self._restore_round
@@ -1220,12 +1220,15 @@ class Master:
             assert self._initial_driver is not None
             self._set_driver_state(driver, load_driver(self._initial_driver, driver)["driver"])
         onto = {st.shard_map[i] if role == "server" else st.placement[i] for role, i in moved}
+        from litz.ft import storage  # imported already by the reload
+
+        source = storage.display(where["location"], where["path"]) if where.get("path") else None
         self.recoveries.append({"lost": ", ".join(sorted(lost, key=_id_order)), "role": rb.role, "strategy": "full",
-                                "restored": len(moved), "restored_from": where.get("path"), "onto": sorted(onto),
+                                "restored": len(moved), "restored_from": source, "onto": sorted(onto),
                                 "rolled_back_from_version": version_before, "rolled_back_to_version": st.version,
                                 "seconds": time.monotonic() - started, "time": time.time()})
         log.warning("rolled back from version %d to %d (%s) after the loss of %s", version_before, st.version,
-                    where.get("path") or "the beginning", ", ".join(lost))
+                    source or "the beginning", ", ".join(lost))
         if saved is not None:
             driver.resumed()
         else:
@@ -1306,8 +1309,10 @@ class Master:
         self._set_driver_state(driver, saved["driver"])
         self.state.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
         driver.resumed()
-        log.warning("resumed job %s from %s (version %d, %d tasks re-dispatched)", self.job, self.resume.path,
-                    saved["version"], len(saved["tasks"]))
+        from litz.ft import storage
+
+        log.warning("resumed job %s from %s (version %d, %d tasks re-dispatched)", self.job,
+                    storage.display(self.resume.location, self.resume.path), saved["version"], len(saved["tasks"]))
 
     def checkpoint(self, reason: str = "driver") -> bool:
         """Start a checkpoint now (asynchronous); False if none is configured or one is running."""
@@ -1543,24 +1548,25 @@ class Master:
             except Exception as exc:
                 r.errors.append(f"master: cannot write the manifest: {type(exc).__name__}: {exc}")
         record = ck.finish()
+        shown = storage.display(ck.location, record["path"]) if record["path"] else None  # what --resume takes
         if record["ok"]:
-            log.info("checkpoint %s written in %.2f s (training paused %.3f s)", record["path"], record["seconds"],
+            log.info("checkpoint %s written in %.2f s (training paused %.3f s)", shown, record["seconds"],
                      record["paused_seconds"])
         else:
             log.error("checkpoint %s failed, it has no manifest and will never be used: %s",
-                      record["path"] or f"round {record['cid']}", "; ".join(record["errors"]))
+                      shown or f"round {record['cid']}", "; ".join(record["errors"]))
             self.errors.extend(record["errors"])
         stop = self._stop
         for cid in r.commands:
             if stop is not None and cid == stop["id"]:
                 if record["ok"]:
-                    stop["path"] = record["path"]  # answered when the job has stopped
+                    stop["path"] = shown  # answered when the job has stopped
                 else:
                     self._stop = None
                     self.reply_command(cid, False, "the checkpoint failed, so the job was not stopped: "
                                        + "; ".join(record["errors"]))
                 continue
-            self.reply_command(cid, record["ok"], record["path"] if record["ok"] else "; ".join(record["errors"]))
+            self.reply_command(cid, record["ok"], shown if record["ok"] else "; ".join(record["errors"]))
 
     def init_server(self, ident: str) -> None:
         """Send a server joining the running job the tables; it gets shards by migration."""
