@@ -402,7 +402,8 @@ def status(argv: list[str]) -> int:
         print(describe_recovery(rec))
     done = [c for c in m.get("checkpoints", []) if c.get("ok")]
     if done:
-        print(f"last checkpoint: {done[-1]['kind']} {done[-1]['path']} ({done[-1]['seconds']:.2f} s)")
+        last = done[-1]
+        print(f"last checkpoint: {last['kind']} {last.get('name') or last['path']} ({last['seconds']:.2f} s)")
     for proc in st["processes"]:
         extra = ""
         if "executors" in proc:

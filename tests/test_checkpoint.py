@@ -204,6 +204,7 @@ def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: P
     _, path, manifest = storage.find_checkpoint(ckpt)
     named = storage.display(ckpt, path)  # how logs and replies name it: what --resume takes
     assert named.startswith("s3://" if store == "s3" else "/") and storage.find_checkpoint(named)[1] == path
+    assert named in [c["name"] for c in first.stats["master"]["checkpoints"] if c["ok"]]  # and litz status
     assert manifest["num_executors"] == 6 and len(manifest["shards_files"]) == 2
     assert len(manifest["executors_files"]) == 2
     fs, _ = storage.filesystem(ckpt)

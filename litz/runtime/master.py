@@ -1548,7 +1548,8 @@ class Master:
             except Exception as exc:
                 r.errors.append(f"master: cannot write the manifest: {type(exc).__name__}: {exc}")
         record = ck.finish()
-        shown = storage.display(ck.location, record["path"]) if record["path"] else None  # what --resume takes
+        # what --resume takes (``path`` is the filesystem's, which partial rounds name as their base)
+        shown = record["name"] = storage.display(ck.location, record["path"]) if record["path"] else None
         if record["ok"]:
             log.info("checkpoint %s written in %.2f s (training paused %.3f s)", shown, record["seconds"],
                      record["paused_seconds"])
