@@ -64,6 +64,7 @@ class MLRDriver(litz.SSPDriver):
         self._epoch_loss = 0.0
         self._epoch_correct = 0
         self._epoch_rows = 0
+        self._timed_from = 0  # rows of the epoch seen before its clock started (a resume mid-epoch)
         self._epoch_start = self._start = time.perf_counter()
         self.test_accuracy = float("nan")
         self.devices: set[str] = set()  # where the executors ran their SGD steps
@@ -78,6 +79,8 @@ class MLRDriver(litz.SSPDriver):
         now = time.perf_counter()
         self._start = now - sum(h["seconds"] for h in self.history)
         self._epoch_start = now
+        # the checkpoint holds the epoch's rows so far but not its time: rate it by the rows from now
+        self._timed_from = self._epoch_rows
         if not self.config.get("quiet"):
             print(f"resumed after epoch {len(self.history)}", flush=True)
 
@@ -102,7 +105,8 @@ class MLRDriver(litz.SSPDriver):
         if (iteration + 1) % self.T:
             return
         now = time.perf_counter()
-        seconds = now - self._epoch_start
+        rate = (self._epoch_rows - getattr(self, "_timed_from", 0)) / max(now - self._epoch_start, 1e-9)
+        seconds = self._epoch_rows / rate if rate > 0 else now - self._epoch_start  # of a whole epoch at that rate
         test_loss, self.test_accuracy = evaluate(self.weights(), self.X_test, self.y_test)
         epoch = (iteration + 1) // self.T
         stats = {"epoch": epoch, "seconds": seconds, "train_loss": self._epoch_loss / self._epoch_rows,
@@ -112,8 +116,8 @@ class MLRDriver(litz.SSPDriver):
         if not self.config.get("quiet"):
             print(f"epoch {epoch:3d}/{self.config['epochs']}  loss {stats['train_loss']:.4f}  "
                   f"train acc {stats['train_accuracy']:.4f}  test acc {self.test_accuracy:.4f}  "
-                  f"{self._epoch_rows / seconds / 1e3:8.1f}k samples/s  {seconds:.3f} s/epoch", flush=True)
-        self._epoch_loss, self._epoch_correct, self._epoch_rows = 0.0, 0, 0
+                  f"{rate / 1e3:8.1f}k samples/s  {seconds:.3f} s/epoch", flush=True)
+        self._epoch_loss, self._epoch_correct, self._epoch_rows, self._timed_from = 0.0, 0, 0, 0
         self._epoch_start = time.perf_counter()
 
     def progress(self) -> str:
