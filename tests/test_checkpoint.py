@@ -359,6 +359,56 @@ def test_priority_partial_checkpoints_save_the_top_fraction_after_a_full_base(tm
         litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_policy="priority", checkpoint_fraction=1.5)
 
 
+#: when the test's job handled each completion (the master, hence the driver, runs in this process)
+_COMPLETED_AT: list[float] = []
+
+
+class _ClockedDriver(testapps.TimedMigratingDriver):
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        _COMPLETED_AT.append(time.monotonic())
+        super().handle_task_completion(result)
+
+
+@pytest.mark.parametrize("policy", ["full", "priority"])
+def test_slow_storage_does_not_hold_the_masters_loop(tmp_path: Path, monkeypatch, policy: str) -> None:
+    """The master makes a round's directory and writes its manifest off its loop: on a network store
+    (S3) each takes requests, and completions must go on being handled, and tasks dispatched,
+    meanwhile. Here both take 0.3 s; tasks must complete during them (on the loop, none could)."""
+    spans: list[tuple[str, float, float]] = []
+
+    def slow(fn):
+        def wrapped(*args, **kwargs):
+            start = time.monotonic()
+            time.sleep(0.3)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((fn.__name__, start, time.monotonic()))
+        return wrapped
+
+    monkeypatch.setattr(storage, "new_checkpoint_dir", slow(storage.new_checkpoint_dir))
+    monkeypatch.setattr(storage, "write_manifest", slow(storage.write_manifest))
+    _COMPLETED_AT.clear()
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = _ClockedDriver
+    app.config.update(stop_after=2.5)
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.1s",
+                   checkpoint_policy=policy, checkpoint_fraction=0.5 if policy == "priority" else 1.0)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    records = [c for c in res.stats["master"]["checkpoints"] if c["ok"]]
+    assert len(records) >= 2 and (policy == "full" or any(c["kind"] == "partial" for c in records))
+    assert storage.find_checkpoint(str(tmp_path))[1] in [c["path"] for c in records]
+
+    def completed_during(step: str, margin: float) -> int:
+        return sum(a + margin < t < b - margin for name, a, b in spans if name == step for t in _COMPLETED_AT)
+
+    assert completed_during("write_manifest", 0.05) >= 5, spans
+    if policy == "full":  # its directory is made while the tasks running at its start finish (it waits for them)
+        assert completed_during("new_checkpoint_dir", 0.0) >= 1, spans
+    else:  # a partial round never pauses
+        assert completed_during("new_checkpoint_dir", 0.05) >= 5, spans
+
+
 def test_tables_say_what_distance_ranks_their_rows() -> None:
     """Priority checkpoints rank rows by each table's own distance; a broken one names its table."""
     from litz.errors import TableError

@@ -176,7 +176,13 @@ class CheckpointRound:
     reason: str
     started: float
     kind: str = "full"  # full (consistent) or partial (SCAR: the top fraction of rows)
-    phase: str = "pausing"  # full: pausing -> snapshot -> writing; partial: scoring -> snapshot -> writing
+    # full: pausing -> snapshot -> writing -> manifest; partial: scoring -> snapshot -> writing -> manifest
+    phase: str = "pausing"
+    # the round's directory, made off the master's loop while the round pauses or scores (storage
+    # may be a network away): None until made; ``dir_failed`` once it could not be
+    dir_path: str | None = None
+    dir_failed: bool = False
+    chosen: dict[str, list[int]] | None = None  # partial: the rows each process saves, once scored
     asked: set[str] = field(default_factory=set)  # partial: the servers and workers asked for scores
     scores: dict[str, Any] = field(default_factory=dict)  # partial: process -> scores of its rows
     path: str | None = None

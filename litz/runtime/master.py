@@ -29,7 +29,7 @@ import zmq
 
 from litz.api import App, Driver, JobResult, ParameterServer, Recovery, TaskFailure, TaskResult
 from litz.errors import JobStopped, LitzError, ProcessLost, TableError
-from litz.ft.checkpoint import CheckpointCoordinator, select_top
+from litz.ft.checkpoint import CheckpointCoordinator, CheckpointRound, select_top
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
 from litz.runtime import spawner
@@ -512,7 +512,15 @@ class Master:
         # `litz stop`: {"id", "checkpoint": wanted, "path": the checkpoint it waits for (once written)}
         self._stop: dict[str, Any] | None = None
         self._stop_signals = self._stop_signals_seen = 0  # SIGTERMs received / acted on (request_stop)
-        self._written: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()  # driver files written
+        # outcomes of checkpoint steps run off the loop (``_in_background``): (round, step, value, error);
+        # each also writes a byte to the wake-up pipe, which the loop polls beside its socket
+        self._background: queue.SimpleQueue[tuple[int, str, Any, str | None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self.endpoint.router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         # None: a lost process stops the job; "partial": SCAR; "full": everything rolls back
         self.recovery = self.options.get("recovery")
         self.lost: set[str] = set()  # fenced: declared lost, never heard again (see _fence)
@@ -540,7 +548,8 @@ class Master:
     def _poll(self, timeout_ms: int) -> list[Message]:
         """Wait for messages (and check the processes' health); return those received."""
         out: list[Message] = []
-        if self.endpoint.router.poll(timeout_ms):
+        events = dict(self._poller.poll(timeout_ms))
+        if self.endpoint.router in events:
             while True:
                 try:
                     msg = self.endpoint.recv(zmq.NOBLOCK)
@@ -1167,6 +1176,7 @@ class Master:
         assert st is not None
         started, version_before = time.monotonic(), st.version
         ck = self.checkpoints
+        self._await_manifest()  # a round with all its parts written stays a checkpoint
         if ck is not None and ck.round is not None:
             ck.round.errors.append(f"{rb.ident} died during the checkpoint: the job rolled back")
             self._finish_checkpoint()
@@ -1324,6 +1334,7 @@ class Master:
             return False
         r.commands, self._ckpt_commands = self._ckpt_commands, []  # it answers the commands made so far
         self.state.paused = True
+        self._make_checkpoint_dir(r)  # while the running tasks finish
         return True
 
     def reply_command(self, cid: str, ok: bool, reason: str = "", **extra: Any) -> None:
@@ -1393,28 +1404,25 @@ class Master:
         ck, st = self.checkpoints, self.state
         if ck is None or st is None or self.driver is None:
             return
-        self._driver_files_written()
+        self._background_done()
         if ck.round is None and self._ckpt_commands:
             self.checkpoint(self._commands_reason())
         elif ck.round is None and ck.due(self.driver.iteration):
             if not ck.partial_next():
                 self.checkpoint("policy")
-            elif ck.begin("policy", self.driver.iteration, kind="partial") is not None:
-                assert ck.round is not None
-                ck.round.asked = set(st.servers + st.workers)
-                for ident in sorted(ck.round.asked):  # SCAR: no pause; servers and workers score their rows
-                    self.endpoint.send(ident, "ckpt_scores", cid=ck.round.cid, policy=ck.policy)
+            elif (r := ck.begin("policy", self.driver.iteration, kind="partial")) is not None:
+                r.asked = set(st.servers + st.workers)
+                for ident in sorted(r.asked):  # SCAR: no pause; servers and workers score their rows
+                    self.endpoint.send(ident, "ckpt_scores", cid=r.cid, policy=ck.policy)
+                self._make_checkpoint_dir(r)
         r = ck.round
-        if r is None or r.phase != "pausing" or not st.quiescent() or self.elastic.op is not None:
+        if r is None or r.phase != "pausing" or r.dir_path is None or not st.quiescent() \
+                or self.elastic.op is not None:
             return
         from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
 
-        fs, root = storage.filesystem(ck.location)
-        path = self._new_checkpoint_dir(fs, root)
-        if path is None:  # the round failed before anything was saved: training goes on
-            st.release_paused()
-            self.elastic.tick()
-            return
+        fs, _ = storage.filesystem(ck.location)
+        path = r.dir_path
         processes = sorted(st.workers + st.servers)
         ck.snapshotting(path, processes)
         r.version = st.version
@@ -1423,15 +1431,41 @@ class Master:
         blob = dump_driver(self.driver, tasks=st.paused_items, version=st.version, completed=st.completed,
                            next_id=st._next_id)
         r.waiting_written.add("master")  # the driver's file is written in the background too
+        self._in_background(r.cid, "driver", lambda: storage.write_bytes(fs, f"{path}/driver.pkl", blob),
+                            "master: cannot save the driver")
 
-        def write_driver(cid: int = r.cid) -> None:
+    def _make_checkpoint_dir(self, r: CheckpointRound) -> None:
+        """Make the round's ``ckpt-*`` directory off the loop, while the round pauses or scores:
+        on a network store (S3) that takes requests, and the loop must go on dispatching
+        (a partial round never pauses) and answering meanwhile. ``_background_done`` takes the
+        outcome: the round goes on, or fails without a number taken (training goes on)."""
+        from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
+
+        ck = self.checkpoints
+        assert ck is not None
+        location, last = ck.location, ck.last_dir
+
+        def make() -> str:
+            fs, root = storage.filesystem(location)
+            return storage.new_checkpoint_dir(fs, root, last)
+
+        self._in_background(r.cid, "dir", make, "master")
+
+    def _in_background(self, cid: int, what: str, work: Callable[[], Any], failing: str) -> None:
+        """Run a storage step of round ``cid`` on a thread; its outcome (value, or the error prefixed
+        with ``failing``) reaches the loop through ``_background`` and wakes it."""
+
+        def run() -> None:
             try:
-                storage.write_bytes(fs, f"{path}/driver.pkl", blob)
-                self._written.put((cid, None))
-            except Exception as exc:  # the round gets no manifest; training goes on
-                self._written.put((cid, f"master: cannot save the driver: {type(exc).__name__}: {exc}"))
+                outcome: tuple[Any, str | None] = (work(), None)
+            except Exception as exc:
+                text = str(exc) if isinstance(exc, LitzError) else f"{type(exc).__name__}: {exc}"
+                outcome = (None, f"{failing}: {text}")
+            self._background.put((cid, what, *outcome))
+            with contextlib.suppress(OSError):  # full: the loop has a wake-up pending anyway
+                os.write(self._wake_w, b"x")
 
-        threading.Thread(target=write_driver, daemon=True, name="checkpoint-driver").start()
+        threading.Thread(target=run, daemon=True, name=f"checkpoint-{what}").start()
 
     def _scores_in(self, cid: int, sender: str, scores: np.ndarray, error: str | None = None) -> None:
         """A server scored its rows, or a worker its executors' state rows, for a partial
@@ -1442,7 +1476,7 @@ class Master:
         saved, the previous checkpoints stay the running one, training goes on."""
         ck, st = self.checkpoints, self.state
         r = ck.round if ck is not None else None
-        if r is None or st is None or r.cid != cid or r.phase != "scoring":
+        if r is None or st is None or r.cid != cid or r.phase != "scoring" or r.chosen is not None:
             return
         assert ck is not None
         if error:
@@ -1455,27 +1489,35 @@ class Master:
         chosen: dict[str, list[int]] = {}
         for pool in (st.servers, st.workers):  # a process lost meanwhile scored nothing and is gone
             chosen.update(select_top({p: r.scores[p] for p in pool if p in r.scores}, ck.fraction))
-        savers = sorted(p for p in chosen if p in st.servers or len(r.scores[p]))
-        from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
+        r.chosen = chosen
+        self._save_partial()
 
-        fs, root = storage.filesystem(ck.location)
-        path = self._new_checkpoint_dir(fs, root)
-        if path is None:
+    def _save_partial(self) -> None:
+        """Have the processes save a partial round's chosen rows, once they are chosen and the
+        round's directory is made (whichever comes last calls this)."""
+        ck, st = self.checkpoints, self.state
+        r = ck.round if ck is not None else None
+        if r is None or st is None or r.phase != "scoring" or r.chosen is None or r.dir_path is None:
             return
-        ck.snapshotting(path, savers)
+        assert ck is not None
+        chosen = r.chosen
+        # a process lost since it scored is gone (its rows too); a worker without state rows saves nothing
+        savers = sorted(p for p in chosen if p in st.servers or (p in st.workers and len(r.scores[p])))
+        ck.snapshotting(r.dir_path, savers)
         for ident in savers:
-            self.endpoint.send(ident, "ckpt_save", cid=cid, location=ck.location, path=path, rows=chosen[ident])
+            self.endpoint.send(ident, "ckpt_save", cid=r.cid, location=ck.location, path=r.dir_path,
+                               rows=chosen[ident])
         if not savers:  # no rows anywhere: an empty partial checkpoint
             self._finish_checkpoint()
 
     def _complete_checkpoint_being_written(self, timeout: float = 60.0) -> None:
         """The job has finished while a checkpoint was being written: let the processes finish their
         files and write its manifest, so that the job leaves its checkpoint usable (a round not
-        yet snapshotting made no directory, and is dropped). Only checkpoint messages are handled;
+        yet snapshotting saved nothing, and is dropped). Only checkpoint messages are handled;
         a process that died meanwhile leaves the round without a manifest, as any failed one."""
         ck = self.checkpoints
         r = ck.round if ck is not None else None
-        if r is None or r.phase not in ("snapshot", "writing"):
+        if r is None or r.phase not in ("snapshot", "writing", "manifest"):
             return
         assert ck is not None
         for msg in [m for m in self._deferred if m.type in ("checkpoint_snapshot", "checkpoint_written")]:
@@ -1483,7 +1525,7 @@ class Master:
             self._handle_aside(msg)
         deadline = time.monotonic() + timeout
         while ck.round is r and time.monotonic() < deadline:
-            self._driver_files_written()
+            self._background_done()
             if ck.round is r and self.endpoint.router.poll(50):
                 while True:
                     try:
@@ -1496,57 +1538,97 @@ class Master:
             log.warning("checkpoint %s was still being written when the job finished; it has no manifest and "
                         "will never be used", r.path)
 
-    def _driver_files_written(self) -> None:
-        """Count the driver's checkpoint files written by their threads since last asked (the master
-        writes its part like any process); the last part of a round finishes it."""
+    def _await_manifest(self, timeout: float = 60.0) -> None:
+        """Let a round whose manifest is being written finish first (a loss noticed meanwhile rolls
+        back or restores from the checkpoints as they then are: with it, as when the manifest was
+        written on the loop)."""
         ck = self.checkpoints
-        assert ck is not None
-        while not self._written.empty():
-            cid, error = self._written.get()
-            if ck.written(cid, "master", ["driver.pkl"], error):
-                self._finish_checkpoint()
+        r = ck.round if ck is not None else None
+        deadline = time.monotonic() + timeout
+        while r is not None and ck is not None and ck.round is r and r.phase == "manifest" \
+                and time.monotonic() < deadline:
+            self._background_done()
+            if ck.round is r:
+                time.sleep(0.005)
 
-    def _new_checkpoint_dir(self, fs: Any, root: str) -> str | None:
-        """The running round's new ``ckpt-*`` directory; None, with the round finished as failed,
-        if it cannot be made (storage full, gone or read-only): a checkpoint that cannot be taken
-        must not end the job, only be reported (and refuse a ``litz stop --checkpoint``)."""
+    def _background_done(self) -> None:
+        """Take the outcomes of the checkpoint steps run off the loop (``_in_background``): the
+        round's directory, the driver's file, the manifest."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+        ck, st = self.checkpoints, self.state
+        while not self._background.empty():
+            cid, what, value, error = self._background.get()
+            if ck is None or st is None:
+                continue
+            r = ck.round
+            if what == "dir":
+                if value is not None:
+                    ck.last_dir = value  # taken, even by a round gone meanwhile: numbers are never reused
+                if r is None or r.cid != cid:
+                    continue
+                if error is not None:
+                    r.dir_failed = True
+                    r.errors.append(error)
+                    self._finish_checkpoint()  # a failed round took no number, saved nothing
+                    if r.kind == "full":  # its pause ends: training goes on (a partial round held nothing)
+                        st.release_paused()
+                        self.elastic.tick()
+                else:
+                    r.dir_path = value
+                    self._save_partial()  # a full round snapshots at the next tick, once quiescent
+            elif what == "driver":
+                if ck.written(cid, "master", ["driver.pkl"], error):
+                    self._finish_checkpoint()
+            elif what == "manifest" and r is not None and r.cid == cid and r.phase == "manifest":
+                if error is not None:
+                    r.errors.append(error)
+                self._close_checkpoint()
+
+    def _finish_checkpoint(self) -> None:
+        """Every part is in (or the round failed): write the manifest off the loop, which makes the
+        checkpoint exist, then close the round (``_close_checkpoint``); a failed round closes now."""
+        ck, st = self.checkpoints, self.state
+        assert ck is not None and ck.round is not None and st is not None
+        r = ck.round
+        if r.phase == "manifest":  # already being written
+            return
+        base = ck.base() if r.kind == "partial" and not r.errors else None
+        if r.kind == "partial" and base is None and not r.errors:
+            r.errors.append("a partial checkpoint needs a complete full one before it")
+        if r.errors or r.path is None:
+            if r.path is None and not r.errors:
+                r.errors.append("the round ended before anything was saved")
+            self._close_checkpoint()
+            return
+        manifest: dict[str, Any] = {"job": self.job, "created": time.time(), "reason": r.reason,
+                                    "num_shards": st.num_shards,
+                                    "shards_files": sorted(f for p in st.servers for f in r.files.get(p, []))}
+        executor_files = sorted(f for p in st.workers for f in r.files.get(p, []))
+        if base is not None:
+            manifest.update(partial_of=base, policy=ck.policy, fraction=ck.fraction,
+                            executor_rows_files=executor_files)
+        else:
+            manifest.update(version=r.version, num_executors=st.num_executors, driver="driver.pkl",
+                            tables=[{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype)),
+                                     "num_rows": t.num_rows} for t in self.tables.values()],
+                            executors_files=executor_files)
+        from litz.ft import storage
+
+        location, path = ck.location, r.path
+        r.phase = "manifest"
+        self._in_background(r.cid, "manifest",
+                            lambda: storage.write_manifest(storage.filesystem(location)[0], path, manifest),
+                            "master: cannot write the manifest")
+
+    def _close_checkpoint(self) -> None:
+        """The round is over: record it, log it, answer the commands it was for."""
         from litz.ft import storage
 
         ck = self.checkpoints
         assert ck is not None and ck.round is not None
-        try:
-            path = ck.last_dir = storage.new_checkpoint_dir(fs, root, ck.last_dir)
-        except storage.CheckpointError as exc:
-            ck.round.errors.append(f"master: {exc}")
-            self._finish_checkpoint()
-            return None
-        return path
-
-    def _finish_checkpoint(self) -> None:
-        from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
-        ck, st = self.checkpoints, self.state
-        assert ck is not None and ck.round is not None and st is not None
         r = ck.round
-        base = ck.base() if r.kind == "partial" and not r.errors else None
-        if r.kind == "partial" and base is None and not r.errors:
-            r.errors.append("a partial checkpoint needs a complete full one before it")
-        if not r.errors:
-            manifest: dict[str, Any] = {"job": self.job, "created": time.time(), "reason": r.reason,
-                                        "num_shards": st.num_shards,
-                                        "shards_files": sorted(f for p in st.servers for f in r.files.get(p, []))}
-            executor_files = sorted(f for p in st.workers for f in r.files.get(p, []))
-            if base is not None:
-                manifest.update(partial_of=base, policy=ck.policy, fraction=ck.fraction,
-                                executor_rows_files=executor_files)
-            else:
-                manifest.update(version=r.version, num_executors=st.num_executors, driver="driver.pkl",
-                                tables=[{"name": t.name, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype)),
-                                         "num_rows": t.num_rows} for t in self.tables.values()],
-                                executors_files=executor_files)
-            try:
-                storage.write_manifest(storage.filesystem(ck.location)[0], r.path, manifest)
-            except Exception as exc:
-                r.errors.append(f"master: cannot write the manifest: {type(exc).__name__}: {exc}")
         record = ck.finish()
         # what --resume takes (``path`` is the filesystem's, which partial rounds name as their base)
         shown = record["name"] = storage.display(ck.location, record["path"]) if record["path"] else None
@@ -1853,4 +1935,7 @@ class Master:
         except LitzError:
             log.warning("could not deregister the master from etcd")
         self.endpoint.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
