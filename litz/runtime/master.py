@@ -983,6 +983,7 @@ class Master:
         """
         st = self.state
         assert st is not None
+        self._await_manifest()  # a round with all its parts written is part of the running checkpoint
         self._fence(lost)
         (st.servers if role == "server" else st.workers).remove(lost)
         rec = self._restoring = self._restoring or _Restoring(role, time.monotonic())
