@@ -516,6 +516,8 @@ class Master:
         # each also writes a byte to the wake-up pipe, which the loop polls beside its socket
         self._background: queue.SimpleQueue[tuple[int, str, Any, str | None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()  # a thread that ends after shutdown must not write to a reused fd
+        self._wake_open = True
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
@@ -1444,6 +1446,8 @@ class Master:
 
         ck = self.checkpoints
         assert ck is not None
+        # ``last``: the directory made before. If a round ends before its directory is made and the
+        # next one begins, both threads may make the same number: the first round saved nothing in it
         location, last = ck.location, ck.last_dir
 
         def make() -> str:
@@ -1463,8 +1467,9 @@ class Master:
                 text = str(exc) if isinstance(exc, LitzError) else f"{type(exc).__name__}: {exc}"
                 outcome = (None, f"{failing}: {text}")
             self._background.put((cid, what, *outcome))
-            with contextlib.suppress(OSError):  # full: the loop has a wake-up pending anyway
-                os.write(self._wake_w, b"x")
+            with self._wake_lock, contextlib.suppress(OSError):  # full: the loop has a wake-up pending anyway
+                if self._wake_open:
+                    os.write(self._wake_w, b"x")
 
         threading.Thread(target=run, daemon=True, name=f"checkpoint-{what}").start()
 
@@ -1936,7 +1941,9 @@ class Master:
         except LitzError:
             log.warning("could not deregister the master from etcd")
         self.endpoint.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._wake_lock:
+            self._wake_open = False
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
