@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from litz.runtime.etcd_server import LocalEtcd
+from tests import s3_server
 
 
 def _cmdline(pid: int | str) -> str | None:
@@ -63,7 +64,7 @@ def descendants(root: int | None = None) -> dict[int, str]:
 #: this process's zygote (litz/runtime/spawner.py) stays for the next test's jobs, by design
 SPAWNER = "-m litz.runtime.spawner"
 #: and the S3 server of a module's tests (s3_bucket) stays for the module's other tests
-S3_SERVER = "# litz-test-s3-server"
+S3_SERVER = s3_server.MARK
 
 
 @pytest.fixture(autouse=True)
@@ -102,65 +103,19 @@ def etcd() -> Iterator[LocalEtcd]:
         server.stop()
 
 
-#: runs an S3 server (moto's) on a free loopback port, prints the port, and stops when stdin closes;
-#: module-scoped, so it may start inside a test (``request.getfixturevalue``) and outlive it
-_S3_SERVER = """# litz-test-s3-server
-import sys
-from moto.server import ThreadedMotoServer
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-print(server.get_host_and_port()[1], flush=True)
-sys.stdin.read()
-server.stop()
-"""
-
-
 @pytest.fixture(scope="module")
-def s3_bucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``s3://BUCKET?endpoint_override=...``: a bucket on a real S3 server of this module's own (moto's,
-    in a process of its own on a free loopback port), with the AWS credentials the job's processes
-    read from the environment set for the module. Checkpoints go there through pyarrow's S3 client
-    exactly as to a cloud bucket: multipart uploads, listings, copies for moves."""
-    moto = pytest.importorskip("moto", reason="the S3 tests need moto's server (pip install -e '.[test]')")
-    if tuple(int(p) for p in moto.__version__.split(".")[:3] if p.isdigit()) < (5, 2, 2):
-        pytest.skip(f"moto {moto.__version__} answers pyarrow's CompleteMultipartUpload wrongly; 5.2.2 fixed it")
-    import pyarrow.fs as pafs
-
-    keys = {"AWS_ACCESS_KEY_ID": "litz-test", "AWS_SECRET_ACCESS_KEY": "litz-test-secret",
-            "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    log = tmp_path_factory.mktemp("s3") / "server.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-c", _S3_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=err)
-    try:
-        line = proc.stdout.readline().strip() if proc.stdout else b""
-        if not line.isdigit():
-            raise RuntimeError(f"the S3 server did not start: {log.read_text()[-2000:]}")
-        uri = f"s3://litz-test?endpoint_override=127.0.0.1:{int(line)}&scheme=http"
-        fs, bucket = pafs.FileSystem.from_uri(uri + "&allow_bucket_creation=true")
-        fs.create_dir(bucket)
+def s3_bucket() -> Iterator[str]:
+    """``s3://BUCKET?endpoint_override=...``: a bucket on a real S3 server of this module's own
+    (tests/s3_server.py), with the AWS credentials the job's processes read from the environment
+    set for the module."""
+    why = s3_server.unusable()
+    if why:
+        pytest.skip(why)
+    with s3_server.s3_bucket() as uri:
         yield uri
-    finally:
-        if proc.stdin:
-            proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
-def s3_location(bucket_uri: str, name: str) -> str:
-    """A checkpoint root ``name`` in the bucket of :func:`s3_bucket` (its query string kept)."""
-    base, query = bucket_uri.split("?", 1)
-    return f"{base}/{name}?{query}"
+s3_location = s3_server.location
 
 
 class JobOutcome(dict):

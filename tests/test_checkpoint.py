@@ -391,7 +391,7 @@ def test_slow_storage_does_not_hold_the_masters_loop(tmp_path: Path, monkeypatch
     _COMPLETED_AT.clear()
     app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
     app.driver = _ClockedDriver
-    app.config.update(stop_after=2.5)
+    app.config.update(stop_after=2.0)
     res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.1s",
                    checkpoint_policy=policy, checkpoint_fraction=0.5 if policy == "priority" else 1.0)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
