@@ -29,12 +29,16 @@ import argparse
 import contextlib
 import itertools
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-import litz
-from apps import lda, mlr
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # apps/ and tests/ from a checkout
+
+import litz  # noqa: E402
+from apps import lda, mlr  # noqa: E402
 
 SETTINGS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "mlr": [("a full checkpoint every epoch", {"checkpoint_every": "20"}),  # 20 clocks = 1 epoch
