@@ -14,6 +14,7 @@ a move on S3 is a copy, so there the manifest's atomicity is that of a single PU
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -56,6 +57,13 @@ def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
         raise CheckpointError(f"cannot open checkpoint storage {root!r}: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=32)
+def _uri_root(location: str) -> str:
+    """The filesystem path of a URI's root, once per URI: the master names checkpoints on its loop,
+    and making an S3 filesystem may ask the network for the bucket's region."""
+    return filesystem(location)[1]
+
+
 def display(location: str, path: str) -> str:
     """How to name the checkpoint directory ``path`` (a path of ``location``'s filesystem) to a user:
     what ``--resume`` takes. A local path as it is; under a URI, the same scheme, host and query
@@ -66,7 +74,7 @@ def display(location: str, path: str) -> str:
         return path
     parts = urllib.parse.urlsplit(location)
     try:
-        _, root = filesystem(location)
+        root = _uri_root(location)
     except CheckpointError:
         return path
     base = location.split("?", 1)[0].split("#", 1)[0]
