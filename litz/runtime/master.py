@@ -1424,8 +1424,7 @@ class Master:
             return
         from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
 
-        fs, _ = storage.filesystem(ck.location)
-        path = r.dir_path
+        location, path = ck.location, r.dir_path
         processes = sorted(st.workers + st.servers)
         ck.snapshotting(path, processes)
         r.version = st.version
@@ -1434,7 +1433,8 @@ class Master:
         blob = dump_driver(self.driver, tasks=st.paused_items, version=st.version, completed=st.completed,
                            next_id=st._next_id)
         r.waiting_written.add("master")  # the driver's file is written in the background too
-        self._in_background(r.cid, "driver", lambda: storage.write_bytes(fs, f"{path}/driver.pkl", blob),
+        self._in_background(r.cid, "driver",
+                            lambda: storage.write_bytes(storage.filesystem(location)[0], f"{path}/driver.pkl", blob),
                             "master: cannot save the driver")
 
     def _make_checkpoint_dir(self, r: CheckpointRound) -> None:
