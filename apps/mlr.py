@@ -105,7 +105,7 @@ class MLRDriver(litz.SSPDriver):
         if (iteration + 1) % self.T:
             return
         now = time.perf_counter()
-        rate = (self._epoch_rows - getattr(self, "_timed_from", 0)) / max(now - self._epoch_start, 1e-9)
+        rate = (self._epoch_rows - self._timed_from) / max(now - self._epoch_start, 1e-9)
         seconds = self._epoch_rows / rate if rate > 0 else now - self._epoch_start  # of a whole epoch at that rate
         test_loss, self.test_accuracy = evaluate(self.weights(), self.X_test, self.y_test)
         epoch = (iteration + 1) // self.T

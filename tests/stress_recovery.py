@@ -17,8 +17,11 @@ noticed), so the loss must be detected and recovered while clients reconnect and
 re-established. ``--etcd-down S`` keeps that etcd down for ``S`` seconds (longer than a lease, say),
 and the kill may land while it is down: the loss is noticed only once etcd is back.
 
+With ``--s3`` the checkpoints go to an S3 server on a loopback port (tests/s3_server.py), with
+``--priority`` they are SCAR priority checkpoints (half the rows, after a first full one).
+
 Run: ``python -m tests.stress_recovery [--runs 10] [--recovery partial|full] [--seed 0] [--scale] [--cascade]
-[--etcd-restart] [--etcd-down S]``
+[--etcd-restart] [--etcd-down S] [--s3] [--priority]``
 """
 
 from __future__ import annotations
@@ -41,9 +44,14 @@ from typing import Any
 import numpy as np
 
 from litz.cli import job_status, scale
-from tests import testapps
+from tests import s3_server, testapps
 from tests.conftest import run_in_thread
 from tests.conftest import status_when as _status_when
+
+#: ``--s3``: the bucket the runs checkpoint to (each under its job's name); None: a local directory
+S3_BUCKET: str | None = None
+#: ``--priority``: the checkpoint policy's options
+CHECKPOINTS: dict[str, Any] = {}
 
 
 def _dump_master(thread_id: int | None) -> None:
@@ -129,8 +137,9 @@ def _one(rng: random.Random, seed: int, recovery: str, scaling: bool, cascade: b
     app.driver = testapps.TimedMigratingDriver
     app.config.update(stop_after=60.0, stop_file=str(stop), driver_reads=rng.random() < 0.5)
     job = f"stress-{seed}-{time.time_ns()}"
-    t, out = run_in_thread(app, workers=3, servers=3, job=job, checkpoint_dir=str(tmp / "ckpt"),
-                           checkpoint_every="0.4s", recovery=recovery, etcd=etcd.url if etcd else None)
+    where = s3_server.location(S3_BUCKET, job) if S3_BUCKET else str(tmp / "ckpt")
+    t, out = run_in_thread(app, workers=3, servers=3, job=job, checkpoint_dir=where, checkpoint_every="0.4s",
+                           recovery=recovery, etcd=etcd.url if etcd else None, **CHECKPOINTS)
     killed: list[str] = []
     said: list[str] = []  # what the scale command reported (--scale)
     scaler: threading.Thread | None = None
@@ -199,9 +208,21 @@ def main() -> None:
                     help="the job's own etcd is restarted around the kill")
     ap.add_argument("--etcd-down", type=float, default=0.0, metavar="S",
                     help="with --etcd-restart (implied): etcd stays down S seconds, and the kill may land meanwhile")
+    ap.add_argument("--s3", action="store_true", help="checkpoint to an S3 server on a loopback port (moto's)")
+    ap.add_argument("--priority", action="store_true",
+                    help="SCAR priority checkpoints of half the rows after a first full one")
     args = ap.parse_args()
-    failed = sum(not one(s, args.recovery, args.scale, args.cascade, args.etcd_restart, args.etcd_down)
-                 for s in range(args.seed, args.seed + args.runs))
+    global S3_BUCKET
+    if args.priority:
+        CHECKPOINTS.update(checkpoint_policy="priority", checkpoint_fraction=0.5)
+    with contextlib.ExitStack() as stack:
+        if args.s3:
+            why = s3_server.unusable()
+            if why:
+                raise SystemExit(why)
+            S3_BUCKET = stack.enter_context(s3_server.s3_bucket("litz-stress"))
+        failed = sum(not one(s, args.recovery, args.scale, args.cascade, args.etcd_restart, args.etcd_down)
+                     for s in range(args.seed, args.seed + args.runs))
     print(f"{failed} of {args.runs} runs failed")
     sys.exit(1 if failed else 0)
 

@@ -171,7 +171,7 @@ def test_policy_and_round_state_machine() -> None:
     assert not ck.due(2) and ck.due(3)
     r = ck.begin("policy", 3)
     assert r is not None and ck.begin("again") is None and not ck.due(100)
-    ck.snapshotting("/tmp/x/ckpt-000000", ["s0", "w0"])
+    ck.snapshotting("/tmp/x/ckpt-000000", ["s0"], ["w0"])
     assert not ck.snapshot_taken(r.cid + 1, "s0")  # another round's answer is ignored
     assert not ck.snapshot_taken(r.cid, "s0") and ck.snapshot_taken(r.cid, "w0")
     assert not ck.written(r.cid, "w0", ["executors-w0.arrow"], None)
@@ -183,7 +183,7 @@ def test_policy_and_round_state_machine() -> None:
     # counts the snapshot first, so the round still completes
     r = ck.begin("policy", 6)
     assert r is not None
-    ck.snapshotting("/tmp/x/ckpt-000001", ["s0"])
+    ck.snapshotting("/tmp/x/ckpt-000001", ["s0"], [])
     assert ck.snapshot_taken(r.cid, "s0")  # what the master does on "written" first
     assert ck.written(r.cid, "s0", ["shards-s0.arrow"], None)
     assert not ck.snapshot_taken(r.cid, "s0")  # the late snapshot message changes nothing
@@ -290,6 +290,55 @@ def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -
     assert len(dirs) == 2 and all(storage.has_manifest(fs, p) for _, p in dirs)
     res = out["with"].value
     np.testing.assert_array_equal(res["final"], res["truth"])  # checkpoints changed nothing
+
+
+def test_processes_scaled_in_while_a_checkpoint_is_written_keep_their_files_in_it(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """A server and a worker leave (scale-in) after the snapshot, while the round still waits for a
+    part (here the master's own, slowed down): the manifest must list their files, which hold rows
+    and executors no one else saved. It listed the files of the processes in the job when the last
+    part came in, so the shards of the server gone were missing: a rollback to that checkpoint
+    lost their rows, and a resume failed for the executors (found with checkpoints on S3)."""
+    import threading
+
+    from litz.cli import checkpoint, scale
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    write_bytes = storage.write_bytes
+
+    def slow_driver_file(fs, path: str, data: bytes) -> None:
+        if path.endswith("/driver.pkl"):  # the master's part, written in this process
+            time.sleep(3.0)
+        write_bytes(fs, path, data)
+
+    monkeypatch.setattr(storage, "write_bytes", slow_driver_file)
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    job = f"ckscale-{time.time_ns()}"
+    ckpt = str(tmp_path / "ckpt")
+    t, out = run_in_thread(app, workers=2, servers=2, job=job, checkpoint_dir=ckpt)
+    answered: dict[str, int] = {}
+    try:
+        wait_running(job)
+        asked = threading.Thread(target=lambda: answered.update(rc=checkpoint(["--job", job])), daemon=True)
+        asked.start()
+        time.sleep(0.5)  # the snapshot is taken; the round waits for the driver's file
+        assert scale(["--job", job, "--servers", "1", "--wait", "--timeout", "30"]) == 0
+        assert scale(["--job", job, "--workers", "1", "--wait", "--timeout", "30"]) == 0
+        asked.join(30)
+        assert answered.get("rc") == 0
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    fs, path, manifest = storage.find_checkpoint(ckpt)
+    assert len(manifest["shards_files"]) == 2 and len(manifest["executors_files"]) == 2, manifest
+    rows = {key for name in manifest["shards_files"] for _, _, key, _ in storage.read_shards(fs, f"{path}/{name}")}
+    assert rows == set(range(16))
+    executors = {e for name in manifest["executors_files"] for e in storage.read_executors(fs, f"{path}/{name}")}
+    assert executors == set(range(4))
 
 
 def test_select_top_picks_exactly_the_global_top_fraction() -> None:

@@ -179,13 +179,14 @@ class CheckpointRound:
     # full: pausing -> snapshot -> writing -> manifest; partial: scoring -> snapshot -> writing -> manifest
     phase: str = "pausing"
     # the round's directory, made off the master's loop while the round pauses or scores (storage
-    # may be a network away): None until made; ``dir_failed`` once it could not be
+    # may be a network away): None until made (a round whose directory cannot be made fails)
     dir_path: str | None = None
-    dir_failed: bool = False
     chosen: dict[str, list[int]] | None = None  # partial: the rows each process saves, once scored
     asked: set[str] = field(default_factory=set)  # partial: the servers and workers asked for scores
     scores: dict[str, Any] = field(default_factory=dict)  # partial: process -> scores of its rows
     path: str | None = None
+    servers: list[str] = field(default_factory=list)  # the processes that copied their shards
+    workers: list[str] = field(default_factory=list)  # and their executors (``snapshotting``)
     waiting_snapshot: set[str] = field(default_factory=set)
     waiting_written: set[str] = field(default_factory=set)
     files: dict[str, list[str]] = field(default_factory=dict)  # process -> its files
@@ -265,12 +266,16 @@ class CheckpointCoordinator:
                                      phase="pausing" if kind == "full" else "scoring")
         return self.round
 
-    def snapshotting(self, path: str, processes: list[str]) -> None:
+    def snapshotting(self, path: str, servers: list[str], workers: list[str]) -> None:
+        """The round's processes copy their state now: ``servers`` their shards, ``workers`` their
+        executors. The manifest lists the files of exactly these: one that leaves the job (a
+        scale-in) after its copy still wrote what it held then, which no one else saved."""
         assert self.round is not None and self.round.phase in ("pausing", "scoring")
         self.round.phase = "snapshot"
         self.round.path = path
-        self.round.waiting_snapshot = set(processes)
-        self.round.waiting_written = set(processes)
+        self.round.servers, self.round.workers = sorted(servers), sorted(workers)
+        self.round.waiting_snapshot = set(servers) | set(workers)
+        self.round.waiting_written = set(servers) | set(workers)
 
     def snapshot_taken(self, cid: int, sender: str) -> bool:
         """A process copied its state; True when the last one did (training may resume)."""

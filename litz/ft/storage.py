@@ -215,6 +215,12 @@ def checkpoint_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def checkpoint_seq(path: str | None) -> int:
+    """The number of the ``ckpt-<seq>`` directory ``path`` (-1 for None or another name)."""
+    m = _CKPT.match(path.rsplit("/", 1)[-1]) if path else None
+    return int(m.group(1)) if m else -1
+
+
 def has_manifest(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File
 
@@ -223,9 +229,8 @@ def new_checkpoint_dir(fs: pafs.FileSystem, root: str, last: str | None = None) 
     """Create the next ``ckpt-<seq>`` directory (numbers never reused, even of incomplete ones):
     the one after ``last``, the directory this process created before, without listing ``root``
     again (a job with partial checkpoints every few iterations has hundreds)."""
-    m = _CKPT.match(last.rsplit("/", 1)[-1]) if last else None
-    if m:
-        seq = int(m.group(1)) + 1
+    if checkpoint_seq(last) >= 0:
+        seq = checkpoint_seq(last) + 1
     else:
         seqs = [seq for seq, _ in checkpoint_dirs(fs, root)]
         seq = max(seqs) + 1 if seqs else 0

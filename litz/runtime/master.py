@@ -1426,7 +1426,7 @@ class Master:
 
         location, path = ck.location, r.dir_path
         processes = sorted(st.workers + st.servers)
-        ck.snapshotting(path, processes)
+        ck.snapshotting(path, st.servers, st.workers)
         r.version = st.version
         for ident in processes:
             self.endpoint.send(ident, "checkpoint", cid=r.cid, location=ck.location, path=path)
@@ -1509,7 +1509,7 @@ class Master:
         chosen = r.chosen
         # a process lost since it scored is gone (its rows too); a worker without state rows saves nothing
         savers = sorted(p for p in chosen if p in st.servers or (p in st.workers and len(r.scores[p])))
-        ck.snapshotting(r.dir_path, savers)
+        ck.snapshotting(r.dir_path, [p for p in savers if p in st.servers], [p for p in savers if p in st.workers])
         for ident in savers:
             self.endpoint.send(ident, "ckpt_save", cid=r.cid, location=ck.location, path=r.dir_path,
                                rows=chosen[ident])
@@ -1560,6 +1560,8 @@ class Master:
     def _background_done(self) -> None:
         """Take the outcomes of the checkpoint steps run off the loop (``_in_background``): the
         round's directory, the driver's file, the manifest."""
+        from litz.ft import storage
+
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
                 pass
@@ -1570,12 +1572,13 @@ class Master:
                 continue
             r = ck.round
             if what == "dir":
-                if value is not None:
-                    ck.last_dir = value  # taken, even by a round gone meanwhile: numbers are never reused
+                # taken, even by a round gone meanwhile: numbers are never reused. A late answer of an
+                # earlier round must not take the count back (the next round would reuse a number)
+                if value is not None and storage.checkpoint_seq(value) > storage.checkpoint_seq(ck.last_dir):
+                    ck.last_dir = value
                 if r is None or r.cid != cid:
                     continue
                 if error is not None:
-                    r.dir_failed = True
                     r.errors.append(error)
                     self._finish_checkpoint()  # a failed round took no number, saved nothing
                     if r.kind == "full":  # its pause ends: training goes on (a partial round held nothing)
@@ -1608,10 +1611,11 @@ class Master:
                 r.errors.append("the round ended before anything was saved")
             self._close_checkpoint()
             return
+        # the files of the processes that took part, gone since (a scale-in) or not: they hold the cut
         manifest: dict[str, Any] = {"job": self.job, "created": time.time(), "reason": r.reason,
                                     "num_shards": st.num_shards,
-                                    "shards_files": sorted(f for p in st.servers for f in r.files.get(p, []))}
-        executor_files = sorted(f for p in st.workers for f in r.files.get(p, []))
+                                    "shards_files": sorted(f for p in r.servers for f in r.files.get(p, []))}
+        executor_files = sorted(f for p in r.workers for f in r.files.get(p, []))
         if base is not None:
             manifest.update(partial_of=base, policy=ck.policy, fraction=ck.fraction,
                             executor_rows_files=executor_files)
