@@ -698,6 +698,7 @@ class Master:
         elif msg.type == "bye":
             self._byes[msg.sender] = msg["stats"]
             self.retiring.discard(msg.sender)
+            self._left_checkpoint(msg.sender, "left the job (scale-in)")
             self.elastic.tick()
         elif msg.type == "migrated":
             self.on_migrated(msg)
@@ -925,6 +926,7 @@ class Master:
                       "leaving" if ident in self.retiring else "joining")
             self._fence(ident)
             self.retiring.discard(ident)
+            self._left_checkpoint(ident, "was lost while it left the job")
             self.elastic.on_lost(ident)
             return
         recoverable = self.recovery is not None and group is not None and len(group) > 1
@@ -1507,8 +1509,10 @@ class Master:
             return
         assert ck is not None
         chosen = r.chosen
-        # a process lost since it scored is gone (its rows too); a worker without state rows saves nothing
-        savers = sorted(p for p in chosen if p in st.servers or (p in st.workers and len(r.scores[p])))
+        # a process lost since it scored is gone (its rows too), one told to leave holds none any more
+        # (a scale-in moved them); a worker without state rows saves nothing
+        savers = sorted(p for p in chosen if p not in self.retiring
+                        and (p in st.servers or (p in st.workers and len(r.scores[p]))))
         ck.snapshotting(r.dir_path, [p for p in savers if p in st.servers], [p for p in savers if p in st.workers])
         for ident in savers:
             self.endpoint.send(ident, "ckpt_save", cid=r.cid, location=ck.location, path=r.dir_path,
@@ -1543,6 +1547,21 @@ class Master:
         if ck.round is r:
             log.warning("checkpoint %s was still being written when the job finished; it has no manifest and "
                         "will never be used", r.path)
+
+    def _left_checkpoint(self, ident: str, how: str) -> None:
+        """A process left the job (its goodbye, after a scale-in) or was lost while leaving: a round
+        still waiting for its part will not get it (a retiring process writes the parts it was asked
+        for before it says goodbye, so one asked later never saw the request): the round fails,
+        and training goes on."""
+        ck, st = self.checkpoints, self.state
+        r = ck.round if ck is not None else None
+        if r is None or st is None or ident not in r.waiting_written:
+            return
+        assert ck is not None
+        if ck.snapshot_taken(r.cid, ident):
+            st.release_paused()
+        if ck.written(r.cid, ident, [], f"{ident} {how} before writing its part of the checkpoint"):
+            self._finish_checkpoint()
 
     def _await_manifest(self, timeout: float = 60.0) -> None:
         """Let a round whose manifest is being written finish first (a loss noticed meanwhile rolls

@@ -63,6 +63,7 @@ class Node:
         self._leaving: tuple[str, float, bool] | None = None  # (who asked us to leave, deadline, settle)
         self._background: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # done: run on the loop
         self._jobs: queue.SimpleQueue[Any] | None = None  # for the background thread, started on first use
+        self._jobs_pending = 0  # background jobs whose ``then`` has not run: a retiring process owes them
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
@@ -152,7 +153,13 @@ class Node:
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=self._run_jobs, args=(self._jobs,), daemon=True,
                              name=f"{self.ident}-background").start()
-        self._jobs.put((work, then))
+        self._jobs_pending += 1
+
+        def then_on_loop(result: Any, error: BaseException | None) -> None:
+            self._jobs_pending -= 1
+            then(result, error)
+
+        self._jobs.put((work, then_on_loop))
 
     def _run_jobs(self, jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]]
                   ) -> None:
@@ -250,7 +257,7 @@ class Node:
         if self._leaving is None:
             return
         sender, deadline, settle = self._leaving
-        owed = self.owed()
+        owed = self.owed() + self._jobs_pending  # a checkpoint part being written is owed to the master
         if owed and time.monotonic() < deadline:
             return
         if owed and settle:
