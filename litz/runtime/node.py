@@ -253,8 +253,9 @@ class Node:
         self.leave_when_settled()
 
     def leave_when_settled(self) -> None:
-        """Say goodbye and stop if a shutdown was asked for and nothing is owed (or time is up)."""
-        if self._leaving is None:
+        """Say goodbye and stop if a shutdown was asked for and nothing is owed (or time is up);
+        once (the loop asks again after the message that asked for it)."""
+        if self._leaving is None or self.stopping:
             return
         sender, deadline, settle = self._leaving
         owed = self.owed() + self._jobs_pending  # a checkpoint part being written is owed to the master
