@@ -115,8 +115,6 @@ def s3_bucket() -> Iterator[str]:
         yield uri
 
 
-s3_location = s3_server.location
-
 
 class JobOutcome(dict):
     """What :func:`run_in_thread` fills in: ``res`` (the JobResult) or ``error`` and ``traceback``.

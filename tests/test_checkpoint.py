@@ -18,7 +18,8 @@ from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, parse_every
 from tests import testapps
-from tests.conftest import processes_mentioning, run_in_thread, s3_location, wait_running
+from tests.conftest import processes_mentioning, run_in_thread, wait_running
+from tests.s3_server import location as s3_location
 
 
 def test_shard_rows_round_trip_exactly_with_int_and_string_keys(tmp_path: Path) -> None:

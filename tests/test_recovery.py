@@ -17,9 +17,10 @@ from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ps.tables import shard_of
 from tests import testapps
-from tests.conftest import processes_mentioning, s3_location, wait_running
+from tests.conftest import processes_mentioning, wait_running
 from tests.conftest import run_in_thread as _start
 from tests.conftest import status_when as _status_when
+from tests.s3_server import location as s3_location
 from tests.test_mlr_app import needs_data
 
 

@@ -77,12 +77,11 @@ def display(location: str, path: str) -> str:
         root = _uri_root(location)
     except CheckpointError:
         return path
-    base = location.split("?", 1)[0].split("#", 1)[0]
     if not path.startswith(root):  # not under this root: name the filesystem, not a made-up place
         return f"{parts.scheme}://{path}"
     netloc = parts.netloc.rsplit("@", 1)[-1]
-    base = base.replace(parts.netloc, netloc, 1) if netloc != parts.netloc else base
-    return base.rstrip("/") + path[len(root.rstrip("/")):] + (f"?{parts.query}" if parts.query else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + path[len(root.rstrip("/")):],
+                                    parts.query, ""))
 
 
 def warm_up() -> None:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import queue
+import select
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -698,7 +699,8 @@ class Master:
         elif msg.type == "bye":
             self._byes[msg.sender] = msg["stats"]
             self.retiring.discard(msg.sender)
-            self._left_checkpoint(msg.sender, "left the job (scale-in)")
+            self._part_never_written(msg.sender, f"{msg.sender} left the job (scale-in) before writing its part "
+                                                 "of the checkpoint")
             self.elastic.tick()
         elif msg.type == "migrated":
             self.on_migrated(msg)
@@ -926,7 +928,8 @@ class Master:
                       "leaving" if ident in self.retiring else "joining")
             self._fence(ident)
             self.retiring.discard(ident)
-            self._left_checkpoint(ident, "was lost while it left the job")
+            self._part_never_written(ident, f"{ident} was lost while it left the job, before writing its part "
+                                            "of the checkpoint")
             self.elastic.on_lost(ident)
             return
         recoverable = self.recovery is not None and group is not None and len(group) > 1
@@ -998,12 +1001,7 @@ class Master:
         r = ck.round if ck is not None else None
         if r is not None and r.phase == "scoring":
             self._scores_in(r.cid, lost, np.empty(0))  # a partial round goes on without it
-        if r is not None and lost in r.waiting_written:  # a round it was part of can no longer be complete
-            assert ck is not None
-            if ck.snapshot_taken(r.cid, lost):
-                st.release_paused()
-            if ck.written(r.cid, lost, [], f"{lost} died during the checkpoint"):
-                self._finish_checkpoint()
+        self._part_never_written(lost, f"{lost} died during the checkpoint")
         if plan and not rec.settling:
             self._plan_restore(rec)
 
@@ -1548,11 +1546,10 @@ class Master:
             log.warning("checkpoint %s was still being written when the job finished; it has no manifest and "
                         "will never be used", r.path)
 
-    def _left_checkpoint(self, ident: str, how: str) -> None:
-        """A process left the job (its goodbye, after a scale-in) or was lost while leaving: a round
-        still waiting for its part will not get it (a retiring process writes the parts it was asked
-        for before it says goodbye, so one asked later never saw the request): the round fails,
-        and training goes on."""
+    def _part_never_written(self, ident: str, error: str) -> None:
+        """``ident`` died, or left the job (its goodbye after a scale-in; a retiring process writes
+        the parts it was asked for before it says goodbye, so one asked later never saw the request):
+        a round still waiting for its part will not get it, and fails; training goes on."""
         ck, st = self.checkpoints, self.state
         r = ck.round if ck is not None else None
         if r is None or st is None or ident not in r.waiting_written:
@@ -1560,7 +1557,7 @@ class Master:
         assert ck is not None
         if ck.snapshot_taken(r.cid, ident):
             st.release_paused()
-        if ck.written(r.cid, ident, [], f"{ident} {how} before writing its part of the checkpoint"):
+        if ck.written(r.cid, ident, [], error):
             self._finish_checkpoint()
 
     def _await_manifest(self, timeout: float = 60.0) -> None:
@@ -1573,8 +1570,8 @@ class Master:
         while r is not None and ck is not None and ck.round is r and r.phase == "manifest" \
                 and time.monotonic() < deadline:
             self._background_done()
-            if ck.round is r:
-                time.sleep(0.005)
+            if ck.round is r:  # the writer's thread writes the wake-up pipe when it is done
+                select.select([self._wake_r], [], [], max(0.0, deadline - time.monotonic()))
 
     def _background_done(self) -> None:
         """Take the outcomes of the checkpoint steps run off the loop (``_in_background``): the
