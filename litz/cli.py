@@ -24,6 +24,7 @@ import cloudpickle
 
 from litz.api import App
 from litz.errors import JobStopped, LitzError, TaskError
+from litz.ft.checkpoint import DEFAULT_TIMEOUT
 
 #: ``litz launch``'s exit status when ``litz stop`` ended the job (sysexits' EX_TEMPFAIL: it may be resumed)
 EXIT_STOPPED = 75
@@ -183,6 +184,9 @@ def _launch_parser() -> argparse.ArgumentParser:
                         "those farthest from their saved value (priority), the longest unsaved, or at random")
     p.add_argument("--checkpoint-fraction", type=float, default=1.0, metavar="R",
                    help="the fraction r of rows a partial checkpoint saves (default 1)")
+    p.add_argument("--checkpoint-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help=f"a checkpoint that waits longer than this for one of its steps (a hung store) fails "
+                        f"and training goes on (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--recovery", default=None, choices=["partial", "full"],
                    help="survive the loss of a worker or server: partial (SCAR) restores only what it held "
                         "from the running checkpoint onto the survivors; full rolls the whole job back to "
@@ -265,7 +269,7 @@ def launch(argv: list[str]) -> int:
                      job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
                      host=opts.host, checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
                      resume=opts.resume, recovery=opts.recovery, checkpoint_policy=opts.checkpoint_policy,
-                     checkpoint_fraction=opts.checkpoint_fraction)
+                     checkpoint_fraction=opts.checkpoint_fraction, checkpoint_timeout=opts.checkpoint_timeout)
     except TaskError as exc:
         print(f"litz: job failed: {exc}", file=sys.stderr)
         return 1

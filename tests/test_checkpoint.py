@@ -191,6 +191,39 @@ def test_policy_and_round_state_machine() -> None:
     assert ck.finish()["ok"]
 
 
+def test_a_round_names_the_step_it_has_waited_for_too_long() -> None:
+    """``overdue``: what a round waited for past ``timeout``, phase by phase (the master fails the
+    round with it); nothing while a full round waits for the application's running tasks."""
+    ck = CheckpointCoordinator("/tmp/x", "3", timeout=10.0)
+
+    def late(r) -> str | None:
+        r.since -= 11.0
+        return ck.overdue()
+
+    r = ck.begin("policy", 3)
+    assert r is not None and ck.overdue() is None and late(r) == "its directory"
+    r.dir_path = "/tmp/x/ckpt-000000"
+    assert late(r) is None  # the running tasks drain: not a step of the round's
+    ck.snapshotting(r.dir_path, ["server-1", "server-0"], ["worker-0"])
+    assert ck.overdue() is None and late(r) == "server-0's snapshot, server-1's snapshot, worker-0's snapshot"
+    for p in ("server-0", "server-1", "worker-0"):
+        ck.snapshot_taken(r.cid, p)
+    r.waiting_written.add("master")
+    ck.written(r.cid, "server-1", ["shards-server-1.arrow"], None)
+    assert ck.overdue() is None and late(r) == "server-0's part, the driver's file, worker-0's part"
+    r.enter("manifest")
+    assert ck.overdue() is None and late(r) == "its manifest"
+    ck.finish()
+    r = ck.begin("policy", 6, kind="partial")
+    assert r is not None
+    r.asked, r.scores = {"server-0", "worker-0"}, {"worker-0": np.zeros(2)}
+    assert late(r) == "its directory"
+    r.dir_path = "/tmp/x/ckpt-000001"
+    assert late(r) == "server-0's scores"
+    with pytest.raises(ConfigError, match="--checkpoint-timeout"):
+        CheckpointCoordinator("/tmp/x", "3", timeout=-1)
+
+
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: Path, request: pytest.FixtureRequest,
                                                                      store: str) -> None:
@@ -457,6 +490,59 @@ def test_slow_storage_does_not_hold_the_masters_loop(tmp_path: Path, monkeypatch
         assert completed_during("new_checkpoint_dir", 0.0) >= 1, spans
     else:  # a partial round never pauses
         assert completed_during("new_checkpoint_dir", 0.05) >= 5, spans
+
+
+@pytest.mark.parametrize("step", ["directory", "driver", "manifest"])
+def test_a_checkpoint_step_that_hangs_fails_its_round_and_training_goes_on(tmp_path: Path, monkeypatch,
+                                                                          step: str) -> None:
+    """A store that hangs (an NFS server gone) must not hold a round open for ever: the first
+    round's directory, driver file or manifest never comes back (until the test ends); after
+    ``checkpoint_timeout`` the round fails, naming what it waited for, and later rounds are taken.
+    Before, the round stayed open: no checkpoint after it, and, when its directory hung, training
+    stayed paused (the job never finished)."""
+    import threading
+
+    released = threading.Event()
+    calls: list[str] = []
+
+    def hang_first(fn, matches=lambda *args: True):
+        def wrapped(*args, **kwargs):
+            if matches(*args) and not calls:
+                calls.append(fn.__name__)
+                released.wait(60)
+                raise OSError("the store is gone")
+            return fn(*args, **kwargs)
+        return wrapped
+
+    if step == "directory":
+        monkeypatch.setattr(storage, "new_checkpoint_dir", hang_first(storage.new_checkpoint_dir))
+    elif step == "driver":
+        monkeypatch.setattr(storage, "write_bytes",
+                            hang_first(storage.write_bytes, lambda fs, path, data: path.endswith("/driver.pkl")))
+    else:
+        monkeypatch.setattr(storage, "write_manifest", hang_first(storage.write_manifest))
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=3.0)
+    t, out = run_in_thread(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.2s",
+                           checkpoint_timeout=0.5)
+    try:
+        t.join(60)
+        assert not t.is_alive(), "the job stalled behind the hung checkpoint step"
+    finally:
+        released.set()
+        t.join(30)
+    assert "error" not in out, out.get("error")
+    res = out["res"]
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    records = res.stats["master"]["checkpoints"]
+    waited = {"directory": "its directory", "driver": "the driver's file", "manifest": "its manifest"}[step]
+    assert not records[0]["ok"] and records[0]["errors"][0].startswith(
+        f"timed out after 0.5 s waiting for {waited}"), records[0]
+    assert any(c["ok"] for c in records[1:]), records  # rounds after it were taken
+    assert storage.find_checkpoint(str(tmp_path))[1] in [c["path"] for c in records if c["ok"]]
+    with pytest.raises(ConfigError, match="--checkpoint-timeout"):
+        litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_timeout=0)
 
 
 def test_tables_say_what_distance_ranks_their_rows() -> None:

@@ -28,6 +28,9 @@ from litz.api import StateRows
 from litz.errors import ConfigError
 
 POLICIES = ("full", "priority", "round-robin", "random")
+# seconds a round may wait for one of its steps (its directory, the scores, snapshots and parts of the
+# processes, its manifest) before it fails: far longer than writing a shard takes on any working store
+DEFAULT_TIMEOUT = 300.0
 
 
 def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list[int]]:
@@ -178,6 +181,7 @@ class CheckpointRound:
     kind: str = "full"  # full (consistent) or partial (SCAR: the top fraction of rows)
     # full: pausing -> snapshot -> writing -> manifest; partial: scoring -> snapshot -> writing -> manifest
     phase: str = "pausing"
+    since: float = 0.0  # when the round entered its phase (``enter``), for ``CheckpointCoordinator.overdue``
     # the round's directory, made off the master's loop while the round pauses or scores (storage
     # may be a network away): None until made (a round whose directory cannot be made fails)
     dir_path: str | None = None
@@ -195,12 +199,35 @@ class CheckpointRound:
     version: int = 0  # the master's version at the snapshot
     commands: list[str] = field(default_factory=list)  # `litz checkpoint` / `litz stop` ids it answers
 
+    def enter(self, phase: str) -> None:
+        self.phase, self.since = phase, time.monotonic()
+
+    def waits_for(self) -> str | None:
+        """What the round waits for in its phase, which the processes or the storage owe it (None:
+        the tasks running at a full round's start, which are the application's, not a step of the
+        round's; they may take long)."""
+        def parts(who: set[str] | list[str], what: str) -> str:
+            names = sorted("the driver's file" if p == "master" else f"{p}'s {what}" for p in who)
+            return ", ".join(names)
+
+        if self.phase in ("pausing", "scoring") and self.dir_path is None:
+            return "its directory"
+        if self.phase == "scoring" and self.chosen is None:
+            return parts(self.asked - set(self.scores), "scores")
+        if self.phase == "snapshot":
+            return parts(self.waiting_snapshot, "snapshot")
+        if self.phase == "writing":
+            return parts(self.waiting_written, "part")
+        if self.phase == "manifest":
+            return "its manifest"
+        return None
+
 
 class CheckpointCoordinator:
     """Decides when a checkpoint is due and tracks the round in progress."""
 
     def __init__(self, location: str, every: str | float | int | None = None, policy: str = "full",
-                 fraction: float = 1.0) -> None:
+                 fraction: float = 1.0, timeout: float = DEFAULT_TIMEOUT) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"--checkpoint takes one of {', '.join(POLICIES)}, got {policy!r}")
         if not 0 < fraction <= 1:
@@ -208,7 +235,10 @@ class CheckpointCoordinator:
         if policy == "full" and fraction != 1:
             raise ConfigError(f"--checkpoint-fraction {fraction:g} applies to the partial policies "
                               f"(priority, round-robin, random); --checkpoint full saves everything")
+        if not timeout > 0:
+            raise ConfigError(f"--checkpoint-timeout must be a positive number of seconds, got {timeout!r}")
         self.location = location
+        self.timeout = float(timeout)
         self.policy = policy
         self.fraction = fraction
         self.every_seconds, self.every_iterations = parse_every(every)
@@ -262,16 +292,27 @@ class CheckpointCoordinator:
         self._last_time = time.monotonic()
         if iteration is not None:
             self._last_iteration = iteration
-        self.round = CheckpointRound(self._next_cid, reason, time.monotonic(), kind=kind,
-                                     phase="pausing" if kind == "full" else "scoring")
+        now = time.monotonic()
+        self.round = CheckpointRound(self._next_cid, reason, now, kind=kind,
+                                     phase="pausing" if kind == "full" else "scoring", since=now)
         return self.round
+
+    def overdue(self) -> str | None:
+        """What the round has waited for longer than ``timeout`` (None: nothing). A store that
+        hangs (an NFS server gone, a bucket without a request timeout) would otherwise hold the
+        round open for ever: no later checkpoint, no answer to ``litz checkpoint`` or ``litz stop
+        --checkpoint``, and, while a full round waits for its directory, training paused."""
+        r = self.round
+        if r is None or time.monotonic() - r.since <= self.timeout:
+            return None
+        return r.waits_for()
 
     def snapshotting(self, path: str, servers: list[str], workers: list[str]) -> None:
         """The round's processes copy their state now: ``servers`` their shards, ``workers`` their
         executors. The manifest lists the files of exactly these: one that leaves the job (a
         scale-in) after its copy still wrote what it held then, which no one else saved."""
         assert self.round is not None and self.round.phase in ("pausing", "scoring")
-        self.round.phase = "snapshot"
+        self.round.enter("snapshot")
         self.round.path = path
         self.round.servers, self.round.workers = sorted(servers), sorted(workers)
         self.round.waiting_snapshot = set(servers) | set(workers)
@@ -285,7 +326,7 @@ class CheckpointCoordinator:
         r.waiting_snapshot.discard(sender)
         if r.waiting_snapshot:
             return False
-        r.phase = "writing"
+        r.enter("writing")
         if r.kind == "full":  # a partial round holds no task
             r.paused_for = time.monotonic() - r.started
         return True

@@ -30,7 +30,7 @@ from typing import Any
 
 from litz.api import App, JobResult
 from litz.errors import ConfigError, EtcdUnreachable, ProcessLost
-from litz.ft.checkpoint import CheckpointCoordinator
+from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator
 from litz.ps.tables import table_index
 from litz.runtime import jobs, security, spawner
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
@@ -341,7 +341,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         startup_timeout: float = 60.0, secret_file: str | os.PathLike[str] | None = None,
         host: str = "127.0.0.1", checkpoint_dir: str | None = None, checkpoint_every: str | None = None,
         resume: str | None = None, recovery: str | None = None, checkpoint_policy: str = "full",
-        checkpoint_fraction: float = 1.0) -> JobResult:
+        checkpoint_fraction: float = 1.0, checkpoint_timeout: float = DEFAULT_TIMEOUT) -> JobResult:
     """Run a job to completion and return its result.
 
     With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
@@ -358,6 +358,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     complete checkpoint there (or the one named): tables, executor states and the driver.
     ``checkpoint_policy`` ``priority``, ``round-robin`` or ``random`` (SCAR): after a first full
     checkpoint, save only the fraction ``checkpoint_fraction`` r of the rows, every r·C.
+    A round that waits longer than ``checkpoint_timeout`` seconds for one of its steps (a store
+    that hangs) fails, and training goes on.
     ``recovery="partial"`` (SCAR) survives the loss of a worker or server: only what it held is
     restored, from the running checkpoint, onto the survivors; nothing else rolls back.
     ``recovery="full"`` survives it by rolling the whole job back to its last full checkpoint
@@ -384,15 +386,18 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         num_executors = resumed.manifest["num_executors"]
     n_exec = num_executors or app.num_executors or 4 * workers
     if checkpoint_dir:  # a bad policy is refused before anything starts
-        CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction)
+        CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction,
+                              checkpoint_timeout)
         from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
 
         storage.prepare_root(checkpoint_dir)  # an unusable directory is refused now, not at the first checkpoint
         options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       checkpoint_policy=checkpoint_policy, checkpoint_fraction=checkpoint_fraction)
+                       checkpoint_policy=checkpoint_policy, checkpoint_fraction=checkpoint_fraction,
+                       checkpoint_timeout=checkpoint_timeout)
     else:
         for given, what in ((checkpoint_every, "--checkpoint-every"), (checkpoint_policy != "full", "--checkpoint"),
-                            (checkpoint_fraction != 1.0, "--checkpoint-fraction")):
+                            (checkpoint_fraction != 1.0, "--checkpoint-fraction"),
+                            (checkpoint_timeout != DEFAULT_TIMEOUT, "--checkpoint-timeout")):
             if given:
                 raise ConfigError(f"{what} needs --checkpoint-dir")
     if recovery is not None:

@@ -30,7 +30,7 @@ import zmq
 
 from litz.api import App, Driver, JobResult, ParameterServer, Recovery, TaskFailure, TaskResult
 from litz.errors import JobStopped, LitzError, ProcessLost, TableError
-from litz.ft.checkpoint import CheckpointCoordinator, CheckpointRound, select_top
+from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator, CheckpointRound, select_top
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
 from litz.runtime import spawner
@@ -508,7 +508,8 @@ class Master:
         ckpt_dir = self.options.get("checkpoint_dir")
         self.checkpoints = CheckpointCoordinator(
             ckpt_dir, self.options.get("checkpoint_every"), self.options.get("checkpoint_policy", "full"),
-            float(self.options.get("checkpoint_fraction", 1.0))) if ckpt_dir else None
+            float(self.options.get("checkpoint_fraction", 1.0)),
+            float(self.options.get("checkpoint_timeout", DEFAULT_TIMEOUT))) if ckpt_dir else None
         self._ckpt_commands: list[str] = []  # `litz checkpoint` / `litz stop` ids waiting for a full round
         # `litz stop`: {"id", "checkpoint": wanted, "path": the checkpoint it waits for (once written)}
         self._stop: dict[str, Any] | None = None
@@ -1408,6 +1409,8 @@ class Master:
         if ck is None or st is None or self.driver is None:
             return
         self._background_done()
+        if ck.round is not None and (waiting := ck.overdue()) is not None:
+            self._checkpoint_timed_out(waiting)
         if ck.round is None and self._ckpt_commands:
             self.checkpoint(self._commands_reason())
         elif ck.round is None and ck.due(self.driver.iteration):
@@ -1436,6 +1439,34 @@ class Master:
         self._in_background(r.cid, "driver",
                             lambda: storage.write_bytes(storage.filesystem(location)[0], f"{path}/driver.pkl", blob),
                             "master: cannot save the driver")
+
+    def _checkpoint_timed_out(self, waiting: str) -> None:
+        """The round waited longer than ``--checkpoint-timeout`` for ``waiting``: it fails as a round
+        with a part that failed to write does (the checkpoints before it stay the running ones),
+        training goes on, the next round may begin. Its step may still be hanging on its thread
+        (a stuck store cannot be interrupted); what it delivers later is ignored."""
+        ck = self.checkpoints
+        assert ck is not None and ck.round is not None
+        error = f"timed out after {ck.timeout:g} s waiting for {waiting}"
+        if ck.round.phase == "manifest":  # the write may yet land, with every part in: the checkpoint is complete
+            error += " (should the write still succeed, the checkpoint is complete and usable)"
+        self._fail_round(error)
+
+    def _fail_round(self, error: str) -> None:
+        """End the round in progress as failed with ``error``; a full round that held training
+        (waiting for its directory, or for snapshots) lets it go on."""
+        ck, st = self.checkpoints, self.state
+        assert ck is not None and ck.round is not None and st is not None
+        r = ck.round
+        r.errors.append(error)
+        held = r.kind == "full" and r.phase in ("pausing", "snapshot")
+        if r.phase == "manifest":  # its write goes on, out of reach: it may still complete the checkpoint
+            self._close_checkpoint(unusable="")
+        else:
+            self._finish_checkpoint()  # with an error: closes the round at once
+        if held:
+            st.release_paused()
+            self.elastic.tick()
 
     def _make_checkpoint_dir(self, r: CheckpointRound) -> None:
         """Make the round's ``ckpt-*`` directory off the loop, while the round pauses or scores:
@@ -1534,6 +1565,8 @@ class Master:
         deadline = time.monotonic() + timeout
         while ck.round is r and time.monotonic() < deadline:
             self._background_done()
+            if ck.round is r and (waiting := ck.overdue()) is not None:
+                self._checkpoint_timed_out(waiting)  # a hung store: the job ends now, not after ``timeout``
             if ck.round is r and self.endpoint.router.poll(50):
                 while True:
                     try:
@@ -1570,8 +1603,11 @@ class Master:
         while r is not None and ck is not None and ck.round is r and r.phase == "manifest" \
                 and time.monotonic() < deadline:
             self._background_done()
-            if ck.round is r:  # the writer's thread writes the wake-up pipe when it is done
-                select.select([self._wake_r], [], [], max(0.0, deadline - time.monotonic()))
+            if ck.round is r and (waiting := ck.overdue()) is not None:
+                self._checkpoint_timed_out(waiting)
+            elif ck.round is r:  # the writer's thread writes the wake-up pipe when it is done
+                wait = min(deadline, r.since + ck.timeout) - time.monotonic()
+                select.select([self._wake_r], [], [], max(0.0, wait) + 0.01)
 
     def _background_done(self) -> None:
         """Take the outcomes of the checkpoint steps run off the loop (``_in_background``): the
@@ -1595,11 +1631,7 @@ class Master:
                 if r is None or r.cid != cid:
                     continue
                 if error is not None:
-                    r.errors.append(error)
-                    self._finish_checkpoint()  # a failed round took no number, saved nothing
-                    if r.kind == "full":  # its pause ends: training goes on (a partial round held nothing)
-                        st.release_paused()
-                        self.elastic.tick()
+                    self._fail_round(error)  # a failed round took no number, saved nothing
                 else:
                     r.dir_path = value
                     self._save_partial()  # a full round snapshots at the next tick, once quiescent
@@ -1643,13 +1675,14 @@ class Master:
         from litz.ft import storage
 
         location, path = ck.location, r.path
-        r.phase = "manifest"
+        r.enter("manifest")
         self._in_background(r.cid, "manifest",
                             lambda: storage.write_manifest(storage.filesystem(location)[0], path, manifest),
                             "master: cannot write the manifest")
 
-    def _close_checkpoint(self) -> None:
-        """The round is over: record it, log it, answer the commands it was for."""
+    def _close_checkpoint(self, unusable: str = ", it has no manifest and will never be used") -> None:
+        """The round is over: record it, log it (a failed one with ``unusable``), answer the
+        commands it was for."""
         from litz.ft import storage
 
         ck = self.checkpoints
@@ -1662,8 +1695,8 @@ class Master:
             log.info("checkpoint %s written in %.2f s (training paused %.3f s)", shown, record["seconds"],
                      record["paused_seconds"])
         else:
-            log.error("checkpoint %s failed, it has no manifest and will never be used: %s",
-                      shown or f"round {record['cid']}", "; ".join(record["errors"]))
+            log.error("checkpoint %s failed%s: %s", shown or f"round {record['cid']}", unusable,
+                      "; ".join(record["errors"]))
             self.errors.extend(record["errors"])
         stop = self._stop
         for cid in r.commands:
