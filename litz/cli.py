@@ -377,6 +377,25 @@ def describe_recovery(rec: dict[str, Any]) -> str:
     return text + f" in {rec['seconds']:.2f} s"
 
 
+def describe_checkpoints(rounds: list[dict[str, Any]]) -> list[str]:
+    """``litz status``'s lines on a job's checkpoint rounds (oldest first): the last complete
+    one, and, if every round since it failed, how many and why the newest did (a full disk, a
+    store that hangs): an operator must learn that recovery would go back further than the
+    policy says, and why."""
+    lines = []
+    done = [c for c in rounds if c.get("ok")]
+    if done:
+        last = done[-1]
+        lines.append(f"last checkpoint: {last['kind']} {last.get('name') or last['path']} ({last['seconds']:.2f} s)")
+    failed = 0
+    while failed < len(rounds) and not rounds[-1 - failed].get("ok"):
+        failed += 1
+    if failed:
+        lines.append(f"checkpoints failing: the last {failed} failed{'' if done else ' (none complete yet)'}, "
+                     f"the newest with: {'; '.join(rounds[-1].get('errors') or ['no reason given'])}")
+    return lines
+
+
 def status(argv: list[str]) -> int:
     """``litz status [--job NAME] [--etcd URL] [--json]``: one job, or without ``--job`` the local ones."""
     import json
@@ -404,10 +423,8 @@ def status(argv: list[str]) -> int:
         print(f"progress: {m['progress']}")
     for rec in m.get("recoveries", []):
         print(describe_recovery(rec))
-    done = [c for c in m.get("checkpoints", []) if c.get("ok")]
-    if done:
-        last = done[-1]
-        print(f"last checkpoint: {last['kind']} {last.get('name') or last['path']} ({last['seconds']:.2f} s)")
+    for line in describe_checkpoints(m.get("checkpoints", [])):
+        print(line)
     for proc in st["processes"]:
         extra = ""
         if "executors" in proc:

@@ -96,6 +96,26 @@ def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
                                        "(no checkpoint yet), everything rolled back from version 534 to 0 in 1.50 s")
 
 
+def test_status_says_when_checkpoints_keep_failing() -> None:
+    from litz.cli import describe_checkpoints
+
+    ok = {"cid": 1, "kind": "full", "ok": True, "errors": [], "path": "/ck/ckpt-000000", "name": "/ck/ckpt-000000",
+          "seconds": 0.25}
+    hung = {"cid": 2, "kind": "partial", "ok": False, "path": None,
+            "errors": ["timed out after 300 s waiting for server-1's part"], "seconds": 300.0}
+    full = {"cid": 3, "kind": "full", "ok": False, "path": "/ck/ckpt-000002", "errors": ["s0: OSError: disk full"],
+            "seconds": 0.1}
+    assert describe_checkpoints([]) == []
+    assert describe_checkpoints([ok]) == ["last checkpoint: full /ck/ckpt-000000 (0.25 s)"]
+    assert describe_checkpoints([hung, ok]) == ["last checkpoint: full /ck/ckpt-000000 (0.25 s)"]  # failed before
+    assert describe_checkpoints([ok, hung, full]) == [
+        "last checkpoint: full /ck/ckpt-000000 (0.25 s)",
+        "checkpoints failing: the last 2 failed, the newest with: s0: OSError: disk full"]
+    assert describe_checkpoints([hung]) == [
+        "checkpoints failing: the last 1 failed (none complete yet), the newest with: timed out after 300 s "
+        "waiting for server-1's part"]
+
+
 def test_an_unknown_command_is_named_and_fails(capsys) -> None:
     from litz.cli import main
 
