@@ -377,22 +377,19 @@ def describe_recovery(rec: dict[str, Any]) -> str:
     return text + f" in {rec['seconds']:.2f} s"
 
 
-def describe_checkpoints(rounds: list[dict[str, Any]]) -> list[str]:
-    """``litz status``'s lines on a job's checkpoint rounds (oldest first): the last complete
-    one, and, if every round since it failed, how many and why the newest did (a full disk, a
-    store that hangs): an operator must learn that recovery would go back further than the
-    policy says, and why."""
+def describe_checkpoints(master: dict[str, Any]) -> list[str]:
+    """``litz status``'s lines on a job's checkpoints, from the master's status: the last
+    complete one, and, if every round since it failed, how many and why the newest did (a full
+    disk, a store that hangs): an operator must learn that a recovery would go back further
+    than the policy says, and why."""
     lines = []
-    done = [c for c in rounds if c.get("ok")]
-    if done:
-        last = done[-1]
+    last, failed = master.get("last_checkpoint"), master.get("checkpoints_failing", 0)
+    if last:
         lines.append(f"last checkpoint: {last['kind']} {last.get('name') or last['path']} ({last['seconds']:.2f} s)")
-    failed = 0
-    while failed < len(rounds) and not rounds[-1 - failed].get("ok"):
-        failed += 1
     if failed:
-        lines.append(f"checkpoints failing: the last {failed} failed{'' if done else ' (none complete yet)'}, "
-                     f"the newest with: {'; '.join(rounds[-1].get('errors') or ['no reason given'])}")
+        newest = (master.get("checkpoints") or [{}])[-1]
+        lines.append(f"checkpoints failing: the last {failed} failed{'' if last else ' (none complete yet)'}, "
+                     f"the newest with: {'; '.join(newest.get('errors') or ['no reason given'])}")
     return lines
 
 
@@ -423,7 +420,7 @@ def status(argv: list[str]) -> int:
         print(f"progress: {m['progress']}")
     for rec in m.get("recoveries", []):
         print(describe_recovery(rec))
-    for line in describe_checkpoints(m.get("checkpoints", [])):
+    for line in describe_checkpoints(m):
         print(line)
     for proc in st["processes"]:
         extra = ""

@@ -98,22 +98,28 @@ def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
 
 def test_status_says_when_checkpoints_keep_failing() -> None:
     from litz.cli import describe_checkpoints
+    from litz.ft.checkpoint import CheckpointCoordinator
 
-    ok = {"cid": 1, "kind": "full", "ok": True, "errors": [], "path": "/ck/ckpt-000000", "name": "/ck/ckpt-000000",
-          "seconds": 0.25}
-    hung = {"cid": 2, "kind": "partial", "ok": False, "path": None,
-            "errors": ["timed out after 300 s waiting for server-1's part"], "seconds": 300.0}
-    full = {"cid": 3, "kind": "full", "ok": False, "path": "/ck/ckpt-000002", "errors": ["s0: OSError: disk full"],
-            "seconds": 0.1}
-    assert describe_checkpoints([]) == []
-    assert describe_checkpoints([ok]) == ["last checkpoint: full /ck/ckpt-000000 (0.25 s)"]
-    assert describe_checkpoints([hung, ok]) == ["last checkpoint: full /ck/ckpt-000000 (0.25 s)"]  # failed before
-    assert describe_checkpoints([ok, hung, full]) == [
-        "last checkpoint: full /ck/ckpt-000000 (0.25 s)",
-        "checkpoints failing: the last 2 failed, the newest with: s0: OSError: disk full"]
-    assert describe_checkpoints([hung]) == [
-        "checkpoints failing: the last 1 failed (none complete yet), the newest with: timed out after 300 s "
-        "waiting for server-1's part"]
+    def record(cid: int, ok: bool, error: str = "") -> dict:
+        return {"cid": cid, "kind": "full", "ok": ok, "errors": [error] if error else [],
+                "path": f"/ck/ckpt-{cid:06d}", "name": f"/ck/ckpt-{cid:06d}", "seconds": 0.25}
+
+    def lines(records: list[dict]) -> list[str]:  # what the master publishes, as litz status shows it
+        ck = CheckpointCoordinator("/ck")
+        ck.completed = records
+        return describe_checkpoints({"checkpoints": ck.completed[-5:], "last_checkpoint": ck.last_complete(),
+                                     "checkpoints_failing": ck.failed_in_a_row()})
+
+    hung = "timed out after 300 s waiting for server-1's part"
+    assert lines([]) == []
+    assert lines([record(1, True)]) == ["last checkpoint: full /ck/ckpt-000001 (0.25 s)"]
+    assert lines([record(1, False, hung), record(2, True)]) == ["last checkpoint: full /ck/ckpt-000002 (0.25 s)"]
+    # seven failures in a row: more than the five rounds the status lists, the last complete one still named
+    assert lines([record(1, True)] + [record(i, False, hung) for i in range(2, 8)] + [record(8, False, "disk full")]) \
+        == ["last checkpoint: full /ck/ckpt-000001 (0.25 s)",
+            "checkpoints failing: the last 7 failed, the newest with: disk full"]
+    assert lines([record(1, False, hung)]) == [
+        "checkpoints failing: the last 1 failed (none complete yet), the newest with: " + hung]
 
 
 def test_an_unknown_command_is_named_and_fails(capsys) -> None:

@@ -262,6 +262,17 @@ class CheckpointCoordinator:
             return iteration - self._last_iteration >= max(1, round(self.every_iterations * scale))
         return False
 
+    def last_complete(self) -> dict[str, Any] | None:
+        """The newest round that was written whole (any kind), for ``litz status``."""
+        return next((c for c in reversed(self.completed) if c["ok"]), None)
+
+    def failed_in_a_row(self) -> int:
+        """How many rounds failed since the last complete one (all of them, if none is)."""
+        n = 0
+        while n < len(self.completed) and not self.completed[-1 - n]["ok"]:
+            n += 1
+        return n
+
     def _last_full(self) -> dict[str, Any] | None:
         since = [c for c in self.completed[self._rollback_mark:] if c["ok"] and c["kind"] == "full"]
         return since[-1] if since else None

@@ -636,6 +636,9 @@ class Master:
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = self.checkpoints.completed[-5:]
+            # said apart: the last complete round may be older than the last five, all failed
+            status["last_checkpoint"] = self.checkpoints.last_complete()
+            status["checkpoints_failing"] = self.checkpoints.failed_in_a_row()
         return status
 
     def _status_written(self, put: concurrent.futures.Future[None]) -> None:
