@@ -96,6 +96,22 @@ def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
                                        "(no checkpoint yet), everything rolled back from version 534 to 0 in 1.50 s")
 
 
+def test_status_says_what_a_recovery_in_progress_waits_for() -> None:
+    from litz.cli import describe_recovering
+
+    r = {"lost": ["s1", "s3"], "role": "server", "settling": [], "waiting": ["s0", "s2"],
+         "restored_from": "s3://b/ck/ckpt-000004", "seconds": 41.25}
+    assert describe_recovering(r) == ("recovering from the loss of server s1, s3 for 41.2 s: s0, s2 restoring its "
+                                      "shards from s3://b/ck/ckpt-000004")
+    r.update(role="worker", lost=["w1"], waiting=["w0"], restored_from=None)
+    assert describe_recovering(r) == ("recovering from the loss of worker w1 for 41.2 s: w0 restoring its executors "
+                                      "from scratch (no checkpoint yet)")
+    r.update(settling=["w2"])
+    assert describe_recovering(r).endswith(": w2 settling the migrations it interrupted")
+    r.update(settling=[], waiting=[])
+    assert describe_recovering(r).endswith(": planning")
+
+
 def test_status_says_when_checkpoints_keep_failing() -> None:
     from litz.cli import describe_checkpoints
     from litz.ft.checkpoint import CheckpointCoordinator

@@ -166,6 +166,40 @@ def _epoch(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("epoch ") else -1
 
 
+def test_litz_status_and_the_log_say_what_a_slow_recovery_waits_for(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A partial recovery that takes a while (here the survivor's restored executors arrive slowly;
+    in life, a large model read from a network store) is shown by ``litz status`` as it goes, with
+    the survivors it waits for and the checkpoint they read, and the log says so every
+    ``SLOW_RECOVERY`` seconds; once it is over, the status shows it among the recoveries only."""
+    import logging
+
+    from litz.cli import checkpoint
+    from litz.runtime import master as master_module
+
+    monkeypatch.setattr(master_module, "SLOW_RECOVERY", 0.3)
+    caplog.set_level(logging.WARNING, logger="litz.runtime.master")
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "slowrec", 4, slow_arrival=0.6)
+    t, out = _start(app, workers=2, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="partial")
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "w1")
+        assert checkpoint(["--job", job]) == 0
+        time.sleep(0.2)
+        os.kill(victim["pid"], signal.SIGKILL)
+        st = _status_when(job, lambda s: s["master"].get("recovering", {}).get("waiting"))
+        rec = st["master"]["recovering"]
+        assert rec["lost"] == ["w1"] and rec["role"] == "worker" and rec["waiting"] == ["w0"], rec
+        assert rec["restored_from"] == str(tmp_path / "ckpt" / "ckpt-000000"), rec
+        st = _status_when(job, lambda s: s["master"].get("recoveries"))
+        assert "recovering" not in st["master"]
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    said = [m for m in caplog.messages if m.startswith("the recovery from the loss of w1 has taken")]
+    assert said and said[0].endswith(f"it waits for w0 to restore the executors of w1 from {tmp_path}/ckpt/ckpt-000000")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_lost_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path: Path, monkeypatch, sig: int) -> None:
     """A worker killed, or one alive but silent past its lease (SIGSTOP here; a long pause or

@@ -394,7 +394,11 @@ class _Restoring:
     round: int | None = None  # of the plan sent; None while (re)planning
     source: str | None = None  # the checkpoint restored from
     partials: list[str] = field(default_factory=list)  # partial checkpoints applied after it
+    warned: int = 0  # slow-recovery warnings logged (``Master._warn_slow_recovery``)
 
+
+#: Seconds between the log's warnings that a partial recovery still waits (``Master._warn_slow_recovery``).
+SLOW_RECOVERY = 30.0
 
 #: Seconds a finished job waits for a worker still running a task it abandoned (statistics, goodbye).
 ABANDONED_GRACE = 1.0
@@ -574,6 +578,7 @@ class Master:
                 raise
         if now - self._last_status > STATUS_PERIOD:
             self._last_status = now
+            self._warn_slow_recovery()
             self.publish_status("starting" if self.driver is None else "stopping" if self._stop else "running")
         return out
 
@@ -633,6 +638,8 @@ class Master:
             status["recoveries"] = self.recoveries[-5:]
         if self.lost:
             status["lost"] = sorted(self.lost, key=_id_order)
+        if (rec := self._restoring) is not None:
+            status["recovering"] = self._recovering(rec)
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = self.checkpoints.completed[-5:]
@@ -640,6 +647,36 @@ class Master:
             status["last_checkpoint"] = self.checkpoints.last_complete()
             status["checkpoints_failing"] = self.checkpoints.failed_in_a_row()
         return status
+
+    @staticmethod
+    def _recovering(rec: _Restoring) -> dict[str, Any]:
+        """A partial recovery in progress, as ``litz status`` shows it: who it waits for and how
+        long it has (restoring a large model from a network store takes a while)."""
+        return {"lost": sorted(rec.losts, key=_id_order), "role": rec.role,
+                "settling": sorted(set(rec.settling.values()), key=_id_order),
+                "waiting": sorted(rec.waiting, key=_id_order) if rec.round is not None else [],
+                "restored_from": rec.source, "seconds": time.monotonic() - rec.started}
+
+    def _warn_slow_recovery(self) -> None:
+        """Say in the log, every ``SLOW_RECOVERY`` s, what a partial recovery still waits for: the
+        job's tasks on the lost items wait with it."""
+        rec = self._restoring
+        if rec is None:
+            return
+        waited = time.monotonic() - rec.started
+        if waited < SLOW_RECOVERY * (rec.warned + 1):
+            return
+        rec.warned = int(waited // SLOW_RECOVERY)
+        r = self._recovering(rec)
+        if r["settling"]:
+            what = f"{', '.join(r['settling'])} to settle the migrations the loss interrupted"
+        elif r["waiting"]:
+            what = (f"{', '.join(r['waiting'])} to restore the {'shards' if rec.role == 'server' else 'executors'} "
+                    f"of {', '.join(r['lost'])} from {rec.source or 'scratch'}")
+        else:
+            what = "its plan"
+        log.warning("the recovery from the loss of %s has taken %.0f s; it waits for %s", ", ".join(r["lost"]),
+                    waited, what)
 
     def _status_written(self, put: concurrent.futures.Future[None]) -> None:
         """A status write ended (on the etcd thread): say once per outage that it failed, and once
