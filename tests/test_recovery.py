@@ -166,6 +166,40 @@ def _epoch(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("epoch ") else -1
 
 
+@pytest.mark.parametrize("recovery", ["full", "partial"])
+def test_a_recovery_that_cannot_read_its_checkpoints_stops_the_job_and_says_why(tmp_path: Path, monkeypatch,
+                                                                                recovery: str) -> None:
+    """The checkpoint storage stops answering (here: listing it fails in the master) and then a
+    server dies. The job cannot restore what it lost, and stops with an error that says so; a full
+    recovery took the failure for "no checkpoint yet" and started the job again from its beginning,
+    throwing all its progress away (its checkpoints were still there for --resume)."""
+    from litz.errors import LitzError
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "nostore", 4)
+    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery=recovery,
+                    checkpoint_every="0.5s")
+    try:
+        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        victim = next(p for p in st["processes"] if p["id"] == "s1")
+
+        def unreachable(fs, root: str) -> list:
+            raise storage.CheckpointError(f"cannot list checkpoint storage {root}: Connection refused")
+
+        monkeypatch.setattr(storage, "checkpoint_dirs", unreachable)
+        os.kill(victim["pid"], signal.SIGKILL)
+        t.join(60)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive()
+    error = out.get("error")
+    assert isinstance(error, LitzError), out
+    said = "the full recovery cannot use the job's last checkpoint" if recovery == "full" else \
+        "the recovery from the loss of s1 cannot read the running checkpoint"
+    assert said in str(error) and "Connection refused" in str(error) and "--resume" in str(error), error
+    assert processes_mentioning(job) == []
+
+
 def test_litz_status_and_the_log_say_what_a_slow_recovery_waits_for(tmp_path: Path, monkeypatch, caplog) -> None:
     """A partial recovery that takes a while (here the survivor's restored executors arrive slowly;
     in life, a large model read from a network store) is shown by ``litz status`` as it goes, with

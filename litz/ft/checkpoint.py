@@ -179,12 +179,15 @@ class CheckpointRound:
     reason: str
     started: float
     kind: str = "full"  # full (consistent) or partial (SCAR: the top fraction of rows)
-    # full: pausing -> snapshot -> writing -> manifest; partial: scoring -> snapshot -> writing -> manifest
-    phase: str = "pausing"
+    # full: preparing -> pausing -> snapshot -> writing -> manifest; partial: scoring -> snapshot ->
+    # writing -> manifest. A full round pauses (holds new tasks) only once its directory is made: a
+    # store that answers slowly, or not at all, must not hold training
+    phase: str = "preparing"
     since: float = 0.0  # when the round entered its phase (``enter``), for ``CheckpointCoordinator.overdue``
     # the round's directory, made off the master's loop while the round pauses or scores (storage
     # may be a network away): None until made (a round whose directory cannot be made fails)
     dir_path: str | None = None
+    pause_started: float = 0.0  # full: when it began to hold new tasks (``directory_made``)
     chosen: dict[str, list[int]] | None = None  # partial: the rows each process saves, once scored
     asked: set[str] = field(default_factory=set)  # partial: the servers and workers asked for scores
     scores: dict[str, Any] = field(default_factory=dict)  # partial: process -> scores of its rows
@@ -210,7 +213,7 @@ class CheckpointRound:
             names = sorted("the driver's file" if p == "master" else f"{p}'s {what}" for p in who)
             return ", ".join(names)
 
-        if self.phase in ("pausing", "scoring") and self.dir_path is None:
+        if self.phase in ("preparing", "scoring") and self.dir_path is None:
             return "its directory"
         if self.phase == "scoring" and self.chosen is None:
             return parts(self.asked - set(self.scores), "scores")
@@ -305,8 +308,20 @@ class CheckpointCoordinator:
             self._last_iteration = iteration
         now = time.monotonic()
         self.round = CheckpointRound(self._next_cid, reason, now, kind=kind,
-                                     phase="pausing" if kind == "full" else "scoring", since=now)
+                                     phase="preparing" if kind == "full" else "scoring", since=now)
         return self.round
+
+    def directory_made(self, path: str) -> bool:
+        """The round's directory exists; True if training must pause now (a full round: it holds
+        new tasks from here until the snapshot, while the running ones finish)."""
+        r = self.round
+        assert r is not None and r.dir_path is None
+        r.dir_path = path
+        if r.phase != "preparing":
+            return False
+        r.enter("pausing")
+        r.pause_started = r.since
+        return True
 
     def overdue(self) -> str | None:
         """What the round has waited for longer than ``timeout`` (None: nothing). A store that
@@ -322,7 +337,7 @@ class CheckpointCoordinator:
         """The round's processes copy their state now: ``servers`` their shards, ``workers`` their
         executors. The manifest lists the files of exactly these: one that leaves the job (a
         scale-in) after its copy still wrote what it held then, which no one else saved."""
-        assert self.round is not None and self.round.phase in ("pausing", "scoring")
+        assert self.round is not None and self.round.phase in ("pausing", "scoring") and self.round.dir_path == path
         self.round.enter("snapshot")
         self.round.path = path
         self.round.servers, self.round.workers = sorted(servers), sorted(workers)
@@ -339,7 +354,7 @@ class CheckpointCoordinator:
             return False
         r.enter("writing")
         if r.kind == "full":  # a partial round holds no task
-            r.paused_for = time.monotonic() - r.started
+            r.paused_for = time.monotonic() - r.pause_started
         return True
 
     def written(self, cid: int, sender: str, files: list[str], error: str | None) -> bool:

@@ -44,7 +44,19 @@ EXECUTOR_ROWS_SCHEMA = pa.schema([("executor", pa.int32()), ("row", pa.int64()),
 
 
 class CheckpointError(LitzError):
-    """A checkpoint that cannot be written or used (missing manifest, mismatching job, ...)."""
+    """A checkpoint that cannot be written or used (missing manifest, mismatching job, storage
+    that cannot be read, ...)."""
+
+
+class NoCheckpoint(CheckpointError):
+    """No complete checkpoint where one was looked for: a job without one starts afresh. Kept
+    apart from storage that cannot be read, which must never be taken for an empty one (a full
+    recovery would go back to the job's beginning)."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A manifest that was read but cannot be used (not JSON, another format, keys missing): that
+    checkpoint is skipped, the ones before it are as good as they were."""
 
 
 def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
@@ -221,7 +233,10 @@ def checkpoint_seq(path: str | None) -> int:
 
 
 def has_manifest(fs: pafs.FileSystem, path: str) -> bool:
-    return fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File
+    try:
+        return fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File
+    except OSError as exc:  # a missing file is no error: this is the store failing to answer
+        raise CheckpointError(f"cannot read checkpoint storage at {path}: {exc}") from exc
 
 
 def new_checkpoint_dir(fs: pafs.FileSystem, root: str, last: str | None = None) -> str:
@@ -256,36 +271,39 @@ _PARTIAL_KEYS = ("partial_of", "shards_files")
 
 def read_manifest(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path``, checked: a damaged one (not JSON, not an object,
-    another format, keys missing) raises a :class:`CheckpointError` that names the file."""
+    another format, keys missing) raises a :class:`DamagedCheckpoint` that names the file; one that
+    cannot be read, a :class:`CheckpointError`."""
     where = f"{path}/{MANIFEST}"
     try:
         manifest = json.loads(read_bytes(fs, where))
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
-        raise CheckpointError(f"checkpoint manifest {where} is damaged: {exc}") from exc
+        raise DamagedCheckpoint(f"checkpoint manifest {where} is damaged: {exc}") from exc
     if not isinstance(manifest, dict):
-        raise CheckpointError(f"checkpoint manifest {where} is damaged: a JSON {type(manifest).__name__}, "
-                              "not an object")
+        raise DamagedCheckpoint(f"checkpoint manifest {where} is damaged: a JSON {type(manifest).__name__}, "
+                                "not an object")
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: unsupported checkpoint format {manifest.get('format')!r}")
+        raise DamagedCheckpoint(f"{where}: unsupported checkpoint format {manifest.get('format')!r}")
     missing = [k for k in (_PARTIAL_KEYS if manifest.get("partial_of") else _FULL_KEYS) if k not in manifest]
     tables = manifest.get("tables", [])
     if not missing and not (isinstance(tables, list)
                             and all(isinstance(t, dict) and {"name", "shape", "dtype"} <= t.keys() for t in tables)):
         missing = ["tables (name, shape, dtype of each)"]
     if missing:
-        raise CheckpointError(f"checkpoint manifest {where} is damaged: it lacks {', '.join(missing)}")
+        raise DamagedCheckpoint(f"checkpoint manifest {where} is damaged: it lacks {', '.join(missing)}")
     return manifest
 
 
 def _usable_manifests(fs: pafs.FileSystem, root: str) -> dict[str, dict[str, Any]]:
     """The manifests of the complete checkpoints under ``root``, in order. A damaged one is
-    skipped with a warning: the checkpoints before it are as good as they were."""
+    skipped with a warning: the checkpoints before it are as good as they were. Storage that
+    does not answer raises: skipping what it failed to read would pass an older checkpoint,
+    or none, for the newest."""
     out = {}
     for _, p in checkpoint_dirs(fs, root):
         if has_manifest(fs, p):
             try:
                 out[p] = read_manifest(fs, p)
-            except CheckpointError as exc:
+            except DamagedCheckpoint as exc:
                 log.warning("%s; that checkpoint is skipped", exc)
     return out
 
@@ -334,7 +352,7 @@ def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]
     fs, path = filesystem(location)
     found = _newest_complete(fs, path)
     if found is None:
-        raise CheckpointError(f"no complete checkpoint in {location} (a checkpoint is complete once its "
+        raise NoCheckpoint(f"no complete checkpoint in {location} (a checkpoint is complete once its "
                               f"{MANIFEST} is written)")
     chosen, manifest = found
     if manifest.get("partial_of"):

@@ -1115,7 +1115,12 @@ class Master:
         kind = "shards" if rec.role == "server" else "executors"
         where = None
         if self.checkpoints is not None:
-            running = storage.running_checkpoint(self.checkpoints.location, kind)
+            try:
+                running = storage.running_checkpoint(self.checkpoints.location, kind)
+            except storage.CheckpointError as exc:  # the storage does not answer: nothing to restore from
+                raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)} cannot read the running "
+                                f"checkpoint ({exc}); the job stops: once the storage answers, launch it again "
+                                f"with --resume") from exc
             if running is not None:
                 path, manifest, partials = running
                 where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
@@ -1303,8 +1308,12 @@ class Master:
                 _, path, manifest = storage.find_checkpoint(ck.location)
                 saved = self._read_driver_file(ck.location, path, manifest, self.driver)
                 where = {"location": ck.location, "path": path, "manifest": manifest}
-            except storage.CheckpointError:
+            except storage.NoCheckpoint:
                 log.error("no complete checkpoint yet: the job starts again from the beginning")
+            except storage.CheckpointError as exc:  # never taken for "none": all the job's progress would go
+                raise LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops "
+                                f"rather than start again from the beginning ({exc}); once the storage "
+                                f"answers, launch it again with --resume") from exc
             ck.rolled_back()
 
         def restore(kind: str) -> dict[str, Any]:
@@ -1377,8 +1386,7 @@ class Master:
         if r is None:
             return False
         r.commands, self._ckpt_commands = self._ckpt_commands, []  # it answers the commands made so far
-        self.state.paused = True
-        self._make_checkpoint_dir(r)  # while the running tasks finish
+        self._make_checkpoint_dir(r)  # training goes on meanwhile; it pauses once the directory exists
         return True
 
     def reply_command(self, cid: str, ok: bool, reason: str = "", **extra: Any) -> None:
@@ -1493,8 +1501,8 @@ class Master:
         self._fail_round(error)
 
     def _fail_round(self, error: str) -> None:
-        """End the round in progress as failed with ``error``; a full round that held training
-        (waiting for its directory, or for snapshots) lets it go on."""
+        """End the round in progress as failed with ``error``; a full round that held new tasks
+        (waiting for the running ones, or for snapshots) sends them on."""
         ck, st = self.checkpoints, self.state
         assert ck is not None and ck.round is not None and st is not None
         r = ck.round
@@ -1509,10 +1517,13 @@ class Master:
             self.elastic.tick()
 
     def _make_checkpoint_dir(self, r: CheckpointRound) -> None:
-        """Make the round's ``ckpt-*`` directory off the loop, while the round pauses or scores:
-        on a network store (S3) that takes requests, and the loop must go on dispatching
-        (a partial round never pauses) and answering meanwhile. ``_background_done`` takes the
-        outcome: the round goes on, or fails without a number taken (training goes on)."""
+        """Make the round's ``ckpt-*`` directory off the loop, before a full round pauses or while a
+        partial one scores: on a network store (S3) that takes requests (and retries them for
+        seconds when the store is down), and the loop must go on dispatching and answering
+        meanwhile. ``_background_done`` takes the outcome: the round goes on, or fails without a
+        number taken. Training runs on throughout: a full round holds new tasks only once its
+        directory exists (with a dead store, holding them from the round's start paused the job
+        for the 12 s each attempt took, again and again)."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
 
         ck = self.checkpoints
@@ -1672,9 +1683,10 @@ class Master:
                     continue
                 if error is not None:
                     self._fail_round(error)  # a failed round took no number, saved nothing
+                elif ck.directory_made(value):  # a full round holds new tasks now, and snapshots once
+                    st.paused = True            # the running ones are done (``_checkpoint_tick``)
                 else:
-                    r.dir_path = value
-                    self._save_partial()  # a full round snapshots at the next tick, once quiescent
+                    self._save_partial()
             elif what == "driver":
                 if ck.written(cid, "master", ["driver.pkl"], error):
                     self._finish_checkpoint()
