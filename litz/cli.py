@@ -377,18 +377,6 @@ def describe_recovery(rec: dict[str, Any]) -> str:
     return text + f" in {rec['seconds']:.2f} s"
 
 
-def describe_recovering(r: dict[str, Any]) -> str:
-    """One line on a partial recovery in progress (the master's ``recovering`` status)."""
-    kind = "shards" if r["role"] == "server" else "executors"
-    text = f"recovering from the loss of {r['role']} {', '.join(r['lost'])} for {r['seconds']:.1f} s: "
-    if r["settling"]:
-        return text + f"{', '.join(r['settling'])} settling the migrations it interrupted"
-    if r["waiting"]:
-        return text + (f"{', '.join(r['waiting'])} restoring its {kind} from "
-                       f"{r['restored_from'] or 'scratch (no checkpoint yet)'}")
-    return text + "planning"
-
-
 def describe_checkpoints(master: dict[str, Any]) -> list[str]:
     """``litz status``'s lines on a job's checkpoints, from the master's status: the last
     complete one, and, if every round since it failed, how many and why the newest did (a full
@@ -433,6 +421,8 @@ def status(argv: list[str]) -> int:
     for rec in m.get("recoveries", []):
         print(describe_recovery(rec))
     if m.get("recovering"):
+        from litz.runtime.master import describe_recovering
+
         print(describe_recovering(m["recovering"]))
     for line in describe_checkpoints(m):
         print(line)

@@ -97,7 +97,7 @@ def test_status_says_what_was_lost_and_how_it_was_recovered() -> None:
 
 
 def test_status_says_what_a_recovery_in_progress_waits_for() -> None:
-    from litz.cli import describe_recovering
+    from litz.runtime.master import describe_recovering
 
     r = {"lost": ["s1", "s3"], "role": "server", "settling": [], "waiting": ["s0", "s2"],
          "restored_from": "s3://b/ck/ckpt-000004", "seconds": 41.25}

@@ -230,8 +230,8 @@ def test_litz_status_and_the_log_say_what_a_slow_recovery_waits_for(tmp_path: Pa
         stop.touch()
         t.join(60)
     assert not t.is_alive() and "error" not in out, out.get("error")
-    said = [m for m in caplog.messages if m.startswith("the recovery from the loss of w1 has taken")]
-    assert said and said[0].endswith(f"it waits for w0 to restore the executors of w1 from {tmp_path}/ckpt/ckpt-000000")
+    said = [m for m in caplog.messages if m.startswith("still recovering from the loss of worker w1 for ")]
+    assert said and said[0].endswith(f": w0 restoring its executors from {tmp_path}/ckpt/ckpt-000000"), said
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])

@@ -339,6 +339,19 @@ def _id_order(ident: str) -> tuple[str, int, str]:
     return stem, int(digits) if digits else -1, ident
 
 
+def describe_recovering(r: dict[str, Any]) -> str:
+    """One line on a partial recovery in progress (``Master._recovering``), for ``litz status``
+    and the log."""
+    kind = "shards" if r["role"] == "server" else "executors"
+    text = f"recovering from the loss of {r['role']} {', '.join(r['lost'])} for {r['seconds']:.1f} s: "
+    if r["settling"]:
+        return text + f"{', '.join(r['settling'])} settling the migrations it interrupted"
+    if r["waiting"]:
+        return text + (f"{', '.join(r['waiting'])} restoring its {kind} from "
+                       f"{r['restored_from'] or 'scratch (no checkpoint yet)'}")
+    return text + "planning"
+
+
 def even_moves(where: dict[int, str], targets: list[str]) -> dict[str, list[int]]:
     """Moves (target -> items) that make the items' spread over ``targets`` even, moving few.
 
@@ -667,16 +680,7 @@ class Master:
         if waited < SLOW_RECOVERY * (rec.warned + 1):
             return
         rec.warned = int(waited // SLOW_RECOVERY)
-        r = self._recovering(rec)
-        if r["settling"]:
-            what = f"{', '.join(r['settling'])} to settle the migrations the loss interrupted"
-        elif r["waiting"]:
-            what = (f"{', '.join(r['waiting'])} to restore the {'shards' if rec.role == 'server' else 'executors'} "
-                    f"of {', '.join(r['lost'])} from {rec.source or 'scratch'}")
-        else:
-            what = "its plan"
-        log.warning("the recovery from the loss of %s has taken %.0f s; it waits for %s", ", ".join(r["lost"]),
-                    waited, what)
+        log.warning("still %s", describe_recovering(self._recovering(rec)))
 
     def _status_written(self, put: concurrent.futures.Future[None]) -> None:
         """A status write ended (on the etcd thread): say once per outage that it failed, and once
