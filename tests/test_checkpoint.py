@@ -90,6 +90,31 @@ def test_damaged_manifests_are_named_and_skipped_and_a_partial_checkpoint_is_no_
         storage.find_checkpoint(partial)
 
 
+def test_the_running_checkpoint_reads_only_the_manifests_since_the_newest_full_one(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """A job with priority checkpoints every few clocks has hundreds of them; a recovery (on the
+    master's loop) and a resume read the newest full one and the partial ones after it, not every
+    manifest in the directory (each a request on a network store)."""
+    fs, root = storage.filesystem(str(tmp_path))
+    made = []
+    for i in range(9):  # full, 5 partial, full, 2 partial
+        path = storage.new_checkpoint_dir(fs, root)
+        base = next((p for p, full in reversed(made) if full), None)
+        full = i in (0, 6)
+        storage.write_manifest(fs, path, _full_manifest(version=i) if full else
+                               {"partial_of": base, "shards_files": [f"s{i}.arrow"], "executor_rows_files": []})
+        made.append((path, full))
+    read: list[str] = []
+    read_manifest = storage.read_manifest
+    monkeypatch.setattr(storage, "read_manifest", lambda fs_, path: read.append(path) or read_manifest(fs_, path))
+    base, manifest, partials = storage.running_checkpoint(str(tmp_path))
+    assert base == made[6][0] and manifest["version"] == 6
+    assert partials == [(made[7][0], ["s7.arrow"]), (made[8][0], ["s8.arrow"])]
+    assert read == [made[8][0], made[7][0], made[6][0]]
+    read.clear()
+    assert storage.find_checkpoint(str(tmp_path))[1] == made[6][0] and len(read) == 3
+
+
 def test_storage_that_does_not_answer_is_an_error_never_an_older_checkpoint_or_none(tmp_path: Path,
                                                                                   monkeypatch) -> None:
     """A manifest the store fails to read (the network, a dead NFS server) is not a damaged one:

@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import urllib.parse
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -293,19 +293,21 @@ def read_manifest(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
     return manifest
 
 
-def _usable_manifests(fs: pafs.FileSystem, root: str) -> dict[str, dict[str, Any]]:
-    """The manifests of the complete checkpoints under ``root``, in order. A damaged one is
-    skipped with a warning: the checkpoints before it are as good as they were. Storage that
-    does not answer raises: skipping what it failed to read would pass an older checkpoint,
-    or none, for the newest."""
-    out = {}
-    for _, p in checkpoint_dirs(fs, root):
+def _newest_first(fs: pafs.FileSystem, root: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The complete checkpoints under ``root`` with their manifests, newest first, read as they
+    are asked for: a caller stops at the newest full one, so a job with hundreds of partial
+    checkpoints behind it reads only those since (each read is a request on a network store). A
+    damaged manifest is skipped with a warning: the checkpoints before it are as good as they
+    were. Storage that does not answer raises: skipping what it failed to read would pass an
+    older checkpoint, or none, for the newest."""
+    for _, p in reversed(checkpoint_dirs(fs, root)):
         if has_manifest(fs, p):
             try:
-                out[p] = read_manifest(fs, p)
+                manifest = read_manifest(fs, p)
             except DamagedCheckpoint as exc:
                 log.warning("%s; that checkpoint is skipped", exc)
-    return out
+                continue
+            yield p, manifest
 
 
 def running_checkpoint(location: str, kind: str = "shards"
@@ -318,16 +320,15 @@ def running_checkpoint(location: str, kind: str = "shards"
     """
     key = "shards_files" if kind == "shards" else "executor_rows_files"
     fs, root = filesystem(location)
-    manifests = _usable_manifests(fs, root)
-    dirs = list(manifests)
-    full = [p for p in dirs if not manifests[p].get("partial_of")]
-    if not full:
-        return None
-    base = full[-1]
-    name = base.rsplit("/", 1)[-1]  # the master names the base by the path it created, the listing by its own
-    partials = [(p, manifests[p].get(key, [])) for p in dirs[dirs.index(base) + 1:]
-                if str(manifests[p].get("partial_of", "")).rsplit("/", 1)[-1] == name]
-    return base, manifests[base], partials
+    newer: list[tuple[str, dict[str, Any]]] = []  # partial checkpoints newer than the base, newest first
+    for path, manifest in _newest_first(fs, root):
+        if not manifest.get("partial_of"):
+            name = path.rsplit("/", 1)[-1]  # the master names the base by the path it created, the listing by its own
+            partials = [(p, m.get(key, [])) for p, m in reversed(newer)
+                        if str(m.get("partial_of", "")).rsplit("/", 1)[-1] == name]
+            return path, manifest, partials
+        newer.append((path, manifest))
+    return None
 
 
 def has_complete_checkpoint(location: str) -> bool:
@@ -341,9 +342,7 @@ def _newest_complete(fs: pafs.FileSystem, path: str) -> tuple[str, dict[str, Any
     with its manifest (read once: a job with partial checkpoints has hundreds)."""
     if has_manifest(fs, path):
         return path, read_manifest(fs, path)
-    complete = [(p, manifest) for p, manifest in _usable_manifests(fs, path).items()
-                if not manifest.get("partial_of")]
-    return complete[-1] if complete else None
+    return next(((p, manifest) for p, manifest in _newest_first(fs, path) if not manifest.get("partial_of")), None)
 
 
 def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]]:
