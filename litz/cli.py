@@ -187,6 +187,9 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"a checkpoint that waits longer than this for one of its steps (a hung store) fails "
                         f"and training goes on (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--checkpoint-keep", type=int, default=None, metavar="N",
+                   help="keep the newest N full checkpoints (and the partial ones after them) and remove older "
+                        "ones after each full checkpoint (default: keep everything)")
     p.add_argument("--recovery", default=None, choices=["partial", "full"],
                    help="survive the loss of a worker or server: partial (SCAR) restores only what it held "
                         "from the running checkpoint onto the survivors; full rolls the whole job back to "
@@ -269,7 +272,8 @@ def launch(argv: list[str]) -> int:
                      job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
                      host=opts.host, checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
                      resume=opts.resume, recovery=opts.recovery, checkpoint_policy=opts.checkpoint_policy,
-                     checkpoint_fraction=opts.checkpoint_fraction, checkpoint_timeout=opts.checkpoint_timeout)
+                     checkpoint_fraction=opts.checkpoint_fraction, checkpoint_timeout=opts.checkpoint_timeout,
+                     checkpoint_keep=opts.checkpoint_keep)
     except TaskError as exc:
         print(f"litz: job failed: {exc}", file=sys.stderr)
         return 1

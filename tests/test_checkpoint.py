@@ -115,6 +115,58 @@ def test_the_running_checkpoint_reads_only_the_manifests_since_the_newest_full_o
     assert storage.find_checkpoint(str(tmp_path))[1] == made[6][0] and len(read) == 3
 
 
+def test_pruning_keeps_the_newest_full_checkpoints_and_what_builds_on_them(tmp_path: Path) -> None:
+    fs, root = storage.filesystem(str(tmp_path))
+    layout = ["full", "partial", "failed", "full", "partial", "full", "partial", "writing"]
+    made = []
+    for kind in layout:
+        path = storage.new_checkpoint_dir(fs, root)
+        storage.write_bytes(fs, f"{path}/shards-s0.arrow", b"rows")
+        base = next((p for p, k in reversed(made) if k == "full"), None)
+        if kind == "full":
+            storage.write_manifest(fs, path, _full_manifest())
+        elif kind == "partial":
+            storage.write_manifest(fs, path, {"partial_of": base, "shards_files": ["shards-s0.arrow"]})
+        made.append((path, kind))
+    running = storage.running_checkpoint(str(tmp_path))
+
+    def left() -> list[str]:
+        return [p for _, p in storage.checkpoint_dirs(fs, root)]
+
+    assert storage.prune_checkpoints(fs, root, keep=4) == [] and len(left()) == 8  # fewer than 4 full ones
+    assert storage.prune_checkpoints(fs, root, keep=2, limit=2) == [made[0][0], made[1][0]]  # at most 2 a call
+    assert storage.prune_checkpoints(fs, root, keep=2) == [made[2][0]]  # the failed round's directory too
+    assert left() == [p for p, _ in made[3:]]
+    assert storage.prune_checkpoints(fs, root, keep=1) == [made[3][0], made[4][0]]
+    assert left() == [p for p, _ in made[5:]]  # the running checkpoint and the round being written stay
+    assert storage.running_checkpoint(str(tmp_path)) == running
+    assert storage.find_checkpoint(str(tmp_path))[1] == made[5][0]
+    with pytest.raises(ConfigError, match="--checkpoint-keep"):
+        CheckpointCoordinator(str(tmp_path), keep=0)
+
+
+def test_a_job_keeps_only_the_newest_full_checkpoints(tmp_path: Path) -> None:
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=2.0)
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.1s",
+                   checkpoint_keep=2)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    records = [c for c in res.stats["master"]["checkpoints"] if c["ok"]]
+    fulls = [c["path"] for c in records if c["kind"] == "full"]
+    if len(fulls) < 3:
+        pytest.skip(f"only {len(fulls)} full checkpoints in 2 s (machine too slow)")
+    fs, root = storage.filesystem(str(tmp_path))
+    dirs = [p for _, p in storage.checkpoint_dirs(fs, root)]
+    complete_fulls = [p for p in dirs if storage.has_manifest(fs, p)
+                      and not storage.read_manifest(fs, p).get("partial_of")]
+    assert complete_fulls == fulls[-2:], (complete_fulls, fulls)
+    assert all(storage.checkpoint_seq(p) >= storage.checkpoint_seq(fulls[-2]) for p in dirs), dirs
+    assert storage.running_checkpoint(str(tmp_path))[0] == fulls[-1]
+    with pytest.raises(ConfigError, match="--checkpoint-keep needs --checkpoint-dir"):
+        litz.run(app, checkpoint_keep=3)
+
+
 def test_storage_that_does_not_answer_is_an_error_never_an_older_checkpoint_or_none(tmp_path: Path,
                                                                                   monkeypatch) -> None:
     """A manifest the store fails to read (the network, a dead NFS server) is not a damaged one:

@@ -230,7 +230,7 @@ class CheckpointCoordinator:
     """Decides when a checkpoint is due and tracks the round in progress."""
 
     def __init__(self, location: str, every: str | float | int | None = None, policy: str = "full",
-                 fraction: float = 1.0, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 fraction: float = 1.0, timeout: float = DEFAULT_TIMEOUT, keep: int | None = None) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"--checkpoint takes one of {', '.join(POLICIES)}, got {policy!r}")
         if not 0 < fraction <= 1:
@@ -240,8 +240,11 @@ class CheckpointCoordinator:
                               f"(priority, round-robin, random); --checkpoint full saves everything")
         if not timeout > 0:
             raise ConfigError(f"--checkpoint-timeout must be a positive number of seconds, got {timeout!r}")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"--checkpoint-keep takes a number of full checkpoints, at least 1, got {keep!r}")
         self.location = location
         self.timeout = float(timeout)
+        self.keep = keep  # the newest full checkpoints kept (older directories are removed); None: all
         self.policy = policy
         self.fraction = fraction
         self.every_seconds, self.every_iterations = parse_every(every)

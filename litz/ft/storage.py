@@ -331,6 +331,39 @@ def running_checkpoint(location: str, kind: str = "shards"
     return None
 
 
+def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 100) -> list[str]:
+    """Remove the ``ckpt-*`` directories older than the newest ``keep`` complete full checkpoints
+    under ``root`` (``--checkpoint-keep``): older full ones, partial ones built on them, and
+    directories of rounds that failed. Nothing at or after the oldest one kept is touched: the
+    running checkpoint (the newest full one and the partial ones after it) and any round still
+    being written. At most ``limit`` directories per call, so that a first call on a directory of
+    thousands does not hold the round that made it; the rest go with later rounds. Each
+    directory loses its manifest first: one half removed is never taken for a checkpoint. Returns
+    the directories removed."""
+    fulls = 0
+    cutoff = None
+    for path, manifest in _newest_first(fs, root):
+        if not manifest.get("partial_of"):
+            fulls += 1
+            if fulls == keep:
+                cutoff = checkpoint_seq(path)
+                break
+    if cutoff is None:
+        return []
+    removed: list[str] = []
+    for seq, path in checkpoint_dirs(fs, root):
+        if seq >= cutoff or len(removed) >= limit:
+            break
+        try:
+            if has_manifest(fs, path):
+                fs.delete_file(f"{path}/{MANIFEST}")
+            fs.delete_dir(path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot remove the old checkpoint {path}: {exc}") from exc
+        removed.append(path)
+    return removed
+
+
 def has_complete_checkpoint(location: str) -> bool:
     """Whether ``location`` holds a checkpoint to resume from (a missing directory holds none)."""
     fs, path = filesystem(location)

@@ -341,7 +341,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         startup_timeout: float = 60.0, secret_file: str | os.PathLike[str] | None = None,
         host: str = "127.0.0.1", checkpoint_dir: str | None = None, checkpoint_every: str | None = None,
         resume: str | None = None, recovery: str | None = None, checkpoint_policy: str = "full",
-        checkpoint_fraction: float = 1.0, checkpoint_timeout: float = DEFAULT_TIMEOUT) -> JobResult:
+        checkpoint_fraction: float = 1.0, checkpoint_timeout: float = DEFAULT_TIMEOUT,
+        checkpoint_keep: int | None = None) -> JobResult:
     """Run a job to completion and return its result.
 
     With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
@@ -359,7 +360,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     ``checkpoint_policy`` ``priority``, ``round-robin`` or ``random`` (SCAR): after a first full
     checkpoint, save only the fraction ``checkpoint_fraction`` r of the rows, every r·C.
     A round that waits longer than ``checkpoint_timeout`` seconds for one of its steps (a store
-    that hangs) fails, and training goes on.
+    that hangs) fails, and training goes on. ``checkpoint_keep`` N keeps the newest N full
+    checkpoints (and the partial ones after the oldest of them) and removes older directories
+    after each full checkpoint; None keeps everything.
     ``recovery="partial"`` (SCAR) survives the loss of a worker or server: only what it held is
     restored, from the running checkpoint, onto the survivors; nothing else rolls back.
     ``recovery="full"`` survives it by rolling the whole job back to its last full checkpoint
@@ -387,17 +390,18 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     n_exec = num_executors or app.num_executors or 4 * workers
     if checkpoint_dir:  # a bad policy is refused before anything starts
         CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction,
-                              checkpoint_timeout)
+                              checkpoint_timeout, checkpoint_keep)
         from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
 
         storage.prepare_root(checkpoint_dir)  # an unusable directory is refused now, not at the first checkpoint
         options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        checkpoint_policy=checkpoint_policy, checkpoint_fraction=checkpoint_fraction,
-                       checkpoint_timeout=checkpoint_timeout)
+                       checkpoint_timeout=checkpoint_timeout, checkpoint_keep=checkpoint_keep)
     else:
         for given, what in ((checkpoint_every, "--checkpoint-every"), (checkpoint_policy != "full", "--checkpoint"),
                             (checkpoint_fraction != 1.0, "--checkpoint-fraction"),
-                            (checkpoint_timeout != DEFAULT_TIMEOUT, "--checkpoint-timeout")):
+                            (checkpoint_timeout != DEFAULT_TIMEOUT, "--checkpoint-timeout"),
+                            (checkpoint_keep is not None, "--checkpoint-keep")):
             if given:
                 raise ConfigError(f"{what} needs --checkpoint-dir")
     if recovery is not None:

@@ -526,7 +526,8 @@ class Master:
         self.checkpoints = CheckpointCoordinator(
             ckpt_dir, self.options.get("checkpoint_every"), self.options.get("checkpoint_policy", "full"),
             float(self.options.get("checkpoint_fraction", 1.0)),
-            float(self.options.get("checkpoint_timeout", DEFAULT_TIMEOUT))) if ckpt_dir else None
+            float(self.options.get("checkpoint_timeout", DEFAULT_TIMEOUT)),
+            self.options.get("checkpoint_keep")) if ckpt_dir else None
         self._ckpt_commands: list[str] = []  # `litz checkpoint` / `litz stop` ids waiting for a full round
         # `litz stop`: {"id", "checkpoint": wanted, "path": the checkpoint it waits for (once written)}
         self._stop: dict[str, Any] | None = None
@@ -1731,10 +1732,25 @@ class Master:
         from litz.ft import storage
 
         location, path = ck.location, r.path
+        # --checkpoint-keep: a full round, once written, removes what the newest ones supersede; not
+        # while a recovery restores from the checkpoints (a rollback or restore waits for the round)
+        keep = ck.keep if r.kind == "full" and self._restoring is None else None
+
+        def write() -> None:
+            fs, root = storage.filesystem(location)
+            storage.write_manifest(fs, path, manifest)
+            if keep is not None:
+                try:  # the checkpoint exists: a failure to clean up is said, and fails nothing
+                    removed = storage.prune_checkpoints(fs, root, keep)
+                except storage.CheckpointError as exc:
+                    log.warning("%s; it is tried again after the next full checkpoint", exc)
+                else:
+                    if removed:
+                        log.info("removed %d checkpoint directories older than the newest %d full checkpoints",
+                                 len(removed), keep)
+
         r.enter("manifest")
-        self._in_background(r.cid, "manifest",
-                            lambda: storage.write_manifest(storage.filesystem(location)[0], path, manifest),
-                            "master: cannot write the manifest")
+        self._in_background(r.cid, "manifest", write, "master: cannot write the manifest")
 
     def _close_checkpoint(self, unusable: str = ", it has no manifest and will never be used") -> None:
         """The round is over: record it, log it (a failed one with ``unusable``), answer the
