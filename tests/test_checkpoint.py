@@ -637,7 +637,7 @@ def test_a_checkpoint_step_that_hangs_fails_its_round_and_training_goes_on(tmp_p
     app.driver = testapps.TimedMigratingDriver
     app.config.update(stop_after=3.0)
     t, out = run_in_thread(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.2s",
-                           checkpoint_timeout=0.5)
+                           checkpoint_timeout=1.0)
     try:
         t.join(60)
         assert not t.is_alive(), "the job stalled behind the hung checkpoint step"
@@ -649,8 +649,11 @@ def test_a_checkpoint_step_that_hangs_fails_its_round_and_training_goes_on(tmp_p
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
     records = res.stats["master"]["checkpoints"]
     waited = {"directory": "its directory", "driver": "the driver's file", "manifest": "its manifest"}[step]
-    assert not records[0]["ok"] and records[0]["errors"][0].startswith(
-        f"timed out after 0.5 s waiting for {waited}"), records[0]
+    # what else it names depends on the machine's load (a server's part may be late too)
+    error = records[0]["errors"][0] if records and records[0]["errors"] else ""
+    assert not records[0]["ok"] and error.startswith("timed out after 1 s waiting for ") and waited in error, records
+    assert step == "driver" or error == f"timed out after 1 s waiting for {waited}" + (
+        " (should the write still succeed, the checkpoint is complete and usable)" if step == "manifest" else ""), error
     assert any(c["ok"] for c in records[1:]), records  # rounds after it were taken
     assert storage.find_checkpoint(str(tmp_path))[1] in [c["path"] for c in records if c["ok"]]
     with pytest.raises(ConfigError, match="--checkpoint-timeout"):
