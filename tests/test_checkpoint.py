@@ -303,6 +303,30 @@ def test_policy_and_round_state_machine() -> None:
     assert ck.finish()["ok"]
 
 
+def test_partial_policies_take_a_full_checkpoint_again_after_eight_periods_of_partial_ones() -> None:
+    """A recovery restores the base and every partial checkpoint after it: without a new base now
+    and then, that chain (and the directory) grew for as long as the job ran."""
+    from litz.ft.checkpoint import REBASE_PERIODS
+
+    ck = CheckpointCoordinator("/tmp/x", "8", policy="priority", fraction=0.25)
+    kinds = []
+    for it in range(0, 8 * 80, 2):  # a round every 2 iterations: r·C with r = 1/4, C = 8
+        if ck.due(it):
+            r = ck.begin("policy", it, kind="partial" if ck.partial_next() else "full")
+            assert r is not None
+            kinds.append(r.kind)
+            ck.finish()
+    run = REBASE_PERIODS * 4  # partial rounds between two full ones: 8 periods of 1/r rounds
+    assert kinds[:run + 3] == ["full"] + ["partial"] * run + ["full", "partial"], kinds
+    assert kinds.count("full") >= 2
+    r = ck.begin("policy", 10**6, kind="partial")
+    assert r is not None
+    r.errors.append("s0: disk full")
+    ck.finish()  # a failed partial round does not count towards the next base
+    ck.rolled_back()
+    assert not ck.partial_next() and ck.base() is None  # after a rollback: a full round first
+
+
 def test_a_round_names_the_step_it_has_waited_for_too_long() -> None:
     """``overdue``: what a round waited for past ``timeout``, phase by phase (the master fails the
     round with it); nothing while a full round waits for the application's running tasks."""

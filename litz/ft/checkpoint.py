@@ -31,6 +31,12 @@ POLICIES = ("full", "priority", "round-robin", "random")
 # seconds a round may wait for one of its steps (its directory, the scores, snapshots and parts of the
 # processes, its manifest) before it fails: far longer than writing a shard takes on any working store
 DEFAULT_TIMEOUT = 300.0
+# the partial policies take a full checkpoint again once the partial ones since the last hold this
+# many full checkpoints' worth of rows (1/r rounds each): a recovery restores the base and then
+# every partial checkpoint after it, and ``--checkpoint-keep`` removes only what a newer full one
+# supersedes, so without a new base both grew for as long as the job ran. It writes 1/8 more bytes
+# per iteration than SCAR's budget and pauses training once per 8 periods (a full round's pause)
+REBASE_PERIODS = 8
 
 
 def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list[int]]:
@@ -253,7 +259,11 @@ class CheckpointCoordinator:
         self._next_cid = 0
         self._last_time = time.monotonic()
         self._last_iteration = 0
-        self._rollback_mark = 0  # rounds before this index belong to an abandoned timeline
+        # the last full checkpoint written since the last rollback (partial rounds build on it; rounds
+        # before a rollback belong to an abandoned timeline), and the partial ones written since:
+        # kept as rounds end, not searched for on every tick of the master's loop
+        self._base: dict[str, Any] | None = None
+        self._partials_since_base = 0
         self.last_dir: str | None = None  # the checkpoint directory created last
 
     def due(self, iteration: int | None) -> bool:
@@ -279,25 +289,23 @@ class CheckpointCoordinator:
             n += 1
         return n
 
-    def _last_full(self) -> dict[str, Any] | None:
-        since = [c for c in self.completed[self._rollback_mark:] if c["ok"] and c["kind"] == "full"]
-        return since[-1] if since else None
-
     def base(self) -> str | None:
         """The full checkpoint partial rounds now build on: the last one written since the last
         rollback (None: there is none, the next round is full)."""
-        last = self._last_full()
-        return last["path"] if last else None
+        return self._base["path"] if self._base else None
 
     def partial_next(self) -> bool:
-        """Whether the next policy round saves only a fraction of the rows (a full base exists,
-        taken since the last rollback: partial rows of an abandoned timeline build on nothing)."""
-        return self.policy != "full" and self._last_full() is not None
+        """Whether the next policy round saves only a fraction of the rows: a full base exists,
+        taken since the last rollback (partial rows of an abandoned timeline build on nothing),
+        and fewer than ``REBASE_PERIODS`` periods' worth of partial rounds were written since."""
+        if self.policy == "full" or self._base is None:
+            return False
+        return self._partials_since_base < math.ceil(REBASE_PERIODS / self.fraction)
 
     def rolled_back(self) -> None:
         """The job went back to its last full checkpoint: the next round is a full one, due a
         whole period from now."""
-        self._rollback_mark = len(self.completed)
+        self._base, self._partials_since_base = None, 0
         self._last_time = time.monotonic()
 
     def begin(self, reason: str, iteration: int | None = None, kind: str = "full") -> CheckpointRound | None:
@@ -380,4 +388,8 @@ class CheckpointCoordinator:
                   "errors": r.errors,
                   "seconds": time.monotonic() - r.started, "paused_seconds": r.paused_for}
         self.completed.append(record)
+        if record["ok"] and r.kind == "full":
+            self._base, self._partials_since_base = record, 0
+        elif record["ok"] and self._base is not None:
+            self._partials_since_base += 1
         return record
