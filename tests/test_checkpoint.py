@@ -145,24 +145,28 @@ def test_pruning_keeps_the_newest_full_checkpoints_and_what_builds_on_them(tmp_p
         CheckpointCoordinator(str(tmp_path), keep=0)
 
 
-def test_a_job_keeps_only_the_newest_full_checkpoints(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_job_keeps_only_the_newest_full_checkpoints(tmp_path: Path, request: pytest.FixtureRequest,
+                                                      store: str) -> None:
+    """On S3 too, where a directory is a key prefix and removing it deletes its keys."""
+    where = str(tmp_path) if store == "local" else \
+        s3_location(request.getfixturevalue("s3_bucket"), f"keep-{time.time_ns()}")
     app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
     app.config.update(stop_after=2.0)
-    res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.1s",
-                   checkpoint_keep=2)
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=where, checkpoint_every="0.1s", checkpoint_keep=2)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
     records = [c for c in res.stats["master"]["checkpoints"] if c["ok"]]
     fulls = [c["path"] for c in records if c["kind"] == "full"]
     if len(fulls) < 3:
         pytest.skip(f"only {len(fulls)} full checkpoints in 2 s (machine too slow)")
-    fs, root = storage.filesystem(str(tmp_path))
+    fs, root = storage.filesystem(where)
     dirs = [p for _, p in storage.checkpoint_dirs(fs, root)]
     complete_fulls = [p for p in dirs if storage.has_manifest(fs, p)
                       and not storage.read_manifest(fs, p).get("partial_of")]
     assert complete_fulls == fulls[-2:], (complete_fulls, fulls)
     assert all(storage.checkpoint_seq(p) >= storage.checkpoint_seq(fulls[-2]) for p in dirs), dirs
-    assert storage.running_checkpoint(str(tmp_path))[0] == fulls[-1]
+    assert storage.running_checkpoint(where)[0] == fulls[-1]
     with pytest.raises(ConfigError, match="--checkpoint-keep needs --checkpoint-dir"):
         litz.run(app, checkpoint_keep=3)
 
