@@ -293,14 +293,16 @@ def read_manifest(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
     return manifest
 
 
-def _newest_first(fs: pafs.FileSystem, root: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The complete checkpoints under ``root`` with their manifests, newest first, read as they
+def _newest_first(fs: pafs.FileSystem, root: str,
+                  dirs: list[tuple[int, str]] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The complete checkpoints under ``root`` (among ``dirs``, its listing, when the caller has it
+    already) with their manifests, newest first, read as they
     are asked for: a caller stops at the newest full one, so a job with hundreds of partial
     checkpoints behind it reads only those since (each read is a request on a network store). A
     damaged manifest is skipped with a warning: the checkpoints before it are as good as they
     were. Storage that does not answer raises: skipping what it failed to read would pass an
     older checkpoint, or none, for the newest."""
-    for _, p in reversed(checkpoint_dirs(fs, root)):
+    for _, p in reversed(checkpoint_dirs(fs, root) if dirs is None else dirs):
         if has_manifest(fs, p):
             try:
                 manifest = read_manifest(fs, p)
@@ -340,9 +342,10 @@ def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 10
     thousands does not hold the round that made it; the rest go with later rounds. Each
     directory loses its manifest first: one half removed is never taken for a checkpoint. Returns
     the directories removed."""
+    dirs = checkpoint_dirs(fs, root)  # listed once (a request on a network store)
     fulls = 0
     cutoff = None
-    for path, manifest in _newest_first(fs, root):
+    for path, manifest in _newest_first(fs, root, dirs):
         if not manifest.get("partial_of"):
             fulls += 1
             if fulls == keep:
@@ -351,7 +354,7 @@ def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 10
     if cutoff is None:
         return []
     removed: list[str] = []
-    for seq, path in checkpoint_dirs(fs, root):
+    for seq, path in dirs:
         if seq >= cutoff or len(removed) >= limit:
             break
         try:
