@@ -638,7 +638,10 @@ def test_a_checkpoint_step_that_hangs_fails_its_round_and_training_goes_on(tmp_p
     file, then the third round's manifest: after ``checkpoint_timeout`` each round fails, naming
     what it waited for, and later rounds are taken. Before, the first round stayed open: no
     checkpoint after it, and, its directory hanging, training stayed paused (the job never
-    finished)."""
+    finished). Then a server's part hangs (round 4: its file is a FIFO no one reads, as a write to a
+    dead NFS server blocks): the next round that asks that server fails at once, saying why (before,
+    the part queued behind the hung one, holding a copy of the server's rows, round after round,
+    until the store answered), and once the write comes back (round 6) rounds complete again."""
     import threading
 
     released = threading.Event()
@@ -653,13 +656,25 @@ def test_a_checkpoint_step_that_hangs_fails_its_round_and_training_goes_on(tmp_p
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(storage, "new_checkpoint_dir", hang_first(storage.new_checkpoint_dir))
+    dirs: list[str] = []
+    hang_dir = hang_first(storage.new_checkpoint_dir)
+
+    def new_dir(*args, **kwargs):
+        path = hang_dir(*args, **kwargs)
+        dirs.append(path)
+        if len(dirs) == 3:  # the 4th round's (the 1st round's never came back)
+            os.mkfifo(f"{path}/shards-s0.arrow")
+        elif len(dirs) == 5:  # the write of round 4 comes back (broken pipe) before round 6 asks
+            os.close(os.open(f"{dirs[2]}/shards-s0.arrow", os.O_RDONLY | os.O_NONBLOCK))
+        return path
+
+    monkeypatch.setattr(storage, "new_checkpoint_dir", new_dir)
     monkeypatch.setattr(storage, "write_bytes",
                         hang_first(storage.write_bytes, lambda fs, path, data: path.endswith("/driver.pkl")))
     monkeypatch.setattr(storage, "write_manifest", hang_first(storage.write_manifest))
     app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
     app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=5.0)
+    app.config.update(stop_after=7.0)
     t, out = run_in_thread(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.2s",
                            checkpoint_timeout=1.0)
     try:
@@ -672,13 +687,16 @@ def test_a_checkpoint_step_that_hangs_fails_its_round_and_training_goes_on(tmp_p
     res = out["res"]
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
     records = res.stats["master"]["checkpoints"]
-    assert [c["ok"] for c in records[:3]] == [False] * 3 and any(c["ok"] for c in records[3:]), records
-    errors = [c["errors"][0] for c in records[:3]]
+    assert [c["ok"] for c in records[:5]] == [False] * 5 and any(c["ok"] for c in records[5:]), records
+    errors = [c["errors"][0] for c in records[:5]]
     assert errors[0] == "timed out after 1 s waiting for its directory", errors
     # what else it names depends on the machine's load (a server's part may be late too)
     assert errors[1].startswith("timed out after 1 s waiting for ") and "the driver's file" in errors[1], errors
     assert errors[2] == ("timed out after 1 s waiting for its manifest (should the write still succeed, the "
                          "checkpoint is complete and usable)"), errors
+    assert errors[3].startswith("timed out after 1 s waiting for ") and "s0's part" in errors[3], errors
+    assert re.fullmatch(r"s0: its part of round 4 is still being written, \d+ s on: the store does not answer",
+                        errors[4]), errors
     assert storage.find_checkpoint(str(tmp_path))[1] in [c["path"] for c in records if c["ok"]]
     with pytest.raises(ConfigError, match="--checkpoint-timeout"):
         litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_timeout=0)
@@ -982,6 +1000,91 @@ def test_row_saves_score_each_policy_and_remember_what_was_saved() -> None:
     with pytest.raises(ValueError, match="expected 4 numbers >= 0"):
         saves.scores(now, "priority", 8, 0, lambda n, s: np.array([1.0, -1.0, 0.0, 0.0]))
     assert saves.matches(now) and not saves.matches(litz.StateRows(np.zeros(6), np.array([0, 3, 6])))
+
+
+def _until_background(nodes: list, done, what: str, timeout: float = 10.0) -> None:
+    """Run the nodes' finished background steps (as their loops would) until ``done()``."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for node in nodes:
+            node._membership_events()
+        time.sleep(0.01)
+
+
+def test_rows_count_as_saved_only_once_their_round_completes(tmp_path: Path) -> None:
+    """A server's table rows and a worker's executor rows (handlers driven without sockets): what a
+    partial round copied counts as saved only when the master says the round completed. Before,
+    a round that failed (a part the store refused, a time-out) still made its copies the saved
+    ones: rows that had moved then ranked by their distance from values no checkpoint held, and
+    were passed over while the running checkpoint kept them stale. A job without partial
+    checkpoints keeps no saved copies at all (a second copy of every row, before)."""
+    from litz.ps.server import ServerNode, ShardStore
+    from litz.ps.tables import table_index
+    from litz.runtime.protocol import Message
+    from litz.runtime.worker import Slot, Worker
+
+    srv = ServerNode("s0", "job", "127.0.0.1:1")
+    w = Worker("w0", "job", "127.0.0.1:1")
+    sent: list[tuple[str, str, dict]] = []
+    for node in (srv, w):  # (who sent it, what, its fields); the master needs no looking up
+        node.endpoint.send = lambda peer, kind, who=node.ident, **fields: sent.append((who, kind, fields))  # type: ignore
+        node._looked_up.add("master")
+    try:
+        srv.master = w.master = "master"
+        srv.store = ShardStore(table_index([litz.Table("t", (2,))]), [0], 1, keeps_saved=True)
+        srv.store.update("t", [0, 1], np.array([[1.0, 0.0], [0.0, 2.0]]))
+        w.options["checkpoint_policy"] = "priority"
+        ex = testapps.RowsExecutor()
+        ex.executor_id, ex.num_executors, ex.config = 0, 1, {"rows": 6, "sleep": 0.0}
+        ex.state = ex.init_state()
+        ex.run_task({})  # rows 0 and 3 (lengths 0 and 3) move
+        w.slots = {0: Slot(ex)}
+
+        def partial_round(cid: int, ok: bool) -> tuple[np.ndarray, np.ndarray]:
+            """Score (returning the scores), save every row, write, then end the round ``ok``."""
+            del sent[:]
+            for node in (srv, w):
+                node.dispatch(Message("ckpt_scores", {"cid": cid, "policy": "priority"}, sender="master"))
+            rounds_before = dict(srv.store.saved_round)
+            executor_before = w.row_saves[0].saved_round.tolist()
+            scores = {p: f["scores"] for p, k, f in sent if k == "ckpt_scores_reply"}
+            assert "error" not in str(sent) and set(scores) == {"s0", "w0"}, sent
+            path = tmp_path / f"ckpt-{cid}"
+            path.mkdir()
+            for node, ident in ((srv, "s0"), (w, "w0")):
+                node.dispatch(Message("ckpt_save", {"cid": cid, "location": str(tmp_path), "path": str(path),
+                                                    "rows": list(range(len(scores[ident])))}, sender="master"))
+            _until_background([srv, w], lambda: sum(k == "checkpoint_written" for _, k, _ in sent) == 2, "the parts")
+            # copied and written, not yet saved
+            assert srv.store.saved_round == rounds_before and w.row_saves[0].saved_round.tolist() == executor_before
+            for node in (srv, w):
+                node.dispatch(Message("checkpoint_done", {"cid": cid, "ok": ok}, sender="master"))
+            return scores["s0"], scores["w0"]
+
+        assert all(np.isinf(s).all() for s in partial_round(1, ok=False))  # never saved: first in line
+        never = partial_round(2, ok=True)  # the failed round saved nothing: still never saved
+        assert all(np.isinf(s).all() for s in never), never
+        table_rows, executor_rows = partial_round(3, ok=False)  # round 2 completed: nothing moved since
+        assert not table_rows.any() and not executor_rows.any(), (table_rows, executor_rows)
+        srv.store.update("t", [1], np.array([[0.0, 1.0]]))
+        ex.run_task({})  # rows 2 and 5 (lengths 2 and 1) move by 2 each
+        table_rows, executor_rows = partial_round(4, ok=False)
+        np.testing.assert_array_equal(table_rows, [0.0, 1.0])
+        np.testing.assert_allclose(executor_rows, [0, 0, 2 * np.sqrt(2), 0, 0, 2])
+        table_rows, executor_rows = partial_round(5, ok=True)  # round 4 failed: its copies are not the saved ones
+        np.testing.assert_array_equal(table_rows, [0.0, 1.0])
+        np.testing.assert_allclose(executor_rows, [0, 0, 2 * np.sqrt(2), 0, 0, 2])
+        assert not any(scores.any() for scores in partial_round(6, ok=True))  # round 5 completed
+        assert not srv.store.staged and not w._staged  # nothing kept of rounds that ended
+        full = ShardStore(table_index([litz.Table("t", (2,))]), [0], 1, keeps_saved=False)
+        full.update("t", [0], np.ones((1, 2)))
+        full.stage(full.rows_snapshot(), 1)
+        full.settle(1, ok=True)
+        assert full.saved == {} and full.staged == {}
+    finally:
+        srv.endpoint.close()
+        w.endpoint.close()
 
 
 def test_row_scoring_waits_for_running_executors_and_fails_at_the_first_error() -> None:

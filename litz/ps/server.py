@@ -42,8 +42,12 @@ def item_error(item: Any, exc: Exception) -> str:
 class ShardStore:
     """The rows of the logical shards one server hosts: shard -> table -> key -> row."""
 
-    def __init__(self, tables: dict[str, Table], shards: list[int], num_shards: int) -> None:
+    def __init__(self, tables: dict[str, Table], shards: list[int], num_shards: int,
+                 keeps_saved: bool = True) -> None:
+        """``keeps_saved``: keep a copy of each row as last saved (what partial checkpoints score
+        rows against). A job without partial checkpoints keeps none: a second copy of every row."""
         self.tables = tables
+        self.keeps_saved = keeps_saved
         self.num_shards = num_shards
         self.shards: dict[int, dict[str, dict[Hashable, np.ndarray]]] = {
             s: {name: {} for name in tables} for s in shards
@@ -54,6 +58,11 @@ class ShardStore:
         # SCAR: each row's value as last saved in a checkpoint, and the round (its cid) it was saved in
         self.saved: dict[tuple[str, Hashable], np.ndarray] = {}
         self.saved_round: dict[tuple[str, Hashable], int] = {}
+        # rows copied for a round still being written, by its cid: they count as saved only once
+        # the master says the round completed (``settle``). A round that failed (a part the store
+        # refused, a time-out) saved nothing, and rows ranked by their distance from values no
+        # checkpoint holds would be passed over while the running checkpoint keeps them stale
+        self.staged: dict[int, list[tuple[str, int, Hashable, np.ndarray]]] = {}
 
     def split(self, keys: list[Hashable]) -> tuple[list[int] | None, dict[str, list[int]]]:
         """Positions of keys served here (None: all of them), and of keys whose shard moved
@@ -108,6 +117,7 @@ class ShardStore:
         self.forward.clear()
         self.saved.clear()
         self.saved_round.clear()
+        self.staged.clear()
         self.shards = {}
         self.adopt(shards, where)
 
@@ -139,9 +149,23 @@ class ShardStore:
     def remember(self, rows: list[tuple[str, int, Hashable, np.ndarray]], round_: int) -> None:
         """These copies are now what the checkpoint holds for their rows, saved in round ``round_``
         (a checkpoint's cid: rounds are numbered by the master, so ages compare across servers)."""
+        if not self.keeps_saved:
+            return
         for name, _, key, row in rows:
             self.saved[(name, key)] = row
             self.saved_round[(name, key)] = round_
+
+    def stage(self, rows: list[tuple[str, int, Hashable, np.ndarray]], round_: int) -> None:
+        """These copies are being written in round ``round_``: saved once it completes (``settle``)."""
+        if self.keeps_saved:
+            self.staged[round_] = rows
+
+    def settle(self, round_: int, ok: bool) -> None:
+        """Round ``round_`` ended: complete (its staged copies are now what the checkpoint holds)
+        or failed (they are dropped; the saved copies stay those of the rounds before)."""
+        rows = self.staged.pop(round_, None)
+        if ok and rows:
+            self.remember(rows, round_)
 
     def scores(self, policy: str, round_: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
         """Every row hosted here with its claim to be saved next: ``priority``, the table's
@@ -293,7 +317,8 @@ class ServerNode(Node):
             tables = table_index(cloudpickle.loads(msg["tables"]))
             for table in tables.values():
                 table.warm_up()
-            self.store = ShardStore(tables, list(msg["shards"]), msg["num_shards"])
+            self.store = ShardStore(tables, list(msg["shards"]), msg["num_shards"],
+                                    keeps_saved=msg.get("partial", False))
             if msg.get("restore"):
                 self.store.restore(msg["restore"])
             self.master = msg["master"]
@@ -475,14 +500,21 @@ class ServerNode(Node):
 
     def on_ckpt_save(self, msg: Message) -> None:
         """Save the chosen rows (as they are now) into a partial checkpoint, in the background."""
+        if self.part_refused(msg):
+            return
         store = self._store()
         entries = self._scored.pop(msg["cid"], [])
         rows = [(name, shard, key, store.shards[shard][name][key].copy())
                 for name, shard, key in (entries[i] for i in msg["rows"]) if shard in store.shards]
-        store.remember(rows, msg["cid"])
+        store.stage(rows, msg["cid"])
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow", lambda fs, path: storage.write_shards(fs, path, rows))
+
+    def on_checkpoint_done(self, msg: Message) -> None:
+        """A round ended, complete or failed: what it copied counts as saved, or not (``settle``)."""
+        if self.store is not None:
+            self.store.settle(msg["cid"], msg["ok"])
 
     # -- SCAR partial recovery --------------------------------------------------------------------
     def on_restore_shards(self, msg: Message) -> None:
@@ -540,8 +572,10 @@ class ServerNode(Node):
     # -- checkpoints ---------------------------------------------------------------------------
     def on_checkpoint(self, msg: Message) -> None:
         """Copy every row now (training resumes at once), write the copy in the background."""
+        if self.part_refused(msg):
+            return
         rows = self._store().rows_snapshot()
-        self._store().remember(rows, msg["cid"])
+        self._store().stage(rows, msg["cid"])
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow",

@@ -834,7 +834,7 @@ class Master:
         restore = self._restore_fields()
         for srv in servers:
             self.endpoint.send(srv, "init_server", tables=tables_blob, shards=state.shards_of(srv),
-                               num_shards=state.num_shards, master="master", checkpoints=self.checkpoints is not None,
+                               num_shards=state.num_shards, master="master", **self._server_options(),
                                **restore.get("shards", {}))
         for w in workers:
             self.init_worker(w)
@@ -1761,6 +1761,9 @@ class Master:
         assert ck is not None and ck.round is not None
         r = ck.round
         record = ck.finish()
+        if self.state is not None:  # what the processes copied for it counts as saved, or not
+            for ident in sorted(set(self.state.servers) | set(self.state.workers)):
+                self.endpoint.send(ident, "checkpoint_done", cid=record["cid"], ok=record["ok"])
         # what --resume takes (``path`` is the filesystem's, which partial rounds name as their base)
         shown = record["name"] = storage.display(ck.location, record["path"]) if record["path"] else None
         if record["ok"]:
@@ -1786,7 +1789,13 @@ class Master:
         """Send a server joining the running job the tables; it gets shards by migration."""
         assert self.state is not None and self._init_blobs is not None
         self.endpoint.send(ident, "init_server", tables=self._init_blobs[1], shards=[],
-                           num_shards=self.state.num_shards, master="master")
+                           num_shards=self.state.num_shards, master="master", **self._server_options())
+
+    def _server_options(self) -> dict[str, bool]:
+        """What a server is told of the job's checkpoints: whether it takes any (the server readies
+        its storage), and whether partial ones (it keeps a copy of what each row last saved)."""
+        ck = self.checkpoints
+        return {"checkpoints": ck is not None, "partial": ck is not None and ck.policy != "full"}
 
     def rebalance_shards(self, servers: list[str] | None = None) -> list[int]:
         assert self.state is not None

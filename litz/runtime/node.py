@@ -64,6 +64,7 @@ class Node:
         self._background: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # done: run on the loop
         self._jobs: queue.SimpleQueue[Any] | None = None  # for the background thread, started on first use
         self._jobs_pending = 0  # background jobs whose ``then`` has not run: a retiring process owes them
+        self._writing: tuple[int, float] | None = None  # the checkpoint part being written: (cid, since)
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
@@ -126,10 +127,27 @@ class Node:
                 break
             done()
 
+    def part_refused(self, msg: Message) -> bool:
+        """Whether this process cannot take part in checkpoint ``msg`` (a ``checkpoint`` or
+        ``ckpt_save`` request), having answered so: its part of an earlier round is still being
+        written. The store hangs (the master gave up on that round after ``--checkpoint-timeout``),
+        and the new part would queue behind it, holding a copy of the state in memory, round after
+        round, until the store answers. Called before the copy is taken; the round fails at once,
+        saying why, and training goes on."""
+        if self._writing is None:
+            return False
+        cid, since = self._writing
+        self.endpoint.send(msg.sender, "checkpoint_snapshot", cid=msg["cid"])
+        self.endpoint.send(msg.sender, "checkpoint_written", cid=msg["cid"], files=[],
+                           error=f"{self.ident}: its part of round {cid} is still being written, "
+                                 f"{time.monotonic() - since:.0f} s on: the store does not answer")
+        return True
+
     def checkpoint_part(self, msg: Message, name: str, write: Callable[[pafs.FileSystem, str], None]) -> None:
         """Answer a checkpoint request whose in-memory copy is taken: training may go on; then
         ``write(fs, path)`` the file ``name`` in the background and report it (or the error)."""
         self.endpoint.send(msg.sender, "checkpoint_snapshot", cid=msg["cid"])
+        self._writing = (msg["cid"], time.monotonic())
 
         def work() -> list[str]:
             from litz.ft import storage
@@ -139,6 +157,7 @@ class Node:
             return [name]
 
         def then(files: list[str] | None, error: BaseException | None) -> None:
+            self._writing = None
             extra = {"error": f"{self.ident}: {type(error).__name__}: {error}"} if error else {}
             self.endpoint.send(msg.sender, "checkpoint_written", cid=msg["cid"], files=files or [], **extra)
 

@@ -73,9 +73,10 @@ def _declare(*types: MessageType) -> dict[str, MessageType]:
 #: The protocol. Adding a message means adding it here, and nowhere else.
 MESSAGES: dict[str, MessageType] = _declare(
     # master -> server: the tables and the logical shards it hosts
-    # ("restore": {"location", "path"} of a checkpoint to load the shards' rows from)
+    # ("restore": {"location", "path"} of a checkpoint to load the shards' rows from; "checkpoints":
+    # the job takes some, "partial": partial ones, which score rows against what each row last saved)
     MessageType("init_server", {"tables": "bytes", "shards": "list", "num_shards": "int", "master": "str",
-                                "restore?": "dict", "checkpoints?": "bool"}),
+                                "restore?": "dict", "checkpoints?": "bool", "partial?": "bool"}),
     # master -> worker: the application, the executors it hosts, the shard map and its peers
     MessageType(
         "init_worker",
@@ -188,6 +189,9 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("ckpt_scores", {"cid": "int", "policy": "str"}),
     MessageType("ckpt_scores_reply", {"cid": "int", "scores": "array", "error?": "str"}),
     MessageType("ckpt_save", {"cid": "int", "location": "str", "path": "str", "rows": "list"}),
+    # master -> workers and servers, as a round ends: complete or failed. What a process copied for
+    # it counts as saved (partial rounds score rows against it) only once the round is complete
+    MessageType("checkpoint_done", {"cid": "int", "ok": "bool"}),
 )
 
 

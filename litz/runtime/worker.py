@@ -161,6 +161,9 @@ class Worker(Node):
         self.row_saves: dict[int, RowSaves] = {}
         self._scoring = RowScoring()
         self._scored: dict[int, list[tuple[int, StateRows]]] = {}
+        # a round's copies of executors' rows, until it ends (``on_checkpoint_done``): a full round's
+        # (eid, RowSaves or None, None), a partial one's (eid, rows, positions chosen)
+        self._staged: dict[int, list[tuple[int, Any, np.ndarray | None]]] = {}
 
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
@@ -245,7 +248,7 @@ class Worker(Node):
                 self.rows_restored += len(patches[eid])
             self.slots[eid] = Slot(ex)
             if where:  # the running checkpoint holds exactly this state (saved at rounds before now)
-                self._remember_rows(eid, 0)
+                self._keep_saves(eid, self._saves_now(eid, 0))
         return eids
 
     def on_restore_executors(self, msg: Message) -> None:
@@ -272,6 +275,7 @@ class Worker(Node):
         self.row_saves.clear()
         self._scoring.clear()
         self._scored.clear()
+        self._staged.clear()
         self.moved_to.clear()
         self.cache = ProcessCache(enabled=bool(self.options["cache"]))
         self.log.discard()
@@ -313,6 +317,8 @@ class Worker(Node):
         busy = [eid for eid, slot in self.slots.items() if slot.running or slot.queue]
         if busy:  # the master only asks when every task completed: this is a bug, not a race
             raise LitzError(f"worker {self.ident} asked to checkpoint while executors {busy} have tasks")
+        if self.part_refused(msg):
+            return
         try:
             states = {eid: self._pickled_state(eid, cloudpickle.dumps) for eid in self.slots}
         except LitzError as exc:  # the round fails (no manifest); training goes on
@@ -321,8 +327,7 @@ class Worker(Node):
             self.endpoint.send(msg.sender, "checkpoint_written", cid=msg["cid"], files=[],
                                error=f"worker {self.ident}: {exc}")
             return
-        for eid in self.slots:
-            self._remember_rows(eid, msg["cid"])
+        self._staged[msg["cid"]] = [(eid, self._saves_now(eid, msg["cid"]), None) for eid in self.slots]
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"executors-{self.ident}.arrow",
@@ -349,18 +354,39 @@ class Worker(Node):
                             f"len(values), got values of shape {rows.values.shape} and ptr {ptr[:3]}...{ptr[-3:]}")
         return StateRows(rows.values, ptr.astype(np.int64, copy=False))
 
-    def _remember_rows(self, eid: int, round_: int) -> None:
-        """The running checkpoint now holds executor ``eid``'s state as it is (a full checkpoint
-        of cid ``round_``, or a restore): its rows are the saved copies that partial checkpoints
-        score against."""
-        self.row_saves.pop(eid, None)
+    def _keep_saves(self, eid: int, saves: RowSaves | None) -> None:
+        """Executor ``eid``'s rows as the running checkpoint now holds them (None: none kept)."""
+        if saves is None:
+            self.row_saves.pop(eid, None)
+        else:
+            self.row_saves[eid] = saves
+
+    def _saves_now(self, eid: int, round_: int) -> RowSaves | None:
+        """Executor ``eid``'s rows as they are now, as saved in round ``round_`` (None: the job
+        takes no partial checkpoints, or the executor keeps no rows, or they cannot be read)."""
         if self.options.get("checkpoint_policy", "full") == "full" or not keeps_rows(self.slots[eid].executor):
-            return
+            return None
         try:
-            self.row_saves[eid] = RowSaves(self._state_rows(eid), round_)
+            return RowSaves(self._state_rows(eid), round_)
         except Exception as exc:  # the next partial round reports it, and fails, for this executor
             log.error("%s: executor %d's state rows cannot be remembered: %s: %s", self.ident, eid,
                       type(exc).__name__, exc)
+            return None
+
+    def on_checkpoint_done(self, msg: Message) -> None:
+        """A round ended. Complete: what it copied of the executors' rows is what the running
+        checkpoint holds now, and partial rounds score against it. Failed: it saved nothing, the
+        saved copies stay those of the rounds before (scored against values no checkpoint holds,
+        rows that changed would be passed over while the checkpoint keeps them stale). An
+        executor that moved away since took its saved copies along: the new host's stay."""
+        staged = self._staged.pop(msg["cid"], [])
+        for eid, copied, chosen in staged if msg["ok"] else []:
+            if eid not in self.slots:
+                continue
+            if chosen is None:  # a full round: every row as copied (a RowSaves, or None: none kept)
+                self._keep_saves(eid, copied)
+            elif eid in self.row_saves and self.row_saves[eid].matches(copied):  # partial: the rows chosen
+                self.row_saves[eid].remember(copied, chosen, msg["cid"])
 
     def on_ckpt_scores(self, msg: Message) -> None:
         """Score the state rows of every executor that keeps some, each between two of its tasks:
@@ -400,14 +426,16 @@ class Worker(Node):
         An executor that migrated away since took its saved copies along: its rows are written
         all the same (values it had), but only its new host's copies say what is saved."""
         scored = self._scored.pop(msg["cid"], [])
+        if self.part_refused(msg):
+            return
         starts = np.cumsum([0, *(rows.num_rows for _, rows in scored)])
         chosen = np.asarray(msg["rows"], np.int64)
         out: list[tuple[int, np.ndarray, StateRows]] = []
         for k, (eid, rows) in enumerate(scored):
             mine = chosen[(chosen >= starts[k]) & (chosen < starts[k + 1])] - starts[k]
             out.append((eid, mine, rows))
-            if len(mine) and eid in self.slots and eid in self.row_saves:
-                self.row_saves[eid].remember(rows, mine, msg["cid"])
+        # saved once the round completes (``on_checkpoint_done``)
+        self._staged[msg["cid"]] = [(eid, rows, mine) for eid, mine, rows in out if len(mine)]
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"executor-rows-{self.ident}.arrow",
