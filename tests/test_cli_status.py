@@ -122,8 +122,9 @@ def test_status_says_when_checkpoints_keep_failing() -> None:
 
     def lines(records: list[dict]) -> list[str]:  # what the master publishes, as litz status shows it
         ck = CheckpointCoordinator("/ck")
-        ck.completed = records
-        return describe_checkpoints({"checkpoints": ck.completed[-5:], "last_checkpoint": ck.last_complete(),
+        for r in records:
+            ck.add_record(r)
+        return describe_checkpoints({"checkpoints": list(ck.completed)[-5:], "last_checkpoint": ck.last_complete(),
                                      "checkpoints_failing": ck.failed_in_a_row()})
 
     hung = "timed out after 300 s waiting for server-1's part"
@@ -136,6 +137,17 @@ def test_status_says_when_checkpoints_keep_failing() -> None:
             "checkpoints failing: the last 7 failed, the newest with: disk full"]
     assert lines([record(1, False, hung)]) == [
         "checkpoints failing: the last 1 failed (none complete yet), the newest with: " + hung]
+    # the master keeps the newest HISTORY records (a long job finishes hundreds of thousands of rounds),
+    # and status still reaches past them
+    from litz.ft.checkpoint import HISTORY
+
+    assert lines([record(1, True)] + [record(i, False, hung) for i in range(2, HISTORY + 12)]) == [
+        "last checkpoint: full /ck/ckpt-000001 (0.25 s)",
+        f"checkpoints failing: the last {HISTORY + 10} failed, the newest with: {hung}"]
+    ck = CheckpointCoordinator("/ck")
+    for i in range(HISTORY + 5):
+        ck.add_record(record(i, True))
+    assert len(ck.completed) == HISTORY and ck.completed[0]["cid"] == 5 and ck.last_complete()["cid"] == HISTORY + 4
 
 
 def test_an_unknown_command_is_named_and_fails(capsys) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,10 @@ DEFAULT_TIMEOUT = 300.0
 # supersedes, so without a new base both grew for as long as the job ran. It writes 1/8 more bytes
 # per iteration than SCAR's budget and pauses training once per 8 periods (a full round's pause)
 REBASE_PERIODS = 8
+# the records of finished rounds the master keeps (``litz status``, the job's stats): the newest
+# this many. A job with a priority checkpoint every two seconds finishes 300,000 rounds a week,
+# and kept every record, hundreds of bytes each, for as long as it ran
+HISTORY = 1000
 
 
 def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list[int]]:
@@ -255,7 +260,9 @@ class CheckpointCoordinator:
         self.fraction = fraction
         self.every_seconds, self.every_iterations = parse_every(every)
         self.round: CheckpointRound | None = None
-        self.completed: list[dict[str, Any]] = []  # finished rounds, newest last
+        self.completed: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # the newest finished rounds, last last
+        self._last_ok: dict[str, Any] | None = None  # the newest round written whole
+        self._failing = 0  # rounds failed since then
         self._next_cid = 0
         self._last_time = time.monotonic()
         self._last_iteration = 0
@@ -280,14 +287,20 @@ class CheckpointCoordinator:
 
     def last_complete(self) -> dict[str, Any] | None:
         """The newest round that was written whole (any kind), for ``litz status``."""
-        return next((c for c in reversed(self.completed) if c["ok"]), None)
+        return self._last_ok
 
     def failed_in_a_row(self) -> int:
         """How many rounds failed since the last complete one (all of them, if none is)."""
-        n = 0
-        while n < len(self.completed) and not self.completed[-1 - n]["ok"]:
-            n += 1
-        return n
+        return self._failing
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        """Keep a finished round's record: in ``completed`` (the newest ``HISTORY``) and in what
+        ``litz status`` shows of the rounds, which may reach further back."""
+        self.completed.append(record)
+        if record["ok"]:
+            self._last_ok, self._failing = record, 0
+        else:
+            self._failing += 1
 
     def base(self) -> str | None:
         """The full checkpoint partial rounds now build on: the last one written since the last
@@ -387,7 +400,7 @@ class CheckpointCoordinator:
         record = {"cid": r.cid, "kind": r.kind, "reason": r.reason, "path": r.path, "ok": not r.errors,
                   "errors": r.errors,
                   "seconds": time.monotonic() - r.started, "paused_seconds": r.paused_for}
-        self.completed.append(record)
+        self.add_record(record)
         if record["ok"] and r.kind == "full":
             self._base, self._partials_since_base = record, 0
         elif record["ok"] and self._base is not None:

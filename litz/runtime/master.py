@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -656,7 +657,7 @@ class Master:
             status["recovering"] = self._recovering(rec)
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
-            status["checkpoints"] = self.checkpoints.completed[-5:]
+            status["checkpoints"] = list(itertools.islice(reversed(self.checkpoints.completed), 5))[::-1]
             # said apart: the last complete round may be older than the last five, all failed
             status["last_checkpoint"] = self.checkpoints.last_complete()
             status["checkpoints_failing"] = self.checkpoints.failed_in_a_row()
