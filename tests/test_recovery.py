@@ -16,6 +16,7 @@ from litz.cli import job_status
 from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ps.tables import shard_of
+from litz.runtime.master import describe_recovering
 from tests import testapps
 from tests.conftest import processes_mentioning, wait_running
 from tests.conftest import run_in_thread as _start
@@ -166,37 +167,72 @@ def _epoch(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("epoch ") else -1
 
 
-@pytest.mark.parametrize("recovery", ["full", "partial"])
-def test_a_recovery_that_cannot_read_its_checkpoints_stops_the_job_and_says_why(tmp_path: Path, monkeypatch,
-                                                                                recovery: str) -> None:
+@pytest.mark.parametrize(("recovery", "outage"), [("full", None), ("partial", None), ("partial", 1.5),
+                                                  ("full", 1.5)],
+                         ids=["full", "partial", "partial-store-back", "full-store-back"])
+def test_a_recovery_that_cannot_read_its_checkpoints_stops_the_job_and_says_why(
+        tmp_path: Path, monkeypatch, recovery: str, outage: float | None) -> None:
     """The checkpoint storage stops answering (here: listing it fails in the master) and then a
     server dies. The job cannot restore what it lost, and stops with an error that says so; a full
     recovery took the failure for "no checkpoint yet" and started the job again from its beginning,
-    throwing all its progress away (its checkpoints were still there for --resume)."""
+    throwing all its progress away (its checkpoints were still there for --resume). Both ask the
+    store again until ``--checkpoint-timeout`` (2 s here): a store that answers again within it
+    (``outage``: 1.5 s) lets the recovery go on (before, the first failure stopped the job). The
+    job ends with exact sums: partial, on the rows that survived, the lost ones back at the
+    checkpoint; full, on every row, everything having rolled back."""
     from litz.errors import LitzError
 
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "nostore", 4)
     t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery=recovery,
-                    checkpoint_every="0.5s")
+                    checkpoint_every="0.5s", checkpoint_timeout=2.0)
     try:
         st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
         victim = next(p for p in st["processes"] if p["id"] == "s1")
+        listing, failing_since = storage.checkpoint_dirs, []
 
         def unreachable(fs, root: str) -> list:
+            failing_since.append(failing_since[0] if failing_since else time.monotonic())
+            if outage is not None and time.monotonic() - failing_since[0] > outage:
+                return listing(fs, root)
             raise storage.CheckpointError(f"cannot list checkpoint storage {root}: Connection refused")
 
         monkeypatch.setattr(storage, "checkpoint_dirs", unreachable)
         os.kill(victim["pid"], signal.SIGKILL)
+        if outage is not None:
+            if recovery == "partial":  # (a full recovery's status shows it rolling back)
+                _status_when(job, lambda s: "waiting for the checkpoint storage to answer (cannot list checkpoint "
+                             "storage" in describe_recovering(s["master"]["recovering"])
+                             if s["master"].get("recovering") else False)
+            _status_when(job, lambda s: s["master"].get("recoveries"), timeout=30)
+            stop.touch()
         t.join(60)
     finally:
         stop.touch()
         t.join(60)
     assert not t.is_alive()
-    error = out.get("error")
-    assert isinstance(error, LitzError), out
-    said = "the full recovery cannot use the job's last checkpoint" if recovery == "full" else \
-        "the recovery from the loss of s1 cannot read the running checkpoint"
-    assert said in str(error) and "Connection refused" in str(error) and "--resume" in str(error), error
+    if outage is not None:
+        assert "error" not in out, out.get("error")
+        [rec] = out["res"].stats["master"]["recoveries"]
+        assert rec["lost"] == "s1" and rec["restored_from"] and rec["seconds"] > outage, rec
+        res = out["res"].value
+        if recovery == "full":
+            np.testing.assert_array_equal(res["final"], res["truth"])
+            assert rec["strategy"] == "full" and rec["rolled_back_to_version"] > 0, rec
+        else:
+            for seqs in res["done_seq"]:  # the driver and the executors never rolled back
+                assert sorted(seqs) == list(range(len(seqs)))
+            lost = [k for k in range(16) if shard_of(k, 64) in victim["shards"]]
+            kept = [k for k in range(16) if k not in lost]
+            assert kept and lost
+            np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])  # surviving rows: exact
+            assert not np.array_equal(res["final"][lost], res["truth"][lost])  # lost rows: back to the checkpoint
+    else:
+        error = out.get("error")
+        assert isinstance(error, LitzError), out
+        said = "the full recovery cannot use the job's last checkpoint" if recovery == "full" else \
+            "the recovery from the loss of s1 cannot read the running checkpoint"
+        assert said in str(error) and "Connection refused" in str(error) and "--resume" in str(error), error
+        assert "tried for 2 s (--checkpoint-timeout)" in str(error), error
     assert processes_mentioning(job) == []
 
 

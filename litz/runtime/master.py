@@ -350,6 +350,8 @@ def describe_recovering(r: dict[str, Any]) -> str:
     if r["waiting"]:
         return text + (f"{', '.join(r['waiting'])} restoring its {kind} from "
                        f"{r['restored_from'] or 'scratch (no checkpoint yet)'}")
+    if r.get("store_error"):
+        return text + f"waiting for the checkpoint storage to answer ({r['store_error']})"
     return text + "planning"
 
 
@@ -409,10 +411,17 @@ class _Restoring:
     source: str | None = None  # the checkpoint restored from
     partials: list[str] = field(default_factory=list)  # partial checkpoints applied after it
     warned: int = 0  # slow-recovery warnings logged (``Master._warn_slow_recovery``)
+    # the checkpoint storage failed to answer the plan's read: the error, and when to try again
+    store_error: str | None = None
+    retry_at: float | None = None
 
 
 #: Seconds between the log's warnings that a partial recovery still waits (``Master._warn_slow_recovery``).
 SLOW_RECOVERY = 30.0
+
+#: Seconds between a recovery's attempts to read the running checkpoint from a store that failed to
+#: answer (until ``--checkpoint-timeout`` from the loss, or from the full recovery's reload).
+STORE_RETRY = 1.0
 
 #: Seconds a finished job waits for a worker still running a task it abandoned (statistics, goodbye).
 ABANDONED_GRACE = 1.0
@@ -594,6 +603,7 @@ class Master:
         if now - self._last_status > STATUS_PERIOD:
             self._last_status = now
             self._warn_slow_recovery()
+            self._retry_restore()
             self.publish_status("starting" if self.driver is None else "stopping" if self._stop else "running")
         return out
 
@@ -670,7 +680,8 @@ class Master:
         return {"lost": sorted(rec.losts, key=_id_order), "role": rec.role,
                 "settling": sorted(set(rec.settling.values()), key=_id_order),
                 "waiting": sorted(rec.waiting, key=_id_order) if rec.round is not None else [],
-                "restored_from": rec.source, "seconds": time.monotonic() - rec.started}
+                "restored_from": rec.source, "seconds": time.monotonic() - rec.started,
+                "store_error": rec.store_error}
 
     def _warn_slow_recovery(self) -> None:
         """Say in the log, every ``SLOW_RECOVERY`` s, what a partial recovery still waits for: the
@@ -1111,27 +1122,42 @@ class Master:
 
     def _plan_restore(self, rec: _Restoring) -> None:
         """Plan who takes the dead's items and send them there, rows or states from the running
-        checkpoint (SCAR); processes leaving by a scale-in take none."""
+        checkpoint (SCAR); processes leaving by a scale-in take none. A store that fails to answer
+        is asked again every ``STORE_RETRY`` s (``_retry_restore``) until ``--checkpoint-timeout``
+        from the loss: a network store's outage of a few seconds must not end the job."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         st = self.state
         assert st is not None
-        fresh = [p for p in rec.losts if p not in rec.planned]
-        rec.assign = st.plan_takeover(fresh, rec.role, rec.assign, avoid=self.elastic.retiring())
-        rec.planned.extend(fresh)
         kind = "shards" if rec.role == "server" else "executors"
         where = None
+        rec.retry_at = None
         if self.checkpoints is not None:
             try:
                 running = storage.running_checkpoint(self.checkpoints.location, kind)
-            except storage.CheckpointError as exc:  # the storage does not answer: nothing to restore from
-                raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)} cannot read the running "
-                                f"checkpoint ({exc}); the job stops: once the storage answers, launch it again "
-                                f"with --resume") from exc
+            except storage.CheckpointError as exc:  # the storage does not answer: nothing to restore from yet
+                timeout = self.checkpoints.timeout
+                if time.monotonic() - rec.started >= timeout:
+                    raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)} cannot read the running "
+                                    f"checkpoint ({exc}), tried for {timeout:g} s (--checkpoint-timeout); the job "
+                                    f"stops: once the storage answers, launch it again with --resume") from exc
+                if rec.store_error is None:
+                    log.warning("the recovery from the loss of %s cannot read the running checkpoint (%s); trying "
+                                "again every %g s for up to %g s", ", ".join(rec.losts), exc, STORE_RETRY, timeout)
+                rec.store_error = str(exc)
+                rec.retry_at = min(time.monotonic() + STORE_RETRY, rec.started + timeout)  # the last try: at the end
+                return
+            if rec.store_error is not None:
+                log.warning("the checkpoint storage answers again: the recovery from the loss of %s goes on",
+                            ", ".join(rec.losts))
+                rec.store_error = None
             if running is not None:
                 path, manifest, partials = running
                 where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
             else:
                 log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(rec.losts))
+        fresh = [p for p in rec.losts if p not in rec.planned]
+        rec.assign = st.plan_takeover(fresh, rec.role, rec.assign, avoid=self.elastic.retiring())
+        rec.planned.extend(fresh)
         rec.source = storage.display(self.checkpoints.location, where["path"]) if where else None
         rec.partials = [path for path, _ in where["partials"]] if where else []
         self._restore_round += 1
@@ -1142,6 +1168,14 @@ class Master:
                                **({"restore": where} if where else {}))
         if not rec.assign:
             self._restored("", rec.round)
+
+    def _retry_restore(self) -> None:
+        """Read the running checkpoint again for a partial recovery whose store failed to answer,
+        once ``STORE_RETRY`` s have passed (not while migrations are being settled: their answers
+        plan it)."""
+        rec = self._restoring
+        if rec is not None and rec.retry_at is not None and time.monotonic() >= rec.retry_at and not rec.settling:
+            self._plan_restore(rec)
 
     def _joining_initialised(self) -> list[str]:
         """The new processes of a scale-out that registered (so were initialised, with the shard map
@@ -1310,16 +1344,29 @@ class Master:
         saved: dict[str, Any] | None = None
         where: dict[str, Any] = {}
         if ck is not None:
-            try:
-                _, path, manifest = storage.find_checkpoint(ck.location)
-                saved = self._read_driver_file(ck.location, path, manifest, self.driver)
-                where = {"location": ck.location, "path": path, "manifest": manifest}
-            except storage.NoCheckpoint:
-                log.error("no complete checkpoint yet: the job starts again from the beginning")
-            except storage.CheckpointError as exc:  # never taken for "none": all the job's progress would go
-                raise LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops "
-                                f"rather than start again from the beginning ({exc}); once the storage "
-                                f"answers, launch it again with --resume") from exc
+            deadline, said = time.monotonic() + ck.timeout, False
+            while True:  # a store that fails to answer is asked again until --checkpoint-timeout
+                try:
+                    _, path, manifest = storage.find_checkpoint(ck.location)
+                    saved = self._read_driver_file(ck.location, path, manifest, self.driver)
+                    where = {"location": ck.location, "path": path, "manifest": manifest}
+                except storage.NoCheckpoint:
+                    log.error("no complete checkpoint yet: the job starts again from the beginning")
+                except storage.CheckpointError as exc:  # never taken for "none": all the job's progress would go
+                    if time.monotonic() >= deadline:
+                        raise LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops "
+                                        f"rather than start again from the beginning ({exc}), tried for "
+                                        f"{ck.timeout:g} s (--checkpoint-timeout); once the storage answers, "
+                                        f"launch it again with --resume") from exc
+                    if not said:
+                        log.warning("the full recovery cannot read the job's last checkpoint (%s); trying again "
+                                    "every %g s for up to %g s", exc, STORE_RETRY, ck.timeout)
+                        said = True
+                    until = min(time.monotonic() + STORE_RETRY, deadline)
+                    self._wait(lambda until=until: time.monotonic() >= until, "the checkpoint storage",
+                               STORE_RETRY + 1, on_msg)
+                    continue
+                break
             ck.rolled_back()
 
         def restore(kind: str) -> dict[str, Any]:
