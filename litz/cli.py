@@ -186,7 +186,8 @@ def _launch_parser() -> argparse.ArgumentParser:
                    help="the fraction r of rows a partial checkpoint saves (default 1)")
     p.add_argument("--checkpoint-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"a checkpoint that waits longer than this for one of its steps (a hung store) fails "
-                        f"and training goes on (default {DEFAULT_TIMEOUT:g})")
+                        f"and training goes on; a recovery asks a store that fails to answer again for as long "
+                        f"(default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--checkpoint-keep", type=int, default=None, metavar="N",
                    help="keep the newest N full checkpoints (and the partial ones after them) and remove older "
                         "ones after each full checkpoint (default: keep everything)")

@@ -360,7 +360,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     ``checkpoint_policy`` ``priority``, ``round-robin`` or ``random`` (SCAR): after a first full
     checkpoint, save only the fraction ``checkpoint_fraction`` r of the rows, every r·C.
     A round that waits longer than ``checkpoint_timeout`` seconds for one of its steps (a store
-    that hangs) fails, and training goes on. ``checkpoint_keep`` N keeps the newest N full
+    that hangs) fails, and training goes on; a recovery asks a store that fails to answer again
+    for as long. ``checkpoint_keep`` N keeps the newest N full
     checkpoints (and the partial ones after the oldest of them) and removes older directories
     after each full checkpoint; None keeps everything.
     ``recovery="partial"`` (SCAR) survives the loss of a worker or server: only what it held is
