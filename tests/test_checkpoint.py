@@ -1087,6 +1087,48 @@ def test_rows_count_as_saved_only_once_their_round_completes(tmp_path: Path) -> 
         w.endpoint.close()
 
 
+def test_a_shards_saved_copies_move_with_it() -> None:
+    """Servers driven without sockets, the message through the protocol: the copies of a shard's
+    rows as last saved travel with the shard, so on its new server an unchanged row scores 0 and a
+    row's age is kept. Before, they stayed behind (for good) and the rows counted as never saved
+    on the new server, first in line in every partial round until saved again: after a scale-out,
+    rows that had not moved filled the rounds while the rows that had waited."""
+    from litz.ps.server import ServerNode, ShardStore
+    from litz.ps.tables import shard_of, table_index
+    from litz.runtime.protocol import Message, decode, encode
+
+    tables = [litz.Table("t", (2,))]
+    a, b = ServerNode("s0", "job", "127.0.0.1:1"), ServerNode("s1", "job", "127.0.0.1:1")
+    sent: list[tuple[str, list]] = []
+    a.endpoint.send = lambda peer, kind, **fields: sent.append((peer, encode(kind, **fields)))  # type: ignore
+    try:
+        for srv, shards in ((a, [0, 1]), (b, [])):
+            srv.master = "master"
+            srv.store = ShardStore(table_index(tables), shards, 2, keeps_saved=True)
+        a.store.update("t", [0, 1, 2, 3], np.arange(8.0).reshape(4, 2))
+        a.store.stage(a.store.rows_snapshot(), 3)
+        a.store.settle(3, ok=True)
+        a.store.update("t", [1], np.array([[3.0, 4.0]]))  # row 1 moves by 5 after the checkpoint
+        a._looked_up.add("master")
+        a.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
+        [(peer, frames)] = sent
+        msg = decode(frames, sender="s0")
+        b._looked_up.add("s0")
+        b.dispatch(msg)
+        moved = [k for k in range(4) if shard_of(k, 2) == 1]
+        entries, scores = b.store.scores("priority", 4)
+        assert peer == "s1" and sorted(k for _, _, k in entries) == moved
+        assert dict(zip([k for _, _, k in entries], scores, strict=True)) == {1: 5.0, 3: 0.0}
+        _, ages = b.store.scores("round-robin", 4)
+        assert ages.tolist() == [1, 1]
+        assert not any(k in moved for _, k in a.store.saved)  # nothing left behind
+        b.store.update("t", [3], np.ones((1, 2)))  # (the moved rows are b's own copies)
+        assert b.store.saved[("t", 3)].tolist() == [6.0, 7.0]
+    finally:
+        a.endpoint.close()
+        b.endpoint.close()
+
+
 def test_row_scoring_waits_for_running_executors_and_fails_at_the_first_error() -> None:
     """A worker's partial rounds (no sockets): an executor is scored only once it runs no task,
     the round is answered when all are scored (executors in order, one gone is skipped), and a

@@ -95,6 +95,30 @@ class ShardStore:
             self.forward[shard] = dest
         return out
 
+    def extract_saved(self, data: list[list[Any]]) -> list[list[Any]]:
+        """Remove the saved copies of the rows ``extract`` gave (``data``), to travel with them:
+        ``[table, keys, stacked copies, rounds saved in]`` per table and shard holding some. On
+        the new server a row that arrived without its copy would count as never saved and come
+        first in every partial round until saved again: after a scale-out, rows that did not
+        move would fill the rounds while the rows that moved waited."""
+        out: list[list[Any]] = []
+        for name, _shard, keys, _rows in data:
+            have = [k for k in keys if (name, k) in self.saved]
+            if have:
+                out.append([name, have, np.stack([self.saved.pop((name, k)) for k in have]),
+                            np.array([self.saved_round.pop((name, k)) for k in have], np.int64)])
+        return out
+
+    def install_saved(self, saved: list[list[Any]]) -> None:
+        """Take the saved copies that came with migrated rows (``extract_saved``)."""
+        if not self.keeps_saved:
+            return
+        for name, keys, copies, rounds in saved:
+            table = lookup(self.tables, name)
+            for key, copy, round_ in zip(keys, copies, rounds, strict=True):
+                self.saved[(table.name, key)] = np.array(copy, dtype=table.dtype, copy=True)
+                self.saved_round[(table.name, key)] = int(round_)
+
     def install(self, shards: list[int], data: list[list[Any]]) -> None:
         """Take over migrated shards (copies: received frames are read-only)."""
         for shard in shards:
@@ -164,8 +188,8 @@ class ShardStore:
         """Round ``round_`` ended: complete (its staged copies are now what the checkpoint holds)
         or failed (they are dropped; the saved copies stay those of the rounds before)."""
         rows = self.staged.pop(round_, None)
-        if ok and rows:
-            self.remember(rows, round_)
+        if ok and rows:  # not the rows of shards that moved away since: their copies went with them
+            self.remember([row for row in rows if row[1] in self.shards], round_)
 
     def scores(self, policy: str, round_: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
         """Every row hosted here with its claim to be saved next: ``priority``, the table's
@@ -466,10 +490,12 @@ class ServerNode(Node):
     def on_migrate_shards(self, msg: Message) -> None:
         if msg.get("dest_addr"):
             self.endpoint.connect(msg["dest"], msg["dest_addr"])
-        data = self._store().extract(list(msg["shards"]), msg["dest"])
+        store = self._store()
+        data = store.extract(list(msg["shards"]), msg["dest"])
+        saved = store.extract_saved(data)
         self.shards_out += len(msg["shards"])
         self.endpoint.send(msg["dest"], "shard_data", mid=msg["mid"], shards=msg["shards"], data=data,
-                           source=self.ident)
+                           source=self.ident, **({"saved": saved} if saved else {}))
 
     def on_settle(self, msg: Message) -> None:
         """The source of shard migration ``mid`` died: say whether its shards arrived here."""
@@ -482,6 +508,7 @@ class ServerNode(Node):
                         msg["shards"], msg["mid"])
             return
         self._store().install(list(msg["shards"]), msg["data"])
+        self._store().install_saved(msg.get("saved", []))
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
