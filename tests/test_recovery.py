@@ -236,6 +236,62 @@ def test_a_recovery_that_cannot_read_its_checkpoints_stops_the_job_and_says_why(
     assert processes_mentioning(job) == []
 
 
+@pytest.mark.parametrize(("victim", "back"), [("s1", True), ("w1", True), ("s1", False)],
+                         ids=["server", "worker", "server-store-gone"])
+def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path: Path, monkeypatch, victim: str,
+                                                                       back: bool) -> None:
+    """A partial recovery whose survivor (s0 for s1's shards, w0 for w1's executors) cannot read
+    the running checkpoint: a file of it is gone for a while (a network store's outage). The
+    survivor says so and hosts nothing, ``litz status`` shows the recovery waiting for the storage,
+    the master asks again every second, and once the file is back the recovery ends and the job
+    goes on. Before, the survivor's first failure stopped the job. Gone for good, the job stops
+    after ``--checkpoint-timeout`` (2 s here), naming the survivor and the file."""
+    from litz.cli import checkpoint
+    from litz.errors import LitzError
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "survivorstore", 4)
+    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="partial",
+                    checkpoint_timeout=2.0)
+    try:
+        st = wait_running(job)
+        proc = next(p for p in st["processes"] if p["id"] == victim)
+        assert checkpoint(["--job", job]) == 0
+        part = tmp_path / "ckpt" / "ckpt-000000" / (f"{'shards' if victim[0] == 's' else 'executors'}-{victim}.arrow")
+        hidden = part.with_name("hidden")
+        part.rename(hidden)
+        os.kill(proc["pid"], signal.SIGKILL)
+        if back:
+            st = _status_when(job, lambda s: "waiting for the checkpoint storage to answer" in describe_recovering(
+                s["master"]["recovering"]) if s["master"].get("recovering") else False)
+            assert f"cannot read checkpoint file {part}" in describe_recovering(st["master"]["recovering"]), st
+            hidden.rename(part)
+            _status_when(job, lambda s: s["master"].get("recoveries"), timeout=30)
+            stop.touch()
+        t.join(60)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive()
+    if back:
+        assert "error" not in out, out.get("error")
+        [rec] = out["res"].stats["master"]["recoveries"]
+        assert rec["lost"] == victim and rec["restored_from"] and rec["restored"], rec
+        res = out["res"].value
+        if victim == "s1":  # the driver and the executors never rolled back; s1's rows went back to the checkpoint
+            for seqs in res["done_seq"]:
+                assert sorted(seqs) == list(range(len(seqs)))
+            lost = [k for k in range(16) if shard_of(k, 64) in proc["shards"]]
+            kept = [k for k in range(16) if k not in lost]
+            np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])
+            assert not np.array_equal(res["final"][lost], res["truth"][lost])
+    else:
+        error = out.get("error")
+        assert isinstance(error, LitzError), out
+        assert f"recovery failed on s0 (restore_shards): s0: cannot read checkpoint file {part}" in str(error), error
+        assert "tried for 2 s (--checkpoint-timeout)" in str(error) and "--resume" in str(error), error
+    assert processes_mentioning(job) == []
+
+
 def test_litz_status_and_the_log_say_what_a_slow_recovery_waits_for(tmp_path: Path, monkeypatch, caplog) -> None:
     """A partial recovery that takes a while (here the survivor's restored executors arrive slowly;
     in life, a large model read from a network store) is shown by ``litz status`` as it goes, with

@@ -117,8 +117,16 @@ def _read_table(fs: pafs.FileSystem, path: str) -> pa.Table:
     try:
         with fs.open_input_file(path) as f:
             return pa.ipc.open_file(f).read_all()
-    except (OSError, pa.ArrowInvalid) as exc:
+    except pa.ArrowInvalid as exc:  # (before OSError: Arrow's errors may derive from it)
+        raise DamagedCheckpoint(f"cannot read checkpoint file {path}: {exc}") from exc
+    except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+
+
+def store_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is checkpoint storage failing to answer (worth asking again: a network
+    store's outage, a file a moment away), not a checkpoint that is missing or damaged."""
+    return isinstance(exc, CheckpointError) and not isinstance(exc, NoCheckpoint | DamagedCheckpoint)
 
 
 def write_shards(fs: pafs.FileSystem, path: str,

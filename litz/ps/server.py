@@ -153,6 +153,12 @@ class ShardStore:
         if where is not None:
             self.restore(where, only=set(shards))
 
+    def drop(self, shards: list[int]) -> None:
+        """Forget shards taken over but not restored (the store failed): asked again, ``adopt``
+        starts them over."""
+        for shard in shards:
+            self.shards.pop(shard, None)
+
     def restore(self, where: dict[str, Any], only: set[int] | None = None) -> None:
         """Load this server's shards' rows from a checkpoint: the base, then each partial one
         after it (SCAR), in order. Every file is read; rows of shards hosted elsewhere are skipped."""
@@ -547,7 +553,13 @@ class ServerNode(Node):
     def on_restore_shards(self, msg: Message) -> None:
         """Host shards of a server that died, with their rows from the running checkpoint (or
         fresh rows if there is none yet); answer once they are served here."""
-        self._store().adopt(list(msg["shards"]), msg.get("restore"))
+        try:
+            self._store().adopt(list(msg["shards"]), msg.get("restore"))
+        except Exception as exc:
+            if not self.restore_failed(msg, exc, "shards_restored"):
+                raise
+            self._store().drop(list(msg["shards"]))  # not served here until restored whole
+            return
         self.shards_in += len(msg["shards"])
         self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"], round=msg.get("round", 0))
 

@@ -347,11 +347,11 @@ def describe_recovering(r: dict[str, Any]) -> str:
     text = f"recovering from the loss of {r['role']} {', '.join(r['lost'])} for {r['seconds']:.1f} s: "
     if r["settling"]:
         return text + f"{', '.join(r['settling'])} settling the migrations it interrupted"
+    if r.get("store_error"):  # the plan's read, or a survivor's, failed: asked again until --checkpoint-timeout
+        return text + f"waiting for the checkpoint storage to answer ({r['store_error']})"
     if r["waiting"]:
         return text + (f"{', '.join(r['waiting'])} restoring its {kind} from "
                        f"{r['restored_from'] or 'scratch (no checkpoint yet)'}")
-    if r.get("store_error"):
-        return text + f"waiting for the checkpoint storage to answer ({r['store_error']})"
     return text + "planning"
 
 
@@ -414,6 +414,8 @@ class _Restoring:
     # the checkpoint storage failed to answer the plan's read: the error, and when to try again
     store_error: str | None = None
     retry_at: float | None = None
+    where: dict[str, Any] | None = None  # the plan's "restore" field: where the running checkpoint is
+    resend: dict[str, float] = field(default_factory=dict)  # survivors whose store failed -> when to ask again
 
 
 #: Seconds between the log's warnings that a partial recovery still waits (``Master._warn_slow_recovery``).
@@ -771,7 +773,10 @@ class Master:
         elif msg.type == "settled":
             self.on_settled(msg)
         elif msg.type in ("shards_restored", "executors_restored"):
-            self._restored(msg.sender, msg.get("round"))
+            if msg.get("error"):
+                self._restore_failed(msg.sender, msg.get("round"), msg["error"])
+            else:
+                self._restored(msg.sender, msg.get("round"))
         elif msg.type == "checkpoint_snapshot":
             if self.checkpoints is not None and self.checkpoints.snapshot_taken(msg["cid"], msg.sender):
                 assert self.state is not None
@@ -1160,22 +1165,49 @@ class Master:
         rec.planned.extend(fresh)
         rec.source = storage.display(self.checkpoints.location, where["path"]) if where else None
         rec.partials = [path for path, _ in where["partials"]] if where else []
+        rec.where, rec.resend = where, {}
         self._restore_round += 1
         rec.round = self._restore_round
         rec.waiting = set(rec.assign)
-        for dest, part in rec.assign.items():
-            self.endpoint.send(dest, f"restore_{kind}", **{kind: part}, round=rec.round,
-                               **({"restore": where} if where else {}))
+        for dest in rec.assign:
+            self._send_restore(rec, dest)
         if not rec.assign:
             self._restored("", rec.round)
+
+    def _send_restore(self, rec: _Restoring, dest: str) -> None:
+        """Ask survivor ``dest`` to take its part of the plan, from the running checkpoint."""
+        kind = "shards" if rec.role == "server" else "executors"
+        self.endpoint.send(dest, f"restore_{kind}", **{kind: rec.assign[dest]}, round=rec.round,
+                           **({"restore": rec.where} if rec.where else {}))
+
+    def _restore_failed(self, sender: str, round_: int | None, error: str) -> None:
+        """A survivor could not read its part of the running checkpoint, the storage failing to
+        answer: it is asked again every ``STORE_RETRY`` s (``_retry_restore``) until
+        ``--checkpoint-timeout`` from the loss, then the job stops."""
+        rec, ck = self._restoring, self.checkpoints
+        if rec is None or ck is None or round_ is None or round_ != rec.round or sender not in rec.waiting:
+            return  # an answer to a plan that a later loss replaced
+        kind = "shards" if rec.role == "server" else "executors"
+        if time.monotonic() - rec.started >= ck.timeout:
+            raise LitzError(f"recovery failed on {sender} (restore_{kind}): {error}, tried for {ck.timeout:g} s "
+                            f"(--checkpoint-timeout); once the storage answers, launch the job again with --resume")
+        if rec.store_error is None:
+            log.warning("the recovery from the loss of %s: %s; asking again every %g s for up to %g s",
+                        ", ".join(rec.losts), error, STORE_RETRY, ck.timeout)
+        rec.store_error = error
+        rec.resend[sender] = min(time.monotonic() + STORE_RETRY, rec.started + ck.timeout)
 
     def _retry_restore(self) -> None:
         """Read the running checkpoint again for a partial recovery whose store failed to answer,
         once ``STORE_RETRY`` s have passed (not while migrations are being settled: their answers
-        plan it)."""
+        plan it), and ask survivors whose store failed again."""
         rec = self._restoring
         if rec is not None and rec.retry_at is not None and time.monotonic() >= rec.retry_at and not rec.settling:
             self._plan_restore(rec)
+        for dest, at in list(rec.resend.items()) if rec is not None and rec.round is not None else []:
+            if time.monotonic() >= at:  # a survivor whose store failed: asked again
+                del rec.resend[dest]
+                self._send_restore(rec, dest)
 
     def _joining_initialised(self) -> list[str]:
         """The new processes of a scale-out that registered (so were initialised, with the shard map
@@ -1201,6 +1233,8 @@ class Master:
         if rec is None or st is None or round_ is None or round_ != rec.round:
             return  # an answer to a plan that a later loss replaced
         rec.waiting.discard(sender)
+        if not rec.resend:  # no survivor waits to be asked again: the store answers
+            rec.store_error = None
         if rec.waiting:
             return
         if rec.role == "server":

@@ -127,6 +127,20 @@ class Node:
                 break
             done()
 
+    def restore_failed(self, msg: Message, exc: Exception, answer: str) -> bool:
+        """Whether ``exc``, raised restoring what ``msg`` asked for from the running checkpoint, is
+        the checkpoint storage failing to answer; if so, say so in ``answer`` (the master asks
+        again until ``--checkpoint-timeout``: a store's outage of a few seconds must not end the
+        job). Anything else is the request's error, as before."""
+        from litz.ft import storage  # imported already: the restore raised it
+
+        if not storage.store_failed(exc):
+            return False
+        log.warning("%s: %s failed, the checkpoint storage does not answer: %s", self.ident, msg.type, exc)
+        self.endpoint.send(msg.sender, answer, round=msg.get("round", 0), error=f"{self.ident}: {exc}",
+                           **{"shards" if answer == "shards_restored" else "executors": []})
+        return True
+
     def part_refused(self, msg: Message) -> bool:
         """Whether this process cannot take part in checkpoint ``msg`` (a ``checkpoint`` or
         ``ckpt_save`` request), having answered so: its part of an earlier round is still being

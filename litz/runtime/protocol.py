@@ -154,14 +154,16 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("fence", {"ident": "str"}),
     # master -> surviving server: host these shards of a dead server, rows from the checkpoint
     MessageType("restore_shards", {"shards": "list", "restore?": "dict", "round?": "int"}),
-    MessageType("shards_restored", {"shards": "list", "round?": "int"}),
+    # (answered with "error", and nothing hosted, when the checkpoint storage failed to answer:
+    # the master asks again until --checkpoint-timeout)
+    MessageType("shards_restored", {"shards": "list", "round?": "int", "error?": "str"}),
     # master -> workers and servers, once its shards are restored: route around the dead
     # server and send again every request it never answered
     MessageType("server_lost", {"server": "str", "shard_map": "list"}),
     # master -> surviving worker: host these executors of a dead worker, their states from
     # the checkpoint (fresh ones if there is none); input is reloaded
     MessageType("restore_executors", {"executors": "list", "restore?": "dict", "round?": "int"}),
-    MessageType("executors_restored", {"executors": "list", "round?": "int"}),
+    MessageType("executors_restored", {"executors": "list", "round?": "int", "error?": "str"}),
     # -- full recovery: everything rolls back to the last consistent checkpoint (DESIGN.md §5) --
     # master -> surviving workers: stop every task, drop executors, queued tasks, update log and
     # cache; answer rolled_back once every update already sent to a live server was acknowledged

@@ -254,7 +254,12 @@ class Worker(Node):
     def on_restore_executors(self, msg: Message) -> None:
         """Take over executors of a worker that died (SCAR): states from the running checkpoint,
         input reloaded from shared storage. The master then dispatches their tasks again."""
-        eids = self._host_from_checkpoint(msg)
+        try:
+            eids = self._host_from_checkpoint(msg)
+        except Exception as exc:  # the states and rows are read before any executor is made
+            if self.restore_failed(msg, exc, "executors_restored"):
+                return
+            raise
         self.migrations_in += len(eids)
         self.endpoint.send(msg.sender, "executors_restored", executors=eids, round=msg.get("round", 0))
 
