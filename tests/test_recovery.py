@@ -236,21 +236,25 @@ def test_a_recovery_that_cannot_read_its_checkpoints_stops_the_job_and_says_why(
     assert processes_mentioning(job) == []
 
 
-@pytest.mark.parametrize(("victim", "back"), [("s1", True), ("w1", True), ("s1", False)],
-                         ids=["server", "worker", "server-store-gone"])
-def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path: Path, monkeypatch, victim: str,
-                                                                       back: bool) -> None:
-    """A partial recovery whose survivor (s0 for s1's shards, w0 for w1's executors) cannot read
-    the running checkpoint: a file of it is gone for a while (a network store's outage). The
-    survivor says so and hosts nothing, ``litz status`` shows the recovery waiting for the storage,
-    the master asks again every second, and once the file is back the recovery ends and the job
-    goes on. Before, the survivor's first failure stopped the job. Gone for good, the job stops
-    after ``--checkpoint-timeout`` (2 s here), naming the survivor and the file."""
+@pytest.mark.parametrize(("recovery", "victim", "back"), [("partial", "s1", True), ("partial", "w1", True),
+                                                           ("partial", "s1", False), ("full", "s1", True)],
+                         ids=["server", "worker", "server-store-gone", "full"])
+def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path: Path, monkeypatch, caplog,
+                                                                       recovery: str, victim: str, back: bool) -> None:
+    """A recovery whose survivors (s0 for s1's shards, w0 for w1's executors; under full recovery,
+    every process) cannot read the running checkpoint: a file of it is gone for a while (a network
+    store's outage). A survivor says so and hosts nothing, ``litz status`` shows a partial recovery
+    waiting for the storage, the master asks again every second, and once the file is back the
+    recovery ends and the job goes on. Before, a survivor's first failure stopped the job. Gone for
+    good, the job stops after ``--checkpoint-timeout`` (2 s here), naming the survivor and the file."""
+    import logging
+
     from litz.cli import checkpoint
     from litz.errors import LitzError
 
+    caplog.set_level(logging.WARNING, logger="litz.runtime.master")
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "survivorstore", 4)
-    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="partial",
+    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery=recovery,
                     checkpoint_timeout=2.0)
     try:
         st = wait_running(job)
@@ -260,10 +264,16 @@ def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path:
         hidden = part.with_name("hidden")
         part.rename(hidden)
         os.kill(proc["pid"], signal.SIGKILL)
-        if back:
+        if back and recovery == "partial":
             st = _status_when(job, lambda s: "waiting for the checkpoint storage to answer" in describe_recovering(
                 s["master"]["recovering"]) if s["master"].get("recovering") else False)
             assert f"cannot read checkpoint file {part}" in describe_recovering(st["master"]["recovering"]), st
+        elif back:  # a rollback is not shown as it goes: its log says it
+            deadline = time.monotonic() + 20
+            while "the full recovery: " not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert f"cannot read checkpoint file {part}" in caplog.text and "asking again every 1 s" in caplog.text
+        if back:
             hidden.rename(part)
             _status_when(job, lambda s: s["master"].get("recoveries"), timeout=30)
             stop.touch()
@@ -277,7 +287,9 @@ def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path:
         [rec] = out["res"].stats["master"]["recoveries"]
         assert rec["lost"] == victim and rec["restored_from"] and rec["restored"], rec
         res = out["res"].value
-        if victim == "s1":  # the driver and the executors never rolled back; s1's rows went back to the checkpoint
+        if recovery == "full":  # everything rolled back together: exact
+            np.testing.assert_array_equal(res["final"], res["truth"])
+        elif victim == "s1":  # the driver and the executors never rolled back; s1's rows went back to the checkpoint
             for seqs in res["done_seq"]:
                 assert sorted(seqs) == list(range(len(seqs)))
             lost = [k for k in range(16) if shard_of(k, 64) in proc["shards"]]

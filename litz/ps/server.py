@@ -581,7 +581,12 @@ class ServerNode(Node):
         self._abandoned_to.clear()  # (no update of the abandoned timeline is still on its way)
         self._scored.clear()
         self.abandoned_mids = max(self.abandoned_mids, msg.get("abandoned", 0))
-        self._store().reload(list(msg["shards"]), msg.get("restore"))
+        try:
+            self._store().reload(list(msg["shards"]), msg.get("restore"))
+        except Exception as exc:  # asked again, the reload starts over
+            if not self.restore_failed(msg, exc, "reloaded"):
+                raise
+            return
         self.endpoint.send(msg.sender, "reloaded", round=msg["round"])
 
     def on_server_lost(self, msg: Message) -> None:

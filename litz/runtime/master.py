@@ -1141,7 +1141,7 @@ class Master:
                 running = storage.running_checkpoint(self.checkpoints.location, kind)
             except storage.CheckpointError as exc:  # the storage does not answer: nothing to restore from yet
                 timeout = self.checkpoints.timeout
-                if time.monotonic() - rec.started >= timeout:
+                if not storage.store_failed(exc) or time.monotonic() - rec.started >= timeout:
                     raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)} cannot read the running "
                                     f"checkpoint ({exc}), tried for {timeout:g} s (--checkpoint-timeout); the job "
                                     f"stops: once the storage answers, launch it again with --resume") from exc
@@ -1387,7 +1387,7 @@ class Master:
                 except storage.NoCheckpoint:
                     log.error("no complete checkpoint yet: the job starts again from the beginning")
                 except storage.CheckpointError as exc:  # never taken for "none": all the job's progress would go
-                    if time.monotonic() >= deadline:
+                    if not storage.store_failed(exc) or time.monotonic() >= deadline:
                         raise LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops "
                                         f"rather than start again from the beginning ({exc}), tried for "
                                         f"{ck.timeout:g} s (--checkpoint-timeout); once the storage answers, "
@@ -1409,13 +1409,36 @@ class Master:
         waiting.clear()
         waiting.update(st.workers + st.servers)
         self._restore_round += 1
-        for srv in st.servers:
-            self.endpoint.send(srv, "reload_shards", shards=st.shards_of(srv), round=self._restore_round,
-                               abandoned=st.last_mid, **restore("shards"))
-        for w in st.workers:
-            self.endpoint.send(w, "reload_executors", executors=st.executors_of(w), shard_map=st.shard_map,
-                               lost=lost_servers, round=self._restore_round, **restore("executors"))
-        self._wait(lambda: not waiting, "workers and servers to reload the checkpoint", 120.0, on_msg)
+        asks = {srv: ("reload_shards", {"shards": st.shards_of(srv), "round": self._restore_round,
+                                        "abandoned": st.last_mid, **restore("shards")}) for srv in st.servers}
+        asks.update({w: ("reload_executors", {"executors": st.executors_of(w), "shard_map": st.shard_map,
+                                               "lost": lost_servers, "round": self._restore_round,
+                                               **restore("executors")}) for w in st.workers})
+        for ident, (kind, fields) in asks.items():
+            self.endpoint.send(ident, kind, **fields)
+        # a process whose checkpoint storage failed to answer is asked again until --checkpoint-timeout
+        started, again = time.monotonic(), {}
+
+        def handle(msg: Message) -> None:
+            if msg.type != "reloaded" or not msg.get("error") or msg["round"] != self._restore_round:
+                on_msg(msg)
+                return
+            assert ck is not None  # (a process restores only from a checkpoint)
+            if time.monotonic() - started >= ck.timeout:
+                raise LitzError(f"the full recovery failed on {msg.sender}: {msg['error']}, tried for {ck.timeout:g} s "
+                                f"(--checkpoint-timeout); once the storage answers, launch the job again with --resume")
+            if not again:
+                log.warning("the full recovery: %s; asking again every %g s for up to %g s", msg["error"], STORE_RETRY,
+                            ck.timeout)
+            again[msg.sender] = min(time.monotonic() + STORE_RETRY, started + ck.timeout)
+
+        while waiting:
+            self._wait(lambda: not waiting or any(time.monotonic() >= at for at in again.values()),
+                       "workers and servers to reload the checkpoint", 120.0, handle)
+            for ident, at in list(again.items()):
+                if time.monotonic() >= at:
+                    del again[ident]
+                    self.endpoint.send(ident, asks[ident][0], **asks[ident][1])
         return saved, where
 
     # -- checkpoints (litz.ft.checkpoint) ------------------------------------------------------

@@ -137,8 +137,8 @@ class Node:
         if not storage.store_failed(exc):
             return False
         log.warning("%s: %s failed, the checkpoint storage does not answer: %s", self.ident, msg.type, exc)
-        self.endpoint.send(msg.sender, answer, round=msg.get("round", 0), error=f"{self.ident}: {exc}",
-                           **{"shards" if answer == "shards_restored" else "executors": []})
+        items = {"shards_restored": {"shards": []}, "executors_restored": {"executors": []}}.get(answer, {})
+        self.endpoint.send(msg.sender, answer, round=msg.get("round", 0), error=f"{self.ident}: {exc}", **items)
         return True
 
     def part_refused(self, msg: Message) -> bool:

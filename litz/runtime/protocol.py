@@ -178,7 +178,9 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> workers: host exactly these executors, states from the checkpoint, route by shard_map
     MessageType("reload_executors", {"executors": "list", "shard_map": "list", "lost": "list", "round": "int",
                                        "restore?": "dict"}),
-    MessageType("reloaded", {"round": "int"}),  # answers carry the round: a later loss restarts it
+    # answers carry the round: a later loss restarts it ("error": the checkpoint storage failed to
+    # answer; the master asks again until --checkpoint-timeout)
+    MessageType("reloaded", {"round": "int", "error?": "str"}),
     # -- checkpoints (DESIGN.md §5) --
     # master -> workers and servers (all tasks completed, none running): copy your state in
     # memory, answer checkpoint_snapshot at once, then write it under path and answer

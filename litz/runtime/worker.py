@@ -312,7 +312,12 @@ class Worker(Node):
         the master's shard map."""
         self._gone |= set(msg["lost"])
         self.shard_map = list(msg["shard_map"])
-        self._host_from_checkpoint(msg)
+        try:
+            self._host_from_checkpoint(msg)
+        except Exception as exc:  # the states and rows are read before any executor is made
+            if self.restore_failed(msg, exc, "reloaded"):
+                return
+            raise
         self.endpoint.send(msg.sender, "reloaded", round=msg["round"])
 
     # -- checkpoints ----------------------------------------------------------------------
