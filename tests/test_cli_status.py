@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"status-{time.time_ns()}"
-    runner, out = run_in_thread(testapps.slow_app(executors=5, stop_after=6.0), workers=2, servers=2, job=job)
+    stop = tmp_path / "stop"
+    runner, out = run_in_thread(testapps.slow_app(executors=5, stop_after=30.0, stop_file=str(stop)), workers=2,
+                                servers=2, job=job)
     env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path))
     try:
         deadline = time.monotonic() + 20
@@ -65,6 +67,7 @@ def test_status_of_a_running_job(tmp_path: Path, monkeypatch) -> None:
         assert [(r["job"], r["phase"]) for r in rows] == [(job, "running")] and rows[0]["pid"] == os.getpid()
         assert not (tmp_path / "ghost.json").exists()
     finally:
+        stop.touch()
         runner.join(60)
     assert out["res"].value == "done"
     # the record is gone with the job: status now says so

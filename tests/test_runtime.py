@@ -366,12 +366,14 @@ def test_a_get_state_that_raises_during_a_migration_stops_the_job_and_names_the_
 
 
 def test_a_job_that_finishes_with_a_task_still_running_ends_promptly() -> None:
-    """A task blocking its worker cannot answer the end of the job; the master waits for it only briefly."""
+    """A task blocking its worker cannot answer the end of the job; the master waits for it only
+    briefly (``ABANDONED_GRACE``, 1 s, for its statistics, then for its goodbye), and the launcher
+    kills it rather than wait for it to leave: ``litz.run`` returns about 2 s after the driver
+    finished. Before, the launcher waited 5 s more for the blocked worker."""
     app = litz.App(testapps.AbandoningDriver, testapps.SleepExecutor, tables=[litz.Table("t", (1,))],
                    num_executors=2, config={"sleep": 120.0})
-    started = time.monotonic()
     res = litz.run(app, workers=2, servers=1)
-    assert res.value == 0 and time.monotonic() - started < 20
+    assert res.value["executor"] == 0 and time.monotonic() - res.value["at"] < 4.5, time.monotonic() - res.value["at"]
     assert "w0" in res.stats or "w1" in res.stats  # the idle worker's counters are there
 
 

@@ -437,8 +437,9 @@ def test_processes_started_later_get_the_secret_the_job_started_with(tmp_path: P
 
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
     job = f"rotated-{time.time_ns()}"
-    runner, out = run_in_thread(testapps.slow_app(executors=4, stop_after=10.0), workers=1, servers=1, job=job,
-                                secret_file=secret_file)
+    stop = tmp_path / "stop"
+    runner, out = run_in_thread(testapps.slow_app(executors=4, stop_after=60.0, stop_file=str(stop)), workers=1,
+                                servers=1, job=job, secret_file=secret_file)
     try:
         wait_running(job, out)
         generate_secret_file(secret_file, overwrite=True)  # the file now holds another secret
@@ -446,6 +447,7 @@ def test_processes_started_later_get_the_secret_the_job_started_with(tmp_path: P
         workers = [p for p in job_status(job)["processes"] if p["role"] == "worker"]
         assert len(workers) == 2 and all(p["executors"] for p in workers)
     finally:
+        stop.touch()
         runner.join(60)
     assert out["res"].value == "done"
     assert out["res"].total("secured") == len(out["res"].stats) and out["res"].total("auth_refused") == 0

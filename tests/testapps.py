@@ -273,7 +273,8 @@ class CountingDriver(litz.Driver):
 
 
 class SlowDriver(litz.Driver):
-    """Keeps every executor busy with short sleeping tasks until ``stop_after`` seconds have passed."""
+    """Keeps every executor busy with short sleeping tasks until ``stop_after`` seconds have passed,
+    or until the file ``stop_file`` exists (a test that is done with the job ends it at once)."""
 
     def dispatch_initial_tasks(self) -> None:
         self.t0 = time.monotonic()
@@ -284,7 +285,8 @@ class SlowDriver(litz.Driver):
         return f"slow job, {time.monotonic() - self.t0:.1f} s"
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
-        if time.monotonic() - self.t0 > self.config["stop_after"]:
+        stop_file = self.config.get("stop_file")
+        if time.monotonic() - self.t0 > self.config["stop_after"] or (stop_file and os.path.exists(stop_file)):
             self.finish("done")
         else:
             self.dispatch_task(result.executor_id, {"sleep": 0.02})
@@ -295,11 +297,11 @@ class SleepExecutor(litz.Executor):
         time.sleep(args["sleep"])
 
 
-def slow_app(executors: int, stop_after: float) -> litz.App:
-    """Sleeping tasks on every executor for ``stop_after`` seconds (:class:`SlowDriver`): a job to
-    look at, scale or disturb while it runs."""
+def slow_app(executors: int, stop_after: float, stop_file: str | None = None) -> litz.App:
+    """Sleeping tasks on every executor for ``stop_after`` seconds, or until ``stop_file`` exists
+    (:class:`SlowDriver`): a job to look at, scale or disturb while it runs."""
     return litz.App(SlowDriver, SleepExecutor, tables=[litz.Table("t", (1,))], num_executors=executors,
-                    config={"stop_after": stop_after})
+                    config={"stop_after": stop_after, "stop_file": stop_file})
 
 
 class MigratingDriver(litz.Driver):
@@ -785,14 +787,15 @@ def refused_update_app(executors: int = 2) -> litz.App:
 
 
 class AbandoningDriver(litz.Driver):
-    """Executor 1 sleeps for ``sleep`` s; the driver finishes on executor 0's completion, abandoning it."""
+    """Executor 1 sleeps for ``sleep`` s; the driver finishes on executor 0's completion, abandoning
+    it, with the executor and when it finished (``time.monotonic()``)."""
 
     def dispatch_initial_tasks(self) -> None:
         self.dispatch_task(1, {"sleep": self.config["sleep"]})
         self.dispatch_task(0, {"sleep": 0.0})
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
-        self.finish(result.executor_id)
+        self.finish({"executor": result.executor_id, "at": time.monotonic()})
 
 
 class StrayMessagesDriver(MigratingDriver):

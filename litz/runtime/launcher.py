@@ -427,6 +427,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         assert cluster.etcd_url is not None
         membership = Membership(cluster.etcd_url, job)
         membership.start()
+        master: Master | None = None
         try:
             # the master's endpoint is made inside Master: it takes the secret and host from here
             with security.configured(cluster.secret, host=host):
@@ -445,6 +446,8 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
             raise StartupTimeout(f"{exc}\n{stacks}", exc.silent) from None
         finally:
             cluster._stopping = True
+            if master is not None:  # in a task the job abandoned: waiting for them to leave would only add seconds
+                cluster.kill(master.stuck)
             membership.close()
 
 

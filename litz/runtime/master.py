@@ -526,6 +526,9 @@ class Master:
         self._deferred: list[Message] = []
         self._byes: dict[str, dict[str, Any]] = {}
         self._unresponsive: set[str] = set()  # never answered the initialisation: not waited for again
+        # workers still in a task the finished job abandoned when it ended (``shutdown``): the
+        # launcher kills them rather than wait seconds for them to leave
+        self.stuck: list[str] = []
         self._stats: dict[int, dict[str, Any]] = {}
         self._last_health = 0.0
         self._last_status = 0.0
@@ -2173,6 +2176,7 @@ class Master:
                     continue
                 if msg is not None and msg.type == "bye":
                     self._byes[msg.sender] = msg["stats"]
+        self.stuck = sorted(p for p in targets if p in busy and p not in self._byes)
         for p, s in self._byes.items():
             stats.setdefault(p, s)
         try:
