@@ -167,6 +167,42 @@ def _epoch(st: dict) -> int:
     return int(progress.split()[1].split("/")[0]) if progress.startswith("epoch ") else -1
 
 
+def _waiting_for_the_store(job: str) -> dict:
+    """The status once ``litz status`` shows the job's partial recovery waiting for the storage."""
+    return _status_when(job, lambda s: "waiting for the checkpoint storage to answer" in describe_recovering(
+        s["master"]["recovering"]) if s["master"].get("recovering") else False)
+
+
+def _end_after(job: str, stop: Path, t, recovered: bool) -> None:  # noqa: ANN001
+    """Wait for the job's end: once it recovered (then stopped by its file), or by itself (it fails)."""
+    if recovered:
+        _status_when(job, lambda s: s["master"].get("recoveries"), timeout=30)
+        stop.touch()
+    t.join(60)
+
+
+def _assert_recovered(out: dict, recovery: str, victim: dict) -> dict:
+    """The job ended without error after one recovery of ``victim`` (its status entry): full, every
+    row exact; partial, of a server, the driver and the executors never rolled back, the rows that
+    survived exact and the victim's back at the checkpoint. Returns the recovery's record."""
+    assert "error" not in out, out.get("error")
+    [rec] = out["res"].stats["master"]["recoveries"]
+    assert rec["lost"] == victim["id"] and rec["restored_from"] and rec["restored"], rec
+    res = out["res"].value
+    if recovery == "full":  # everything rolled back together: exact
+        np.testing.assert_array_equal(res["final"], res["truth"])
+        assert rec["strategy"] == "full" and rec["rolled_back_to_version"] > 0, rec
+    elif victim["role"] == "server":
+        for seqs in res["done_seq"]:
+            assert sorted(seqs) == list(range(len(seqs)))
+        lost = [k for k in range(16) if shard_of(k, 64) in victim["shards"]]
+        kept = [k for k in range(16) if k not in lost]
+        assert kept and lost
+        np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])
+        assert not np.array_equal(res["final"][lost], res["truth"][lost])
+    return rec
+
+
 @pytest.mark.parametrize(("recovery", "outage"), [("full", None), ("partial", None), ("partial", 1.5),
                                                   ("full", 1.5)],
                          ids=["full", "partial", "partial-store-back", "full-store-back"])
@@ -200,32 +236,15 @@ def test_a_recovery_that_cannot_read_its_checkpoints_stops_the_job_and_says_why(
         os.kill(victim["pid"], signal.SIGKILL)
         if outage is not None:
             if recovery == "partial":  # (a full recovery's status shows it rolling back)
-                _status_when(job, lambda s: "waiting for the checkpoint storage to answer (cannot list checkpoint "
-                             "storage" in describe_recovering(s["master"]["recovering"])
-                             if s["master"].get("recovering") else False)
-            _status_when(job, lambda s: s["master"].get("recoveries"), timeout=30)
-            stop.touch()
-        t.join(60)
+                st = _waiting_for_the_store(job)
+                assert "(cannot list checkpoint storage" in describe_recovering(st["master"]["recovering"]), st
+        _end_after(job, stop, t, recovered=outage is not None)
     finally:
         stop.touch()
         t.join(60)
     assert not t.is_alive()
     if outage is not None:
-        assert "error" not in out, out.get("error")
-        [rec] = out["res"].stats["master"]["recoveries"]
-        assert rec["lost"] == "s1" and rec["restored_from"] and rec["seconds"] > outage, rec
-        res = out["res"].value
-        if recovery == "full":
-            np.testing.assert_array_equal(res["final"], res["truth"])
-            assert rec["strategy"] == "full" and rec["rolled_back_to_version"] > 0, rec
-        else:
-            for seqs in res["done_seq"]:  # the driver and the executors never rolled back
-                assert sorted(seqs) == list(range(len(seqs)))
-            lost = [k for k in range(16) if shard_of(k, 64) in victim["shards"]]
-            kept = [k for k in range(16) if k not in lost]
-            assert kept and lost
-            np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])  # surviving rows: exact
-            assert not np.array_equal(res["final"][lost], res["truth"][lost])  # lost rows: back to the checkpoint
+        assert _assert_recovered(out, recovery, victim)["seconds"] > outage
     else:
         error = out.get("error")
         assert isinstance(error, LitzError), out
@@ -265,8 +284,7 @@ def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path:
         part.rename(hidden)
         os.kill(proc["pid"], signal.SIGKILL)
         if back and recovery == "partial":
-            st = _status_when(job, lambda s: "waiting for the checkpoint storage to answer" in describe_recovering(
-                s["master"]["recovering"]) if s["master"].get("recovering") else False)
+            st = _waiting_for_the_store(job)
             assert f"cannot read checkpoint file {part}" in describe_recovering(st["master"]["recovering"]), st
         elif back:  # a rollback is not shown as it goes: its log says it
             deadline = time.monotonic() + 20
@@ -275,27 +293,13 @@ def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path:
             assert f"cannot read checkpoint file {part}" in caplog.text and "asking again every 1 s" in caplog.text
         if back:
             hidden.rename(part)
-            _status_when(job, lambda s: s["master"].get("recoveries"), timeout=30)
-            stop.touch()
-        t.join(60)
+        _end_after(job, stop, t, recovered=back)
     finally:
         stop.touch()
         t.join(60)
     assert not t.is_alive()
     if back:
-        assert "error" not in out, out.get("error")
-        [rec] = out["res"].stats["master"]["recoveries"]
-        assert rec["lost"] == victim and rec["restored_from"] and rec["restored"], rec
-        res = out["res"].value
-        if recovery == "full":  # everything rolled back together: exact
-            np.testing.assert_array_equal(res["final"], res["truth"])
-        elif victim == "s1":  # the driver and the executors never rolled back; s1's rows went back to the checkpoint
-            for seqs in res["done_seq"]:
-                assert sorted(seqs) == list(range(len(seqs)))
-            lost = [k for k in range(16) if shard_of(k, 64) in proc["shards"]]
-            kept = [k for k in range(16) if k not in lost]
-            np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])
-            assert not np.array_equal(res["final"][lost], res["truth"][lost])
+        _assert_recovered(out, recovery, proc)
     else:
         error = out.get("error")
         assert isinstance(error, LitzError), out
