@@ -308,6 +308,60 @@ def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path:
     assert processes_mentioning(job) == []
 
 
+def test_a_survivor_serves_its_own_shards_while_it_reads_the_lost_ones(tmp_path: Path, monkeypatch) -> None:
+    """Partial recovery: the survivor reads the lost server's rows from the running checkpoint on a
+    thread and meanwhile answers requests. Here the read blocks (the checkpoint's file is a FIFO
+    no one writes, as a read from a dead NFS server blocks) and s0 answers a request at once.
+    Before, its loop was in the read, and it, and every task that needed one of its rows,
+    waited. Opened and closed, the FIFO ends the read with an error: s0 says so, the file is put
+    back, and the master's next request restores the shards."""
+    from litz.cli import checkpoint
+    from litz.runtime.membership import Membership
+    from litz.runtime.node import proc_key
+    from litz.runtime.transport import Endpoint
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "readthread", 4)
+    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="partial",
+                    checkpoint_timeout=30.0)
+    tester = Endpoint("tester")
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "s1")
+        assert checkpoint(["--job", job]) == 0
+        part = tmp_path / "ckpt" / "ckpt-000000" / "shards-s1.arrow"
+        hidden = part.with_name("hidden")
+        part.rename(hidden)
+        os.mkfifo(part)
+        with Membership(st["etcd"], job) as mem:
+            mem.register(proc_key("tester", "tester"), {"id": "tester", "addr": tester.address, "role": "tester"})
+            tester.connect("s0", mem.get(proc_key("server", "s0"))["addr"])
+            os.kill(victim["pid"], signal.SIGKILL)
+            # the master asked s0 before it said so: s0 has the request before the one sent next
+            _status_when(job, lambda s: s["master"].get("recovering", {}).get("waiting") == ["s0"])
+            tester.send("s0", "stats_request", rid=1)
+            assert tester.router.poll(3000), "s0 did not answer while it read the lost shards"
+            reply = tester.recv()
+            assert reply is not None and reply["rid"] == 1
+            assert job_status(job)["master"].get("recovering"), "restored from a FIFO no one wrote?"
+            deadline = time.monotonic() + 10
+            while True:  # its read blocks in the FIFO's open: a writer may open it now
+                try:
+                    os.close(os.open(part, os.O_WRONLY | os.O_NONBLOCK))  # the read fails: a FIFO cannot seek
+                    break
+                except OSError:  # ENXIO: no reader yet
+                    assert time.monotonic() < deadline, "s0 never read the checkpoint"
+                    time.sleep(0.05)
+            hidden.rename(part)  # s0 said its read failed, and is asked again a second later
+        _end_after(job, stop, t, recovered=True)
+    finally:
+        stop.touch()
+        t.join(60)
+        tester.close()
+    assert not t.is_alive()
+    _assert_recovered(out, "partial", victim)
+    assert processes_mentioning(job) == []
+
+
 def test_litz_status_and_the_log_say_what_a_slow_recovery_waits_for(tmp_path: Path, monkeypatch, caplog) -> None:
     """A partial recovery that takes a while (here the survivor's restored executors arrive slowly;
     in life, a large model read from a network store) is shown by ``litz status`` as it goes, with

@@ -137,44 +137,56 @@ class ShardStore:
 
     def reload(self, shards: list[int], where: dict[str, Any] | None) -> None:
         """Full recovery: serve exactly ``shards``, every row as the checkpoint holds it (or
-        fresh), forgetting what partial checkpoints had saved."""
+        fresh), forgetting what partial checkpoints had saved. Read first: a store that fails
+        leaves the server as it was, to be asked again."""
+        rows = self.read_rows(where, set(shards)) if where is not None else None
         self.forward.clear()
         self.saved.clear()
         self.saved_round.clear()
         self.staged.clear()
         self.shards = {}
-        self.adopt(shards, where)
+        self.adopt(shards, rows)
 
-    def adopt(self, shards: list[int], where: dict[str, Any] | None) -> None:
-        """Take over shards whose server died: empty, then filled from a checkpoint if there is one."""
+    def adopt(self, shards: list[int], rows: list[tuple[str, int, Hashable, np.ndarray]] | None) -> None:
+        """Take over shards whose server died: empty, then filled with ``rows`` from a checkpoint
+        (``read_rows``) if there is one."""
         for shard in shards:
             self.forward.pop(shard, None)
             self.shards[shard] = {name: {} for name in self.tables}
-        if where is not None:
-            self.restore(where, only=set(shards))
+        if rows is not None:
+            self.install_rows(rows)
 
-    def drop(self, shards: list[int]) -> None:
-        """Forget shards taken over but not restored (the store failed): asked again, ``adopt``
-        starts them over."""
-        for shard in shards:
-            self.shards.pop(shard, None)
+    def restore(self, where: dict[str, Any]) -> None:
+        """Load the rows of the shards hosted here from a checkpoint (a resume)."""
+        self.install_rows(self.read_rows(where, set(self.shards)))
 
-    def restore(self, where: dict[str, Any], only: set[int] | None = None) -> None:
-        """Load this server's shards' rows from a checkpoint: the base, then each partial one
-        after it (SCAR), in order. Every file is read; rows of shards hosted elsewhere are skipped."""
+    def read_rows(self, where: dict[str, Any], shards: set[int]) -> list[tuple[str, int, Hashable, np.ndarray]]:
+        """The rows of ``shards`` in a checkpoint: the base's, then each partial one's after it
+        (SCAR), in order, so that installed in order a later copy of a row replaces an earlier
+        one. Every file is read; rows of other shards are skipped. It only reads (the tables'
+        declarations): a partial recovery runs it on a thread while the loop serves."""
         from litz.ft import storage  # only here and where checkpoints are written (see litz.runtime.node)
 
         fs, _ = storage.filesystem(where["location"])
-        restored = []
+        out = []
         for path, files in [(where["path"], where["files"]), *where.get("partials", [])]:
             for name in files:
                 for table_name, shard, key, raw in storage.read_shards(fs, f"{path}/{name}"):
-                    if shard in self.shards and (only is None or shard in only):
+                    if shard in shards:
                         table = lookup(self.tables, table_name)
-                        row = np.frombuffer(raw, dtype=table.dtype).reshape(table.shape).copy()
-                        self.shards[shard][table.name][key] = row
-                        restored.append((table.name, shard, key, row.copy()))
-        self.remember(restored, 0)  # saved at some round before now: counted as the oldest
+                        out.append((table.name, shard, key, np.frombuffer(raw, dtype=table.dtype).reshape(table.shape)))
+        return out
+
+    def install_rows(self, rows: list[tuple[str, int, Hashable, np.ndarray]]) -> None:
+        """Host rows read from a checkpoint (``read_rows``) in their shards, which are hosted here.
+        They are what the running checkpoint holds: saved at some round before now, counted as the oldest."""
+        restored = []
+        for name, shard, key, raw in rows:
+            row = raw.copy()  # (writable: read rows are views of the file's buffers)
+            self.shards[shard][name][key] = row
+            if self.keeps_saved:
+                restored.append((name, shard, key, row.copy()))
+        self.remember(restored, 0)
 
     def remember(self, rows: list[tuple[str, int, Hashable, np.ndarray]], round_: int) -> None:
         """These copies are now what the checkpoint holds for their rows, saved in round ``round_``
@@ -552,16 +564,19 @@ class ServerNode(Node):
     # -- SCAR partial recovery --------------------------------------------------------------------
     def on_restore_shards(self, msg: Message) -> None:
         """Host shards of a server that died, with their rows from the running checkpoint (or
-        fresh rows if there is none yet); answer once they are served here."""
-        try:
-            self._store().adopt(list(msg["shards"]), msg.get("restore"))
-        except Exception as exc:
-            if not self.restore_failed(msg, exc, "shards_restored"):
-                raise
-            self._store().drop(list(msg["shards"]))  # not served here until restored whole
-            return
-        self.shards_in += len(msg["shards"])
-        self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"], round=msg.get("round", 0))
+        fresh rows if there is none yet); answer once they are served here. The rows are read on
+        a thread: meanwhile this server serves its own shards."""
+        store, shards, where = self._store(), list(msg["shards"]), msg.get("restore")
+
+        def host(rows: list[tuple[str, int, Hashable, np.ndarray]] | None) -> None:
+            store.adopt(shards, rows)
+            self.shards_in += len(shards)
+            self.endpoint.send(msg.sender, "shards_restored", shards=msg["shards"], round=msg.get("round", 0))
+
+        if where is None:
+            host(None)
+        else:
+            self.restore_on_thread(msg, lambda: store.read_rows(where, set(shards)), host, "shards_restored")
 
     def on_rollback(self, msg: Message) -> None:
         """Full recovery begins: parts of requests forwarded to a lost server (a shard that had
@@ -570,6 +585,7 @@ class ServerNode(Node):
         does any part forwarded there later (an update still on its way here): the timeline is
         abandoned and every shard reloads from the checkpoint."""
         self._abandoned_to |= set(msg["lost"])
+        self.restore_gen += 1  # a partial recovery's read under way is abandoned with its timeline
         for rid, (pend, parts, dest, _) in list(self._subs.items()):
             if dest in self._abandoned_to:  # an update is dropped with its timeline; a read fails
                 self._sub_done(rid, None, [ROLLED_BACK if pend.kind == "get" else None] * len(parts), {})
@@ -580,6 +596,7 @@ class ServerNode(Node):
         self._subs.clear()
         self._abandoned_to.clear()  # (no update of the abandoned timeline is still on its way)
         self._scored.clear()
+        self.restore_gen += 1
         self.abandoned_mids = max(self.abandoned_mids, msg.get("abandoned", 0))
         try:
             self._store().reload(list(msg["shards"]), msg.get("restore"))

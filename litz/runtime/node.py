@@ -65,6 +65,10 @@ class Node:
         self._jobs: queue.SimpleQueue[Any] | None = None  # for the background thread, started on first use
         self._jobs_pending = 0  # background jobs whose ``then`` has not run: a retiring process owes them
         self._writing: tuple[int, float] | None = None  # the checkpoint part being written: (cid, since)
+        # bumped by a full recovery's rollback and reload: a partial recovery's read still under way
+        # then belongs to an abandoned timeline, and what it read is dropped (``restore_on_thread``)
+        self.restore_gen = 0
+        self._restore_round = 0  # the newest recovery round asked of this process (``restore_on_thread``)
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
@@ -140,6 +144,44 @@ class Node:
         items = {"shards_restored": {"shards": []}, "executors_restored": {"executors": []}}.get(answer, {})
         self.endpoint.send(msg.sender, answer, round=msg.get("round", 0), error=f"{self.ident}: {exc}", **items)
         return True
+
+    def restore_on_thread(self, msg: Message, read: Callable[[], Any], host: Callable[[Any], None],
+                          answer: str) -> None:
+        """Read what a partial recovery's ``msg`` asks for from the running checkpoint on a thread
+        of its own, then ``host(what was read)`` on the loop. A large model on a network store
+        takes a while to read, and the loop meanwhile serves what this process hosts already:
+        before, the process, and every task that needed it, waited for the read. Not on the
+        background thread, which may be stuck in a hung checkpoint write. A failure is answered
+        as the handler's own was (``restore_failed``, else the request's error). What a full
+        recovery or a later plan (another loss: its round is newer) overtook is dropped: hosted
+        after the later plan's, it would replace items that may have been used since."""
+        gen, round_ = self.restore_gen, msg.get("round", 0)
+        self._restore_round = max(self._restore_round, round_)
+
+        def then(value: Any, error: BaseException | None) -> None:
+            if gen != self.restore_gen or round_ < self._restore_round:
+                log.warning("%s: dropped what %s of round %d read: a later recovery overtook it", self.ident,
+                            msg.type, round_)
+                return
+            if error is None:
+                try:
+                    host(value)
+                    return
+                except Exception as exc:  # answered below, as a failing handler's
+                    error = exc
+            if not (isinstance(error, Exception) and self.restore_failed(msg, error, answer)):
+                log.error("%s: failed to handle %r from %s", self.ident, msg.type, msg.sender, exc_info=error)
+                self.reply_error(msg, f"{type(error).__name__}: {error}")
+
+        def run() -> None:
+            try:
+                value, error = read(), None
+            except BaseException as exc:  # handed to ``then``
+                value, error = None, exc
+            self._background.put(lambda: then(value, error))
+            self._wake()
+
+        threading.Thread(target=run, daemon=True, name=f"{self.ident}-restore").start()
 
     def part_refused(self, msg: Message) -> bool:
         """Whether this process cannot take part in checkpoint ``msg`` (a ``checkpoint`` or

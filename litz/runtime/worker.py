@@ -232,10 +232,20 @@ class Worker(Node):
     def _host_from_checkpoint(self, msg: Message) -> list[int]:
         """Host ``msg["executors"]``: their states from the checkpoint in ``msg["restore"]``
         (fresh ones without it) with the rows partial checkpoints saved since, their input reloaded."""
-        eids = list(msg["executors"])
-        where = msg.get("restore")
-        saved = self._saved_states(where, eids) if where else {}
-        patches = self._saved_rows(where, eids) if where else {}
+        return self._host_executors(msg, self._read_executors(msg))
+
+    def _read_executors(self, msg: Message) -> tuple[dict[int, list[Any]], dict[int, dict[int, np.ndarray]]]:
+        """The states of ``msg["executors"]`` in the checkpoint in ``msg["restore"]`` and the rows
+        the partial checkpoints after it saved (nothing without one). Reads only: a partial
+        recovery runs it on a thread while the loop serves."""
+        eids, where = list(msg["executors"]), msg.get("restore")
+        return (self._saved_states(where, eids), self._saved_rows(where, eids)) if where else ({}, {})
+
+    def _host_executors(self, msg: Message, read: tuple[dict[int, list[Any]], dict[int, dict[int, np.ndarray]]]
+                        ) -> list[int]:
+        """Host ``msg["executors"]`` from what ``_read_executors`` read, their input reloaded."""
+        eids, where = list(msg["executors"]), msg.get("restore")
+        saved, patches = read
         for eid in eids:
             self.moved_to.pop(eid, None)
             ex = self._make_executor(eid, saved.get(eid))
@@ -253,15 +263,15 @@ class Worker(Node):
 
     def on_restore_executors(self, msg: Message) -> None:
         """Take over executors of a worker that died (SCAR): states from the running checkpoint,
-        input reloaded from shared storage. The master then dispatches their tasks again."""
-        try:
-            eids = self._host_from_checkpoint(msg)
-        except Exception as exc:  # the states and rows are read before any executor is made
-            if self.restore_failed(msg, exc, "executors_restored"):
-                return
-            raise
-        self.migrations_in += len(eids)
-        self.endpoint.send(msg.sender, "executors_restored", executors=eids, round=msg.get("round", 0))
+        input reloaded from shared storage. The master then dispatches their tasks again. The
+        checkpoint is read on a thread: meanwhile this worker runs its own executors' tasks."""
+
+        def host(read: tuple[dict[int, list[Any]], dict[int, dict[int, np.ndarray]]]) -> None:
+            eids = self._host_executors(msg, read)
+            self.migrations_in += len(eids)
+            self.endpoint.send(msg.sender, "executors_restored", executors=eids, round=msg.get("round", 0))
+
+        self.restore_on_thread(msg, lambda: self._read_executors(msg), host, "executors_restored")
 
     # -- full recovery: roll back to the last consistent checkpoint -------------------------
     def on_rollback(self, msg: Message) -> None:
@@ -269,6 +279,7 @@ class Worker(Node):
         buffered (queued tasks, update log, cache, completions not yet reported). Updates
         already sent to live servers must land before the servers reload, so the answer waits
         for their acknowledgements; those sent to the dead server are dropped."""
+        self.restore_gen += 1  # a partial recovery's read under way is abandoned with its timeline
         for slot in self.slots.values():
             if slot.glet is not None and not slot.glet.dead:
                 slot.glet.throw(greenlet.GreenletExit)  # unwinds the task where it blocked
@@ -310,6 +321,7 @@ class Worker(Node):
     def on_reload_executors(self, msg: Message) -> None:
         """Start the new timeline: these executors, from the checkpoint (or fresh), routing by
         the master's shard map."""
+        self.restore_gen += 1
         self._gone |= set(msg["lost"])
         self.shard_map = list(msg["shard_map"])
         try:
