@@ -113,6 +113,8 @@ def test_status_says_what_a_recovery_in_progress_waits_for() -> None:
     assert describe_recovering(r).endswith(": w2 settling the migrations it interrupted")
     r.update(settling=[], waiting=[])
     assert describe_recovering(r).endswith(": planning")
+    r.update(reading=True)
+    assert describe_recovering(r).endswith(": reading the running checkpoint")
     r.update(waiting=["w0"], store_error="w0: cannot read checkpoint file /ck/executors-w1.arrow: timed out")
     assert describe_recovering(r).endswith(": waiting for the checkpoint storage to answer (w0: cannot read "
                                            "checkpoint file /ck/executors-w1.arrow: timed out)")

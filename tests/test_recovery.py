@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -359,6 +360,45 @@ def test_a_survivor_serves_its_own_shards_while_it_reads_the_lost_ones(tmp_path:
         tester.close()
     assert not t.is_alive()
     _assert_recovered(out, "partial", victim)
+    assert processes_mentioning(job) == []
+
+
+def test_the_job_goes_on_while_a_recovery_reads_its_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A partial recovery reads the running checkpoint's manifests off the master's loop (on a
+    network store: a request each, and retries while it does not answer). Here the read takes
+    2 s: meanwhile ``litz status`` says so, and the surviving worker's executors go on, their
+    completions handled and their next tasks dispatched. Before, the master's loop was in the
+    read, and the whole job waited for it."""
+    from litz.cli import checkpoint
+
+    reading = storage.running_checkpoint
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003
+        time.sleep(2.0)
+        return reading(*args, **kwargs)
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "slowread", 4)
+    t, out = _start(app, workers=2, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="partial")
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "w1")
+        assert checkpoint(["--job", job]) == 0
+        monkeypatch.setattr(storage, "running_checkpoint", slow)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        def read_for(seconds: float) -> Callable[[dict], bool]:
+            return lambda s: (r := s["master"].get("recovering")) is not None and r["seconds"] >= seconds \
+                and describe_recovering(r).endswith(": reading the running checkpoint")
+
+        before = _status_when(job, read_for(0.2))["master"]["completed"]
+        after = _status_when(job, read_for(1.4))["master"]["completed"]
+        assert after - before >= 10, (before, after)  # w0's executors went on
+        _end_after(job, stop, t, recovered=True)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive()
+    assert _assert_recovered(out, "partial", victim)["seconds"] >= 2.0
     assert processes_mentioning(job) == []
 
 

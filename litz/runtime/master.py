@@ -349,6 +349,8 @@ def describe_recovering(r: dict[str, Any]) -> str:
         return text + f"{', '.join(r['settling'])} settling the migrations it interrupted"
     if r.get("store_error"):  # the plan's read, or a survivor's, failed: asked again until --checkpoint-timeout
         return text + f"waiting for the checkpoint storage to answer ({r['store_error']})"
+    if r.get("reading"):
+        return text + "reading the running checkpoint"
     if r["waiting"]:
         return text + (f"{', '.join(r['waiting'])} restoring its {kind} from "
                        f"{r['restored_from'] or 'scratch (no checkpoint yet)'}")
@@ -414,6 +416,8 @@ class _Restoring:
     # the checkpoint storage failed to answer the plan's read: the error, and when to try again
     store_error: str | None = None
     retry_at: float | None = None
+    reading: bool = False  # the running checkpoint is being read, off the loop (``Master._read_running``)
+    read: list[Any] | None = None  # what the read found ([None]: no checkpoint yet), until a plan uses it
     where: dict[str, Any] | None = None  # the plan's "restore" field: where the running checkpoint is
     resend: dict[str, float] = field(default_factory=dict)  # survivors whose store failed -> when to ask again
 
@@ -550,6 +554,8 @@ class Master:
         # outcomes of checkpoint steps run off the loop (``_in_background``): (round, step, value, error);
         # each also writes a byte to the wake-up pipe, which the loop polls beside its socket
         self._background: queue.SimpleQueue[tuple[int, str, Any, str | None]] = queue.SimpleQueue()
+        # a partial recovery's read of the running checkpoint, done off the loop (``_read_running``)
+        self._restore_reads: queue.SimpleQueue[tuple[int, str, Any, str | None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()  # a thread that ends after shutdown must not write to a reused fd
         self._wake_open = True
@@ -597,6 +603,7 @@ class Master:
                 elif msg is not None:
                     out.append(msg)
         self._signalled_stop()
+        self._running_read()
         now = time.monotonic()
         if now - self._last_health > 0.2:
             self._last_health = now
@@ -686,7 +693,7 @@ class Master:
                 "settling": sorted(set(rec.settling.values()), key=_id_order),
                 "waiting": sorted(rec.waiting, key=_id_order) if rec.round is not None else [],
                 "restored_from": rec.source, "seconds": time.monotonic() - rec.started,
-                "store_error": rec.store_error}
+                "store_error": rec.store_error, "reading": rec.reading}
 
     def _warn_slow_recovery(self) -> None:
         """Say in the log, every ``SLOW_RECOVERY`` s, what a partial recovery still waits for: the
@@ -1130,9 +1137,9 @@ class Master:
 
     def _plan_restore(self, rec: _Restoring) -> None:
         """Plan who takes the dead's items and send them there, rows or states from the running
-        checkpoint (SCAR); processes leaving by a scale-in take none. A store that fails to answer
-        is asked again every ``STORE_RETRY`` s (``_retry_restore``) until ``--checkpoint-timeout``
-        from the loss: a network store's outage of a few seconds must not end the job."""
+        checkpoint (SCAR); processes leaving by a scale-in take none. The running checkpoint is
+        read first, off the loop (``_read_running``): on a network store that takes requests,
+        and the job goes on meanwhile; the plan is made once it is read."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         st = self.state
         assert st is not None
@@ -1140,24 +1147,11 @@ class Master:
         where = None
         rec.retry_at = None
         if self.checkpoints is not None:
-            try:
-                running = storage.running_checkpoint(self.checkpoints.location, kind)
-            except storage.CheckpointError as exc:  # the storage does not answer: nothing to restore from yet
-                timeout = self.checkpoints.timeout
-                if not storage.store_failed(exc) or time.monotonic() - rec.started >= timeout:
-                    raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)} cannot read the running "
-                                    f"checkpoint ({exc}), tried for {timeout:g} s (--checkpoint-timeout); the job "
-                                    f"stops: once the storage answers, launch it again with --resume") from exc
-                if rec.store_error is None:
-                    log.warning("the recovery from the loss of %s cannot read the running checkpoint (%s); trying "
-                                "again every %g s for up to %g s", ", ".join(rec.losts), exc, STORE_RETRY, timeout)
-                rec.store_error = str(exc)
-                rec.retry_at = min(time.monotonic() + STORE_RETRY, rec.started + timeout)  # the last try: at the end
+            if rec.read is None:
+                if not rec.reading:
+                    self._read_running(rec)
                 return
-            if rec.store_error is not None:
-                log.warning("the checkpoint storage answers again: the recovery from the loss of %s goes on",
-                            ", ".join(rec.losts))
-                rec.store_error = None
+            [running], rec.read = rec.read, None
             if running is not None:
                 path, manifest, partials = running
                 where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
@@ -1176,6 +1170,58 @@ class Master:
             self._send_restore(rec, dest)
         if not rec.assign:
             self._restored("", rec.round)
+
+    def _read_running(self, rec: _Restoring) -> None:
+        """Read the running checkpoint for recovery ``rec`` on a thread; ``_running_read`` takes
+        the outcome on the loop (from ``_poll``: a driver waiting for a lost row waits there)."""
+        from litz.ft import storage
+
+        assert self.checkpoints is not None
+        rec.reading = True
+        location, kind = self.checkpoints.location, "shards" if rec.role == "server" else "executors"
+
+        def read() -> tuple[Any, Exception | None]:
+            try:
+                return storage.running_checkpoint(location, kind), None
+            except storage.CheckpointError as exc:  # judged on the loop: asked again, or the job stops
+                return None, exc
+
+        self._in_background(0, "running", read, "master: cannot read the running checkpoint", self._restore_reads)
+
+    def _running_read(self) -> None:
+        """Take what ``_read_running`` read: plan the recovery (once its migrations are settled),
+        or, the store failing to answer, read again every ``STORE_RETRY`` s (``_retry_restore``)
+        until ``--checkpoint-timeout`` from the loss: an outage of a few seconds must not end the
+        job. A read whose recovery is over (a rollback took over) is dropped."""
+        from litz.ft import storage
+
+        while not self._restore_reads.empty():
+            _, _, value, error = self._restore_reads.get()
+            rec, ck = self._restoring, self.checkpoints
+            if rec is None or ck is None or not rec.reading:
+                continue
+            rec.reading = False
+            if error is not None:
+                raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)}: {error}")
+            running, exc = value
+            if exc is not None:  # the storage does not answer: nothing to restore from yet
+                if not storage.store_failed(exc) or time.monotonic() - rec.started >= ck.timeout:
+                    raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)} cannot read the running "
+                                    f"checkpoint ({exc}), tried for {ck.timeout:g} s (--checkpoint-timeout); the job "
+                                    f"stops: once the storage answers, launch it again with --resume") from exc
+                if rec.store_error is None:
+                    log.warning("the recovery from the loss of %s cannot read the running checkpoint (%s); trying "
+                                "again every %g s for up to %g s", ", ".join(rec.losts), exc, STORE_RETRY, ck.timeout)
+                rec.store_error = str(exc)
+                rec.retry_at = min(time.monotonic() + STORE_RETRY, rec.started + ck.timeout)  # the last try: at the end
+                continue
+            if rec.store_error is not None:
+                log.warning("the checkpoint storage answers again: the recovery from the loss of %s goes on",
+                            ", ".join(rec.losts))
+                rec.store_error = None
+            rec.read = [running]
+            if not rec.settling:
+                self._plan_restore(rec)
 
     def _send_restore(self, rec: _Restoring, dest: str) -> None:
         """Ask survivor ``dest`` to take its part of the plan, from the running checkpoint."""
@@ -1651,9 +1697,10 @@ class Master:
 
         self._in_background(r.cid, "dir", make, "master")
 
-    def _in_background(self, cid: int, what: str, work: Callable[[], Any], failing: str) -> None:
+    def _in_background(self, cid: int, what: str, work: Callable[[], Any], failing: str,
+                       results: queue.SimpleQueue[tuple[int, str, Any, str | None]] | None = None) -> None:
         """Run a storage step of round ``cid`` on a thread; its outcome (value, or the error prefixed
-        with ``failing``) reaches the loop through ``_background`` and wakes it."""
+        with ``failing``) reaches the loop through ``results`` (default ``_background``) and wakes it."""
 
         def run() -> None:
             try:
@@ -1661,7 +1708,7 @@ class Master:
             except Exception as exc:
                 text = str(exc) if isinstance(exc, LitzError) else f"{type(exc).__name__}: {exc}"
                 outcome = (None, f"{failing}: {text}")
-            self._background.put((cid, what, *outcome))
+            (self._background if results is None else results).put((cid, what, *outcome))
             with self._wake_lock, contextlib.suppress(OSError):  # full: the loop has a wake-up pending anyway
                 if self._wake_open:
                     os.write(self._wake_w, b"x")
