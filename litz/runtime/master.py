@@ -425,6 +425,13 @@ class _Restoring:
 #: Seconds between the log's warnings that a partial recovery still waits (``Master._warn_slow_recovery``).
 SLOW_RECOVERY = 30.0
 
+def _gave_up(timeout: float) -> str:
+    """How an error that stops the job ends when the checkpoint storage did not answer a recovery
+    (the job's checkpoints are still there: what to do once it does)."""
+    return (f", tried for {timeout:g} s (--checkpoint-timeout); once the storage answers, launch the job again "
+            f"with --resume")
+
+
 #: Seconds between a recovery's attempts to read the running checkpoint from a store that failed to
 #: answer (until ``--checkpoint-timeout`` from the loss, or from the full recovery's reload).
 STORE_RETRY = 1.0
@@ -1207,8 +1214,7 @@ class Master:
             if exc is not None:  # the storage does not answer: nothing to restore from yet
                 if not storage.store_failed(exc) or time.monotonic() - rec.started >= ck.timeout:
                     raise LitzError(f"the recovery from the loss of {', '.join(rec.losts)} cannot read the running "
-                                    f"checkpoint ({exc}), tried for {ck.timeout:g} s (--checkpoint-timeout); the job "
-                                    f"stops: once the storage answers, launch it again with --resume") from exc
+                                    f"checkpoint ({exc}){_gave_up(ck.timeout)}") from exc
                 if rec.store_error is None:
                     log.warning("the recovery from the loss of %s cannot read the running checkpoint (%s); trying "
                                 "again every %g s for up to %g s", ", ".join(rec.losts), exc, STORE_RETRY, ck.timeout)
@@ -1238,8 +1244,7 @@ class Master:
             return  # an answer to a plan that a later loss replaced
         kind = "shards" if rec.role == "server" else "executors"
         if time.monotonic() - rec.started >= ck.timeout:
-            raise LitzError(f"recovery failed on {sender} (restore_{kind}): {error}, tried for {ck.timeout:g} s "
-                            f"(--checkpoint-timeout); once the storage answers, launch the job again with --resume")
+            raise LitzError(f"recovery failed on {sender} (restore_{kind}): {error}{_gave_up(ck.timeout)}")
         if rec.store_error is None:
             log.warning("the recovery from the loss of %s: %s; asking again every %g s for up to %g s",
                         ", ".join(rec.losts), error, STORE_RETRY, ck.timeout)
@@ -1438,9 +1443,8 @@ class Master:
                 except storage.CheckpointError as exc:  # never taken for "none": all the job's progress would go
                     if not storage.store_failed(exc) or time.monotonic() >= deadline:
                         raise LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops "
-                                        f"rather than start again from the beginning ({exc}), tried for "
-                                        f"{ck.timeout:g} s (--checkpoint-timeout); once the storage answers, "
-                                        f"launch it again with --resume") from exc
+                                        f"rather than start again from the beginning ({exc})"
+                                        f"{_gave_up(ck.timeout)}") from exc
                     if not said:
                         log.warning("the full recovery cannot read the job's last checkpoint (%s); trying again "
                                     "every %g s for up to %g s", exc, STORE_RETRY, ck.timeout)
@@ -1474,8 +1478,7 @@ class Master:
                 return
             assert ck is not None  # (a process restores only from a checkpoint)
             if time.monotonic() - started >= ck.timeout:
-                raise LitzError(f"the full recovery failed on {msg.sender}: {msg['error']}, tried for {ck.timeout:g} s "
-                                f"(--checkpoint-timeout); once the storage answers, launch the job again with --resume")
+                raise LitzError(f"the full recovery failed on {msg.sender}: {msg['error']}{_gave_up(ck.timeout)}")
             if not again:
                 log.warning("the full recovery: %s; asking again every %g s for up to %g s", msg["error"], STORE_RETRY,
                             ck.timeout)
