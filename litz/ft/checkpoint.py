@@ -104,11 +104,20 @@ class RowSaves:
         out[self.saved_round < 0] = np.inf
         return out
 
-    def remember(self, rows: StateRows, chosen: np.ndarray, round_: int) -> None:
-        """The rows ``chosen`` (positions) were saved in round ``round_`` as they are in ``rows``."""
-        mask = rows.values_of(chosen)
+    def remember(self, rows: StateRows, chosen: np.ndarray, round_: int) -> tuple[np.ndarray, ...]:
+        """The rows ``chosen`` (positions) were saved in round ``round_`` as they are in ``rows``;
+        returns what they replaced, for ``forget`` should the round fail."""
+        mask, chosen = rows.values_of(chosen), np.asarray(chosen, np.int64)
+        replaced = (mask, self.saved.values[mask].copy(), chosen, self.saved_round[chosen].copy())
         self.saved.values[mask] = rows.values[mask]
-        self.saved_round[np.asarray(chosen, np.int64)] = round_
+        self.saved_round[chosen] = round_
+        return replaced
+
+    def forget(self, replaced: tuple[np.ndarray, ...]) -> None:
+        """Put back what ``remember`` replaced: that round saved nothing after all."""
+        mask, values, chosen, rounds = replaced
+        self.saved.values[mask] = values
+        self.saved_round[chosen] = rounds
 
 
 @dataclass

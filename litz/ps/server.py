@@ -58,11 +58,12 @@ class ShardStore:
         # SCAR: each row's value as last saved in a checkpoint, and the round (its cid) it was saved in
         self.saved: dict[tuple[str, Hashable], np.ndarray] = {}
         self.saved_round: dict[tuple[str, Hashable], int] = {}
-        # rows copied for a round still being written, by its cid: they count as saved only once
-        # the master says the round completed (``settle``). A round that failed (a part the store
-        # refused, a time-out) saved nothing, and rows ranked by their distance from values no
-        # checkpoint holds would be passed over while the running checkpoint keeps them stale
-        self.staged: dict[int, list[tuple[str, int, Hashable, np.ndarray]]] = {}
+        # what a round still being written replaced of the saved copies, by its cid, to put back if
+        # the master says it failed (``settle``): it saved nothing (a part the store refused, a
+        # time-out), and rows ranked by their distance from values no checkpoint holds would be
+        # passed over while the running checkpoint keeps them stale. The copies count as saved
+        # from the round's copy on, so that they travel with a shard that migrates meanwhile
+        self.staged: dict[int, list[tuple[str, int, Hashable, np.ndarray | None, int | None]]] = {}
 
     def split(self, keys: list[Hashable]) -> tuple[list[int] | None, dict[str, list[int]]]:
         """Positions of keys served here (None: all of them), and of keys whose shard moved
@@ -198,16 +199,28 @@ class ShardStore:
             self.saved_round[(name, key)] = round_
 
     def stage(self, rows: list[tuple[str, int, Hashable, np.ndarray]], round_: int) -> None:
-        """These copies are being written in round ``round_``: saved once it completes (``settle``)."""
-        if self.keeps_saved:
-            self.staged[round_] = rows
+        """These copies are being written in round ``round_``: saved now, put back as they were if
+        the round fails (``settle``)."""
+        if not self.keeps_saved:
+            return
+        self.staged[round_] = [(name, shard, key, self.saved.get((name, key)), self.saved_round.get((name, key)))
+                               for name, shard, key, _ in rows]
+        self.remember(rows, round_)
 
     def settle(self, round_: int, ok: bool) -> None:
-        """Round ``round_`` ended: complete (its staged copies are now what the checkpoint holds)
-        or failed (they are dropped; the saved copies stay those of the rounds before)."""
-        rows = self.staged.pop(round_, None)
-        if ok and rows:  # not the rows of shards that moved away since: their copies went with them
-            self.remember([row for row in rows if row[1] in self.shards], round_)
+        """Round ``round_`` ended: complete (its copies stay the saved ones) or failed (the saved
+        copies it replaced are put back, but for shards that moved away since: theirs went along)."""
+        undo = self.staged.pop(round_, None)
+        if ok or not undo:
+            return
+        for name, shard, key, row, saved_in in undo:
+            if shard not in self.shards:
+                continue
+            if row is None or saved_in is None:
+                self.saved.pop((name, key), None)
+                self.saved_round.pop((name, key), None)
+            else:
+                self.saved[(name, key)], self.saved_round[(name, key)] = row, saved_in
 
     def scores(self, policy: str, round_: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
         """Every row hosted here with its claim to be saved next: ``priority``, the table's

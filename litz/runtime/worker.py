@@ -161,9 +161,10 @@ class Worker(Node):
         self.row_saves: dict[int, RowSaves] = {}
         self._scoring = RowScoring()
         self._scored: dict[int, list[tuple[int, StateRows]]] = {}
-        # a round's copies of executors' rows, until it ends (``on_checkpoint_done``): a full round's
-        # (eid, RowSaves or None, None), a partial one's (eid, rows, positions chosen)
-        self._staged: dict[int, list[tuple[int, Any, np.ndarray | None]]] = {}
+        # what a round still being written replaced of the executors' saved rows, until it ends
+        # (``on_checkpoint_done``), to put back if it fails: (executor, the saves it set or changed,
+        # a full round's previous saves or a partial one's ``RowSaves.remember`` token)
+        self._staged: dict[int, list[tuple[int, RowSaves | None, Any]]] = {}
 
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
@@ -349,7 +350,11 @@ class Worker(Node):
             self.endpoint.send(msg.sender, "checkpoint_written", cid=msg["cid"], files=[],
                                error=f"worker {self.ident}: {exc}")
             return
-        self._staged[msg["cid"]] = [(eid, self._saves_now(eid, msg["cid"]), None) for eid in self.slots]
+        staged = self._staged[msg["cid"]] = []
+        for eid in self.slots:  # saved now (the copies travel with an executor that moves), undone if it fails
+            before, now = self.row_saves.get(eid), self._saves_now(eid, msg["cid"])
+            self._keep_saves(eid, now)
+            staged.append((eid, now, before))
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"executors-{self.ident}.arrow",
@@ -396,19 +401,20 @@ class Worker(Node):
             return None
 
     def on_checkpoint_done(self, msg: Message) -> None:
-        """A round ended. Complete: what it copied of the executors' rows is what the running
-        checkpoint holds now, and partial rounds score against it. Failed: it saved nothing, the
-        saved copies stay those of the rounds before (scored against values no checkpoint holds,
-        rows that changed would be passed over while the checkpoint keeps them stale). An
-        executor that moved away since took its saved copies along: the new host's stay."""
-        staged = self._staged.pop(msg["cid"], [])
-        for eid, copied, chosen in staged if msg["ok"] else []:
-            if eid not in self.slots:
+        """A round ended. Complete: what it copied of the executors' rows stays what partial
+        rounds score against. Failed: it saved nothing, and the saved copies it replaced are put
+        back (scored against values no checkpoint holds, rows that changed would be passed over
+        while the checkpoint keeps them stale). An executor that moved away since took its saved
+        copies along, as they were: they stay."""
+        for eid, saves, replaced in [] if msg["ok"] else self._staged.get(msg["cid"], []):
+            if self.row_saves.get(eid) is not saves or eid not in self.slots:
                 continue
-            if chosen is None:  # a full round: every row as copied (a RowSaves, or None: none kept)
-                self._keep_saves(eid, copied)
-            elif eid in self.row_saves and self.row_saves[eid].matches(copied):  # partial: the rows chosen
-                self.row_saves[eid].remember(copied, chosen, msg["cid"])
+            if isinstance(replaced, tuple):  # partial: the rows chosen
+                assert saves is not None
+                saves.forget(replaced)
+            else:  # full: every row
+                self._keep_saves(eid, replaced)
+        self._staged.pop(msg["cid"], None)
 
     def on_ckpt_scores(self, msg: Message) -> None:
         """Score the state rows of every executor that keeps some, each between two of its tasks:
@@ -456,8 +462,9 @@ class Worker(Node):
         for k, (eid, rows) in enumerate(scored):
             mine = chosen[(chosen >= starts[k]) & (chosen < starts[k + 1])] - starts[k]
             out.append((eid, mine, rows))
-        # saved once the round completes (``on_checkpoint_done``)
-        self._staged[msg["cid"]] = [(eid, rows, mine) for eid, mine, rows in out if len(mine)]
+        # saved now (the copies travel with an executor that moves), undone if the round fails
+        self._staged[msg["cid"]] = [(eid, saves, saves.remember(rows, mine, msg["cid"])) for eid, mine, rows in out
+                                    if len(mine) and eid in self.slots and (saves := self.row_saves.get(eid))]
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"executor-rows-{self.ident}.arrow",
