@@ -436,6 +436,12 @@ def _gave_up(timeout: float) -> str:
 #: answer (until ``--checkpoint-timeout`` from the loss, or from the full recovery's reload).
 STORE_RETRY = 1.0
 
+
+def _next_try(deadline: float) -> float:
+    """When to ask a checkpoint store that failed to answer again: ``STORE_RETRY`` s from now,
+    the last time at ``deadline`` (``--checkpoint-timeout`` after the recovery began)."""
+    return min(time.monotonic() + STORE_RETRY, deadline)
+
 #: Seconds a finished job waits for a worker still running a task it abandoned (statistics, goodbye).
 ABANDONED_GRACE = 1.0
 
@@ -1219,7 +1225,7 @@ class Master:
                     log.warning("the recovery from the loss of %s cannot read the running checkpoint (%s); trying "
                                 "again every %g s for up to %g s", ", ".join(rec.losts), exc, STORE_RETRY, ck.timeout)
                 rec.store_error = str(exc)
-                rec.retry_at = min(time.monotonic() + STORE_RETRY, rec.started + ck.timeout)  # the last try: at the end
+                rec.retry_at = _next_try(rec.started + ck.timeout)
                 continue
             if rec.store_error is not None:
                 log.warning("the checkpoint storage answers again: the recovery from the loss of %s goes on",
@@ -1249,7 +1255,7 @@ class Master:
             log.warning("the recovery from the loss of %s: %s; asking again every %g s for up to %g s",
                         ", ".join(rec.losts), error, STORE_RETRY, ck.timeout)
         rec.store_error = error
-        rec.resend[sender] = min(time.monotonic() + STORE_RETRY, rec.started + ck.timeout)
+        rec.resend[sender] = _next_try(rec.started + ck.timeout)
 
     def _retry_restore(self) -> None:
         """Read the running checkpoint again for a partial recovery whose store failed to answer,
@@ -1449,7 +1455,7 @@ class Master:
                         log.warning("the full recovery cannot read the job's last checkpoint (%s); trying again "
                                     "every %g s for up to %g s", exc, STORE_RETRY, ck.timeout)
                         said = True
-                    until = min(time.monotonic() + STORE_RETRY, deadline)
+                    until = _next_try(deadline)
                     self._wait(lambda until=until: time.monotonic() >= until, "the checkpoint storage",
                                STORE_RETRY + 1, on_msg)
                     continue
@@ -1482,7 +1488,7 @@ class Master:
             if not again:
                 log.warning("the full recovery: %s; asking again every %g s for up to %g s", msg["error"], STORE_RETRY,
                             ck.timeout)
-            again[msg.sender] = min(time.monotonic() + STORE_RETRY, started + ck.timeout)
+            again[msg.sender] = _next_try(started + ck.timeout)
 
         while waiting:
             self._wait(lambda: not waiting or any(time.monotonic() >= at for at in again.values()),

@@ -178,8 +178,7 @@ class Node:
                 value, error = read(), None
             except BaseException as exc:  # handed to ``then``
                 value, error = None, exc
-            self._background.put(lambda: then(value, error))
-            self._wake()
+            self._to_loop(then, value, error)
 
         threading.Thread(target=run, daemon=True, name=f"{self.ident}-restore").start()
 
@@ -244,8 +243,13 @@ class Node:
                 result, error = work(), None
             except BaseException as exc:  # handed to ``then``
                 result, error = None, exc
-            self._background.put(lambda then=then, result=result, error=error: then(result, error))
-            self._wake()
+            self._to_loop(then, result, error)
+
+    def _to_loop(self, then: Callable[[Any, BaseException | None], None], result: Any,
+                 error: BaseException | None) -> None:
+        """From a thread: have the loop, which alone may touch the sockets, call ``then(result, error)``."""
+        self._background.put(lambda: then(result, error))
+        self._wake()
 
     def on_event(self, ev: Event) -> None:
         if ev.kind == "put":
