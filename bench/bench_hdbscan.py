@@ -143,6 +143,8 @@ def speed(sizes: list[int], layouts: list[Layout], k: int, both_msts: bool, fast
         ref, t_h = (None, float("nan"))
         # its time roughly doubles per size, so a size 2**e after 2**last_e takes 2.2**(e - last_e) times as long
         if last_hdbscan * 2.2 ** (1 if last_e is None else max(e - last_e, 1)) <= hdbscan_limit:
+            # said before the fit: a run stopped during it (a call's time limit) still tells how long it ran
+            print(f"  hdbscan: fit started {time.strftime('%H:%M:%S')}", flush=True)
             ref, t_h = timed(hdbscan_default, x)
             last_hdbscan, last_e = t_h, e
         t_f = {m: timed(fast_hdbscan_labels, x, m)[1] for m in metrics}
