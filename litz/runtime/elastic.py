@@ -73,6 +73,9 @@ class Elasticity:
         self.history: list[dict[str, Any]] = []
         self._next_id: dict[str, int] = {}
         self._joins: list[dict[str, Any]] = []  # join offers waiting for the current operation
+        # processes that registered but never joined (their join timed out, or failed): no message
+        # of the master reaches them (a host without the job secret, say), so it waits for none
+        self.unjoined: set[str] = set()
 
     # -- commands ----------------------------------------------------------------------------------
     def reply(self, cid: str, ok: bool, reason: str = "", **extra: Any) -> None:
@@ -265,6 +268,7 @@ class Elasticity:
         assert st is not None
         if error:
             log.error("%s failed to join: %s", ident, error)
+            self.unjoined.add(ident)
         else:
             (st.servers if self.m.procs[ident].get("role") == "server" else st.workers).append(ident)
         op.joining.discard(ident)
@@ -299,6 +303,7 @@ class Elasticity:
                       "(wrong or missing job secret, or unreachable address?); going on without them")
             log.error("%s", reason)
             self.m.errors.append(reason)
+            self.unjoined |= op.joining
             op.joining.clear()
             self._joined()
             return

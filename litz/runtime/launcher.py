@@ -518,7 +518,12 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                     accepted = True
                 if cluster.exit_requested and all(p.poll() is not None for p in cluster.children.values()):
                     return 0
-                if cluster.job_ended or drain.holds_nothing:
+                if drain.holds_nothing:
+                    # none of them is in the job, so the master will never tell them to leave:
+                    # waiting for them would only cost the stop's 5 s
+                    cluster.stop(timeout=0.0)
+                    return 0
+                if cluster.job_ended:
                     return 0
                 if not accepted and time.monotonic() > deadline:
                     raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")

@@ -2210,10 +2210,12 @@ class Master:
 
     def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
         """Tell every process to leave and wait (briefly) for their goodbyes: a worker still in an
-        abandoned task only ``ABANDONED_GRACE`` s (the launcher then terminates what is left)."""
+        abandoned task only ``ABANDONED_GRACE`` s (the launcher then terminates what is left). Not
+        for processes that never joined: they cannot hear it (their agent stops them)."""
         busy = self._busy_workers()
         targets = [p for p in self.procs if p != "master" and p not in self._byes and p not in self._unresponsive
-                   and p not in self.lost and self.procs[p].get("role") in ("worker", "server")]
+                   and p not in self.lost and p not in self.elastic.unjoined
+                   and self.procs[p].get("role") in ("worker", "server")]
         for p in targets:
             try:
                 self.endpoint.send(p, "shutdown", reason="job finished")
