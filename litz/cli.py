@@ -341,15 +341,17 @@ def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
         entry = {"role": value.get("role"), "id": value.get("id"), "host": value.get("host"),
                  "pid": value.get("pid"), "addr": value.get("addr")}
         if entry["role"] in ("worker", "server"):
-            # "joining": registered but not (yet) admitted by the master, e.g. still starting,
-            # or never able to talk to it (a host without the job secret); "lost": declared
-            # lost, its work recovered elsewhere (its registration lasts until its lease ends)
+            # "joining": registered but not (yet) admitted by the master, e.g. still starting;
+            # "unjoined": its join timed out or failed (a host without the job secret, say), the
+            # job went on without it; "lost": declared lost, its work recovered elsewhere (its
+            # registration lasts until its lease ends)
             held = executors if entry["role"] == "worker" else shards
             entry["state"] = ("lost" if entry["id"] in status.get("lost", ()) else
-                              "member" if entry["id"] in held else "joining")
+                              "member" if entry["id"] in held else
+                              "unjoined" if entry["id"] in status.get("unjoined", ()) else "joining")
             entry["executors" if entry["role"] == "worker" else "shards"] = held.get(entry["id"], [])
         processes.append(entry)
-    summary = {k: v for k, v in status.items() if k not in ("executors", "shards", "lost")}
+    summary = {k: v for k, v in status.items() if k not in ("executors", "shards", "lost", "unjoined")}
     return {"job": job, "etcd": url, "master": summary, "processes": processes}
 
 
@@ -437,7 +439,7 @@ def status(argv: list[str]) -> int:
             extra = f"executors {_ranges(proc['executors'])} ({len(proc['executors'])})"
         elif "shards" in proc:
             extra = f"shards {_ranges(proc['shards'])} ({len(proc['shards'])})"
-        if proc.get("state") in ("joining", "lost"):
+        if proc.get("state") in ("joining", "unjoined", "lost"):
             extra += f" {proc['state']}"
         print(f"  {proc['role']:<7} {proc['id']:<16} host {proc['host']:<16} pid {proc['pid']:<8} {extra}")
     return 0

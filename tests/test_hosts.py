@@ -120,6 +120,9 @@ def test_job_spans_hosts_joins_and_drains(tmp_path: Path, monkeypatch, caplog) -
             # D's offer may come before C's or after it: wait until it was tried and timed out
             _until(lambda: (m := job_status(job, etcd.url)["master"]) and not m.get("scaling") and any(
                 h["command"].startswith(f"join-{d}-") for h in m.get("scale_history", [])), "D's offer to time out")
+            # litz status tells D's worker from one still joining
+            assert [p["state"] for p in job_status(job, etcd.url)["processes"]
+                    if p["host"] == d and p["role"] == "worker"] == ["unjoined"]
             # drain host B: its executors and its server's shards move away, its processes and agent exit
             assert scale(["--job", job, "--etcd", etcd.url, "--drain-host", b, "--wait", "--timeout", "60"]) == 0
             lay = _layout(job, etcd.url)

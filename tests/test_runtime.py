@@ -377,6 +377,26 @@ def test_a_job_that_finishes_with_a_task_still_running_ends_promptly() -> None:
     assert "w0" in res.stats or "w1" in res.stats  # the idle worker's counters are there
 
 
+def test_a_joined_hosts_agent_stops_at_once_the_processes_that_never_joined() -> None:
+    """When the job ends, a joined host's agent terminates at once the processes the master's last
+    status names as never joined (a host without the job secret, say): no goodbye reaches them,
+    and the agent's stop waited 5 s for each. The others are left to leave on their own."""
+    from litz.runtime.launcher import LocalCluster
+
+    cluster = LocalCluster("unjoined", workers=2, servers=0, etcd="http://127.0.0.1:1", join=True)
+    sleepers = {i: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for i in ("w3", "w4")}
+    cluster.children.update(sleepers)
+    try:
+        cluster.stop_unjoined(None)  # no status (etcd gone with the job): nothing is known, nothing stopped
+        cluster.stop_unjoined({"phase": "finished", "unjoined": ["w4", "w9"]})
+        assert sleepers["w4"].wait(5) == -15 and sleepers["w3"].poll() is None
+    finally:
+        for proc in sleepers.values():
+            proc.kill()
+            proc.wait()
+        cluster.rundir.rmdir()
+
+
 def test_stray_messages_from_outside_the_job_are_dropped_and_the_job_finishes_exactly() -> None:
     app = testapps.migrating_app(tasks=300, executors=4, move_prob=0.1)
     app.driver = testapps.StrayMessagesDriver

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from litz.api import App, JobResult
-from litz.errors import ConfigError, EtcdUnreachable, ProcessLost
+from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProcessLost
 from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator
 from litz.ps.tables import table_index
 from litz.runtime import jobs, security, spawner
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
-from litz.runtime.master import Master, Resume, StartupTimeout
+from litz.runtime.master import STATUS_KEY, Master, Resume, StartupTimeout
 from litz.runtime.membership import KeyHeld, Membership, lease_ttl
 from litz.runtime.node import proc_key
 from litz.runtime.transport import check_bind_host, host_name
@@ -302,6 +302,14 @@ class LocalCluster:
                                   + (f"; its log ends with:\n{tail}" if tail else ""), ident)
 
     # -- stop ---------------------------------------------------------------------------------
+    def stop_unjoined(self, status: dict[str, Any] | None) -> None:
+        """Terminate this host's processes that the job's last ``status`` names as never joined:
+        the master's goodbye never reaches them, so :meth:`stop` would wait its 5 s for each."""
+        for ident in (status or {}).get("unjoined", ()):
+            proc = self.children.get(ident)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every child (they should already be leaving), then the private etcd."""
         self._stopping = True
@@ -524,6 +532,8 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                     cluster.stop(timeout=0.0)
                     return 0
                 if cluster.job_ended:
+                    with contextlib.suppress(LitzError):  # etcd gone too: stop() waits for them as before
+                        cluster.stop_unjoined(agent.get(STATUS_KEY))
                     return 0
                 if not accepted and time.monotonic() > deadline:
                     raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")

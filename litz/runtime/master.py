@@ -688,6 +688,8 @@ class Master:
             status["recoveries"] = self.recoveries[-5:]
         if self.lost:
             status["lost"] = sorted(self.lost, key=_id_order)
+        if self.elastic.unjoined:  # their agents stop them when the job ends (they cannot hear the master)
+            status["unjoined"] = sorted(self.elastic.unjoined, key=_id_order)
         if (rec := self._restoring) is not None:
             status["recovering"] = self._recovering(rec)
         if self.checkpoints is not None:
