@@ -16,7 +16,7 @@ import pytest
 import litz
 from litz.errors import ConfigError
 from litz.ft import storage
-from litz.ft.checkpoint import CheckpointCoordinator, parse_every
+from litz.ft.checkpoint import CheckpointCoordinator, RowSaves, parse_every
 from tests import testapps
 from tests.conftest import processes_mentioning, run_in_thread, wait_running
 from tests.s3_server import location as s3_location
@@ -977,8 +977,6 @@ def test_row_saves_score_each_policy_and_remember_what_was_saved() -> None:
     executor's distance from the saved copy, round-robin by rounds since saved (the master's round
     numbers, so that executors compare), never-saved rows first; remember() copies exactly the
     chosen rows."""
-    from litz.ft.checkpoint import RowSaves
-
     ptr = np.array([0, 2, 2, 5, 6])  # rows of 2, 0, 3 and 1 values
     saves = RowSaves(litz.StateRows(np.array([1.0, 1, 2, 2, 2, 3]), ptr), 4)
     now = litz.StateRows(np.array([1.0, 4, 2, 2, 2, 0]), ptr)  # row 0 moved by 3, row 3 by 3 too
@@ -1124,6 +1122,100 @@ def test_a_shards_saved_copies_move_with_it() -> None:
     finally:
         a.endpoint.close()
         b.endpoint.close()
+
+
+@pytest.mark.parametrize(("ok", "done_first"), [(False, False), (False, True), (True, False)],
+                         ids=["failed", "failed-end-arrives-first", "complete"])
+def test_a_rounds_undo_moves_with_a_migrating_shard_and_executor(tmp_path: Path, ok: bool, done_first: bool) -> None:
+    """A shard and an executor migrate while a partial round that copied their rows is still being
+    written (processes driven without sockets, messages through the protocol): should the round
+    fail, their new hosts put back the saved copies it replaced, whether the round's end reaches
+    them before or after the item; should it complete, the copies stay. Before, the undo entries
+    stayed on the source, where the items no longer were: the failed round's copies stayed the
+    saved ones on the new hosts, and rows that had moved ranked as if the checkpoint held them."""
+    from litz.ps.server import ServerNode, ShardStore
+    from litz.ps.tables import shard_of, table_index
+    from litz.runtime.protocol import Message, decode, encode
+    from litz.runtime.worker import Slot, Worker
+
+    tables = [litz.Table("t", (2,))]
+    a, b = ServerNode("s0", "job", "127.0.0.1:1"), ServerNode("s1", "job", "127.0.0.1:1")
+    w0, w1 = Worker("w0", "job", "127.0.0.1:1"), Worker("w1", "job", "127.0.0.1:1")
+    sent: list[tuple[str, str, str, list]] = []  # (from, to, kind, frames)
+    nodes = (a, b, w0, w1)
+    for node in nodes:
+        node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:  # type: ignore[method-assign]
+                              sent.append((who, peer, kind, encode(kind, **fields))))
+        node._looked_up.update({"master", "s0", "w0"})
+        node.master = "master"
+
+    def deliver(kind: str, to: str) -> None:
+        [(who, frames)] = [(who, f) for who, peer, k, f in sent if k == kind and peer == to]
+        {"s1": b, "w1": w1}[to].dispatch(decode(frames, sender=who))
+
+    def done(*to: ServerNode | Worker) -> None:
+        for node in to:
+            node.dispatch(Message("checkpoint_done", {"cid": 4, "ok": ok}, sender="master"))
+
+    try:
+        for srv, shards in ((a, [0, 1]), (b, [])):
+            srv.store = ShardStore(table_index(tables), shards, 2, keeps_saved=True)
+        a.store.update("t", [0, 1, 2, 3], np.arange(8.0).reshape(4, 2))
+        a.store.stage(a.store.rows_snapshot(), 3)
+        a.store.settle(3, ok=True)
+        a.store.update("t", [1], np.array([[3.0, 4.0]]))  # row 1 moves by 5 after round 3
+        config = {"rows": 6, "sleep": 0.0}
+        w1.app, w1.num_executors = {"executor": testapps.RowsExecutor, "config": config}, 1
+        for w in (w0, w1):
+            w.options["checkpoint_policy"] = "priority"
+        ex = testapps.RowsExecutor()
+        ex.executor_id, ex.num_executors, ex.config = 0, 1, config
+        ex.state = ex.init_state()
+        ex.run_task({})
+        w0.slots = {0: Slot(ex)}
+        w0.row_saves[0] = RowSaves(ex.state_rows(), 3)  # as saved in round 3
+        ex.run_task({})  # rows 2 and 5 move by 2 each after round 3
+
+        # round 4 saves every row of s0 and of executor 0, and is being written...
+        for node in (a, w0):
+            node.dispatch(Message("ckpt_scores", {"cid": 4, "policy": "priority"}, sender="master"))
+        scored = {who: decode(f, sender=who)["scores"] for who, _, k, f in sent if k == "ckpt_scores_reply"}
+        path = tmp_path / "ckpt-4"
+        path.mkdir()
+        for node in (a, w0):
+            node.dispatch(Message("ckpt_save", {"cid": 4, "location": str(tmp_path), "path": str(path),
+                                                "rows": list(range(len(scored[node.ident])))}, sender="master"))
+        _until_background([a, w0], lambda: sum(k == "checkpoint_written" for _, _, k, _ in sent) == 2, "the parts")
+        # ... when shard 1 and executor 0 leave
+        a.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
+        w0.dispatch(Message("migrate_out", {"mid": 2, "executors": [0], "dest": "w1", "ship_input": True},
+                            sender="master"))
+        w0.dispatch(Message("ship", {"mid": 2}, sender="master"))
+        if done_first:
+            done(a, b, w0, w1)
+        deliver("shard_data", "s1")
+        deliver("executor_state", "w1")
+        if not done_first:
+            done(a, b, w0, w1)
+        assert not any(a.store.staged.values()) and not any(w0._staged.values())  # nothing left behind
+        assert not b.store.staged and not w1._staged  # nothing kept of a round that ended
+
+        entries, scores = b.store.scores("priority", 5)
+        moved = [k for k in range(4) if shard_of(k, 2) == 1]
+        assert sorted(k for _, _, k in entries) == moved == [1, 3]
+        by_key = dict(zip([k for _, _, k in entries], scores, strict=True))
+        _, ages = b.store.scores("round-robin", 5)
+        del sent[:]
+        w1.dispatch(Message("ckpt_scores", {"cid": 5, "policy": "priority"}, sender="master"))
+        [rows_scores] = [decode(f, sender=who)["scores"] for who, _, k, f in sent if k == "ckpt_scores_reply"]
+        if ok:  # round 4 holds the rows as they are: nothing moved since
+            assert by_key == {1: 0.0, 3: 0.0} and ages.tolist() == [1, 1] and not rows_scores.any()
+        else:  # back to round 3's copies: what moved since then scores its move
+            assert by_key == {1: 5.0, 3: 0.0} and ages.tolist() == [2, 2], (by_key, ages)
+            np.testing.assert_allclose(rows_scores, [0, 0, 2 * np.sqrt(2), 0, 0, 2])
+    finally:
+        for node in nodes:
+            node.endpoint.close()
 
 
 def test_row_scoring_waits_for_running_executors_and_fails_at_the_first_error() -> None:

@@ -69,6 +69,32 @@ def select_top(scores: dict[str, np.ndarray], fraction: float) -> dict[str, list
     return out
 
 
+class RoundOutcomes:
+    """How the latest rounds ended, as the master said (``checkpoint_done``), for a process that
+    receives a migrating executor or shard with the undo entries of a round still open at its
+    source: the item and the round's end come from different senders, so either may come first.
+    A round that ended is applied at once (undone if it failed, kept if it completed); no sockets."""
+
+    KEEP = 64  # rounds remembered; an older one counts as ended and kept (its undo is dropped)
+
+    def __init__(self) -> None:
+        self._ended: dict[int, bool] = {}
+        self._newest = -1
+
+    def record(self, cid: int, ok: bool) -> None:
+        self._ended[cid] = ok
+        self._newest = max(self._newest, cid)
+        while len(self._ended) > self.KEEP:
+            del self._ended[next(iter(self._ended))]
+
+    def ended(self, cid: int) -> bool | None:
+        """True: round ``cid`` completed (or is too old to remember); False: it failed; None: it
+        has not ended here yet (the master runs one round at a time, numbered in order)."""
+        if cid in self._ended:
+            return self._ended[cid]
+        return True if cid <= self._newest else None
+
+
 class RowSaves:
     """What the running checkpoint holds of one executor's state rows (``Executor.state_rows``):
     the copy of each row as last saved and the round (a checkpoint's cid) it was saved in, so

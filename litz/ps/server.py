@@ -16,6 +16,7 @@ import cloudpickle
 import numpy as np
 
 from litz.errors import LitzError, TableError
+from litz.ft.checkpoint import RoundOutcomes
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.runtime.node import Node, exit_process, main
 from litz.runtime.protocol import Message
@@ -62,8 +63,10 @@ class ShardStore:
         # the master says it failed (``settle``): it saved nothing (a part the store refused, a
         # time-out), and rows ranked by their distance from values no checkpoint holds would be
         # passed over while the running checkpoint keeps them stale. The copies count as saved
-        # from the round's copy on, so that they travel with a shard that migrates meanwhile
+        # from the round's copy on, so that they travel with a shard that migrates meanwhile (and
+        # so do these entries: ``extract_staged``)
         self.staged: dict[int, list[tuple[str, int, Hashable, np.ndarray | None, int | None]]] = {}
+        self.ended = RoundOutcomes()  # for entries that arrive with a shard after their round ended
 
     def split(self, keys: list[Hashable]) -> tuple[list[int] | None, dict[str, list[int]]]:
         """Positions of keys served here (None: all of them), and of keys whose shard moved
@@ -119,6 +122,33 @@ class ShardStore:
             for key, copy, round_ in zip(keys, copies, rounds, strict=True):
                 self.saved[(table.name, key)] = np.array(copy, dtype=table.dtype, copy=True)
                 self.saved_round[(table.name, key)] = int(round_)
+
+    def extract_staged(self, shards: list[int]) -> list[list[Any]]:
+        """Remove the undo entries of rounds still open for the rows of ``shards`` (leaving with
+        them): ``[round, table, shard, key, copy replaced, round it was saved in]`` each, copy and
+        round None where the row had none. Should the round fail, the new server puts them back:
+        left here, they would be undone where the rows no longer are, and the copies the round made
+        would stay the saved ones on the new server."""
+        out: list[list[Any]] = []
+        for round_, entries in self.staged.items():
+            out.extend([round_, *e] for e in entries if e[1] in shards)
+            entries[:] = [e for e in entries if e[1] not in shards]
+        return out
+
+    def install_staged(self, entries: list[list[Any]]) -> None:
+        """Take the undo entries that came with migrated shards (``extract_staged``), after their
+        rows and saved copies: kept for their round's end, or applied now if it already failed."""
+        if not self.keeps_saved:
+            return
+        for round_, name, shard, key, row, saved_in in entries:
+            table = lookup(self.tables, name)
+            entry = (table.name, shard, key, None if row is None else np.array(row, dtype=table.dtype, copy=True),
+                     None if saved_in is None else int(saved_in))
+            ended = self.ended.ended(round_)
+            if ended is None:
+                self.staged.setdefault(round_, []).append(entry)
+            elif not ended:
+                self._undo([entry])
 
     def install(self, shards: list[int], data: list[list[Any]]) -> None:
         """Take over migrated shards (copies: received frames are read-only)."""
@@ -203,17 +233,21 @@ class ShardStore:
         the round fails (``settle``)."""
         if not self.keeps_saved:
             return
-        self.staged[round_] = [(name, shard, key, self.saved.get((name, key)), self.saved_round.get((name, key)))
-                               for name, shard, key, _ in rows]
+        self.staged.setdefault(round_, []).extend(  # (a shard that arrived may have brought some)
+            (name, shard, key, self.saved.get((name, key)), self.saved_round.get((name, key)))
+            for name, shard, key, _ in rows)
         self.remember(rows, round_)
 
     def settle(self, round_: int, ok: bool) -> None:
         """Round ``round_`` ended: complete (its copies stay the saved ones) or failed (the saved
-        copies it replaced are put back, but for shards that moved away since: theirs went along)."""
+        copies it replaced are put back; a shard that moved away since took its entries along)."""
+        self.ended.record(round_, ok)
         undo = self.staged.pop(round_, None)
-        if ok or not undo:
-            return
-        for name, shard, key, row, saved_in in undo:
+        if not ok and undo:
+            self._undo(undo)
+
+    def _undo(self, entries: list[tuple[str, int, Hashable, np.ndarray | None, int | None]]) -> None:
+        for name, shard, key, row, saved_in in reversed(entries):  # the latest first: the earliest copy stays
             if shard not in self.shards:
                 continue
             if row is None or saved_in is None:
@@ -523,10 +557,11 @@ class ServerNode(Node):
             self.endpoint.connect(msg["dest"], msg["dest_addr"])
         store = self._store()
         data = store.extract(list(msg["shards"]), msg["dest"])
-        saved = store.extract_saved(data)
+        saved, staged = store.extract_saved(data), store.extract_staged(list(msg["shards"]))
         self.shards_out += len(msg["shards"])
         self.endpoint.send(msg["dest"], "shard_data", mid=msg["mid"], shards=msg["shards"], data=data,
-                           source=self.ident, **({"saved": saved} if saved else {}))
+                           source=self.ident, **({"saved": saved} if saved else {}),
+                           **({"staged": staged} if staged else {}))
 
     def on_settle(self, msg: Message) -> None:
         """The source of shard migration ``mid`` died: say whether its shards arrived here."""
@@ -540,6 +575,7 @@ class ServerNode(Node):
             return
         self._store().install(list(msg["shards"]), msg["data"])
         self._store().install_saved(msg.get("saved", []))
+        self._store().install_staged(msg.get("staged", []))
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])

@@ -136,7 +136,8 @@ MESSAGES: dict[str, MessageType] = _declare(
     # source -> dest server: [table, shard, keys, stacked rows] per non-empty table of the shards;
     # "saved": [table, keys, stacked copies, rounds] of the rows' copies as last saved (partial
     # checkpoints score rows against them)
-    MessageType("shard_data", {"mid": "int", "shards": "list", "data": "list", "source": "str", "saved?": "list"}),
+    MessageType("shard_data", {"mid": "int", "shards": "list", "data": "list", "source": "str", "saved?": "list",
+                               "staged?": "list"}),
     # dest server -> master: the shards of migration mid are served here now
     MessageType("shards_moved", {"mid": "int", "shards": "list"}),
     # master -> workers and servers: the servers in "gone" hold no shard any more; route by

@@ -27,7 +27,7 @@ import numpy as np
 
 from litz.api import Executor, ParameterServer, StateRows
 from litz.errors import LitzError, TableError
-from litz.ft.checkpoint import RowSaves, RowScoring
+from litz.ft.checkpoint import RoundOutcomes, RowSaves, RowScoring
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
@@ -163,8 +163,10 @@ class Worker(Node):
         self._scored: dict[int, list[tuple[int, StateRows]]] = {}
         # what a round still being written replaced of the executors' saved rows, until it ends
         # (``on_checkpoint_done``), to put back if it fails: (executor, the saves it set or changed,
-        # a full round's previous saves or a partial one's ``RowSaves.remember`` token)
+        # a full round's previous saves or a partial one's ``RowSaves.remember`` token); an executor
+        # that migrates takes its entries along
         self._staged: dict[int, list[tuple[int, RowSaves | None, Any]]] = {}
+        self._ended = RoundOutcomes()  # for entries that arrive with an executor after their round ended
 
     # -- set-up -------------------------------------------------------------------------
     def on_init_worker(self, msg: Message) -> None:
@@ -405,16 +407,45 @@ class Worker(Node):
         rounds score against. Failed: it saved nothing, and the saved copies it replaced are put
         back (scored against values no checkpoint holds, rows that changed would be passed over
         while the checkpoint keeps them stale). An executor that moved away since took its saved
-        copies along, as they were: they stay."""
-        for eid, saves, replaced in [] if msg["ok"] else self._staged.get(msg["cid"], []):
-            if self.row_saves.get(eid) is not saves or eid not in self.slots:
-                continue
-            if isinstance(replaced, tuple):  # partial: the rows chosen
-                assert saves is not None
-                saves.forget(replaced)
-            else:  # full: every row
-                self._keep_saves(eid, replaced)
+        copies and these entries along: its new host puts them back."""
+        self._ended.record(msg["cid"], msg["ok"])
+        for eid, saves, replaced in reversed([] if msg["ok"] else self._staged.get(msg["cid"], [])):
+            self._undo(eid, saves, replaced)
         self._staged.pop(msg["cid"], None)
+
+    def _undo(self, eid: int, saves: RowSaves | None, replaced: Any) -> None:
+        """Put back what a failed round replaced of executor ``eid``'s saved rows (unless they were
+        replaced since, by a restore, say)."""
+        if self.row_saves.get(eid) is not saves or eid not in self.slots:
+            return
+        if isinstance(replaced, tuple):  # partial: the rows chosen
+            assert saves is not None
+            saves.forget(replaced)
+        else:  # full: every row
+            self._keep_saves(eid, replaced)
+
+    def _take_staged(self, eid: int, saves: RowSaves | None) -> list[list[Any]]:
+        """Remove executor ``eid``'s undo entries of rounds still open, to travel with it:
+        ``[round, what was replaced (packed)]`` each. Left here, a failed round would undo them
+        where the executor no longer is, and its copies would stay the saved ones on the new host."""
+        out: list[list[Any]] = []
+        for cid, entries in self._staged.items():
+            mine = [e for e in entries if e[0] == eid]
+            entries[:] = [e for e in entries if e[0] != eid]
+            out.extend([cid, pack_object(replaced)] for _, was, replaced in mine
+                       if was is saves and not (saves is None and replaced is None))
+        return out
+
+    def _staged_arrived(self, eid: int, undo: list[list[Any]]) -> None:
+        """Take the undo entries that came with executor ``eid`` (``_take_staged``), after its saved
+        rows: kept for their round's end, or applied now if it already failed."""
+        saves = self.row_saves.get(eid)
+        for cid, packed in undo:
+            ended = self._ended.ended(cid)
+            if ended is None:
+                self._staged.setdefault(cid, []).append((eid, saves, unpack_object(packed)))
+            elif not ended:
+                self._undo(eid, saves, unpack_object(packed))
 
     def on_ckpt_scores(self, msg: Message) -> None:
         """Score the state rows of every executor that keeps some, each between two of its tasks:
@@ -581,7 +612,7 @@ class Worker(Node):
             saves = self.row_saves.pop(e, None)
             queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
             payload.append([e, states[e], pack_object(slot.executor.input) if mig.ship_input else None,
-                            queued, pack_object(saves) if saves is not None else None])
+                            queued, pack_object(saves) if saves is not None else None, self._take_staged(e, saves)])
             self.moved_to[e] = mig.dest
         self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
         self.migrations_out += len(mig.executors)
@@ -621,11 +652,12 @@ class Worker(Node):
 
     def _receive_executors(self, msg: Message) -> None:
         arrived = []
-        for eid, state, inp, tasks, saves in msg["executors"]:
+        for eid, state, inp, tasks, saves, undo in msg["executors"]:
             self.moved_to.pop(eid, None)
             slot = self.slots[eid] = Slot(self._make_executor(eid, [state, inp]))
             if saves is not None:  # what the running checkpoint holds of its rows
                 self.row_saves[eid] = unpack_object(saves)
+            self._staged_arrived(eid, undo)
             slot.queue.extend(Task(*t) for t in tasks)
             if slot.queue:
                 self._start_next(slot)
