@@ -99,6 +99,7 @@ from apps import hdbscan_kernels as hk
 from apps.nndescent import (
     BLOCK,
     READ_CHUNK,
+    Laps,
     NNDescentExecutorMixin,
     NNDescentPhase,
     NNDInput,
@@ -413,8 +414,8 @@ class HDBDriver(litz.Driver):
     def dispatch_initial_tasks(self) -> None:
         cfg = self.config
         self.n = cfg["n"]
-        self.times: dict[str, float] = {}
-        self._t0 = self._t = time.perf_counter()
+        self._t0 = time.perf_counter()
+        self.laps = Laps(self._t0)  # the phases' seconds
         self.perm = job_points(cfg)[1]  # timed: the executors computed it too, while loading their input
         self.stage = "nnd"
         self.attempt = 0  # of the core and Borůvka stages: a recovery after NN-Descent starts them over
@@ -444,16 +445,10 @@ class HDBDriver(litz.Driver):
         else:
             self._start_mst()
 
-    def _lap(self, name: str) -> float:
-        now = time.perf_counter()
-        self.times[name] = now - self._t
-        self._t = now
-        return self.times[name]
-
     def handle_task_completion(self, result: litz.TaskResult) -> None:
         if self.nnd.handles(result):
             if self.nnd.on_complete(result):
-                self._say(f"kNN graph: {self.nnd.stats['rounds']} NN-Descent rounds, {self._lap('knn'):.2f} s")
+                self._say(f"kNN graph: {self.nnd.stats['rounds']} NN-Descent rounds, {self.laps.lap('knn'):.2f} s")
                 self._after_graph()
             return
         if self.stage == "nnd" or result.args["attempt"] != self.attempt:
@@ -466,7 +461,7 @@ class HDBDriver(litz.Driver):
             return
         if self.stage == "core":
             self._write_cores()
-            self._lap("core")
+            self.laps.lap("core")
             self._round()
         else:
             self._merge()
@@ -494,9 +489,9 @@ class HDBDriver(litz.Driver):
         cfg = self.config
         if cfg["mst"] == "kruskal":
             idx, dist = self.nnd.graph()
-            self._lap("read graph")
+            self.laps.lap("read graph")
             a, b, w, comps = spanning_tree(idx, dist, cfg["min_samples"], job_points(cfg)[0], cfg["min_cluster_size"])
-            self._say(f"Kruskal MST in the master: {self._lap('mst'):.2f} s")
+            self._say(f"Kruskal MST in the master: {self.laps.lap('mst'):.2f} s")
             self._tree(a, b, w, comps)
             return
         self._start_mst()
@@ -529,7 +524,7 @@ class HDBDriver(litz.Driver):
             _write_all(self.ps, COMP_TABLE, hk.component_labels(self.parent), np.int32)
             self._round()
             return
-        self._say(f"Borůvka MST: {self.rounds} rounds, {self._lap('mst'):.2f} s")
+        self._say(f"Borůvka MST: {self.rounds} rounds, {self.laps.lap('mst'):.2f} s")
         a, b, w = (np.concatenate(p) for p in zip(*self.edges, strict=True))
         self._tree(*bridged(a, b, w, self.parent, job_points(self.config)[0], self.core,
                             self.config["min_cluster_size"]))
@@ -539,12 +534,12 @@ class HDBDriver(litz.Driver):
         ordered = hk.clusters_from_tree(a, b, w, self.n, cfg["min_cluster_size"], cfg["max_cluster_size"])
         labels = np.empty_like(ordered)
         labels[self.perm] = ordered  # back to the input's order
-        self._lap("tree")
+        self.laps.lap("tree")
         total = time.perf_counter() - self._t0
         n_clusters = int(labels.max()) + 1
         finite = np.isfinite(w)
         out: dict[str, Any] = {"clusters": n_clusters, "noise": int((labels < 0).sum()), "seconds": total,
-                               "times": dict(self.times), "components": components,
+                               "times": dict(self.laps.parts), "components": components,
                                "mst_weight": float(w[finite].astype(np.float64).sum()),
                                "nnd_rounds": self.nnd.stats["rounds"], "nnd_refills": self.nnd.stats["refills"]}
         if cfg["mst"] == "boruvka":

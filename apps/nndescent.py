@@ -260,7 +260,7 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     Everything the task needs is in ``args`` and the input.
     """
     start = time.perf_counter()
-    laps = _Laps(start)
+    laps = Laps(start)
     inp = _nnd_input(executor)
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
     data, owned = inp.data, inp.owned
@@ -290,20 +290,22 @@ def nndescent_run_task(executor: litz.Executor, args: dict[str, Any]) -> dict[st
     return out
 
 
-class _Laps:
-    """The seconds of a task's successive parts (``trees``, ``lists`` / ``read``, ``sample``, ``join``;
-    then ``send``). The phase prints its rounds' slowest task's: the 16-core host's first-list tasks
-    took twice what one such task takes alone on 2 cores, and the parts say where."""
+class Laps:
+    """The seconds of successive parts of a piece of work, summed by name: a task's (``trees``,
+    ``lists`` / ``read``, ``sample``, ``join``; then ``send``), whose phase prints its rounds'
+    slowest task's (the 16-core host's first-list tasks took twice what one such task takes alone
+    on 2 cores, and the parts say where), and the HDBSCAN driver's phases."""
 
     def __init__(self, start: float) -> None:
         self.parts: dict[str, float] = {}
         self._t = start
 
-    def lap(self, name: str) -> None:
-        """Charge the time since the last lap (or the start) to ``name``."""
+    def lap(self, name: str) -> float:
+        """Charge the time since the last lap (or the start) to ``name``; returns that time."""
         now = time.perf_counter()
-        self.parts[name] = self.parts.get(name, 0.0) + now - self._t
-        self._t = now
+        seconds, self._t = now - self._t, now
+        self.parts[name] = self.parts.get(name, 0.0) + seconds
+        return seconds
 
 
 def _partition_bounds(executor: litz.Executor, owned: np.ndarray, n: int, executors: int) -> np.ndarray:
@@ -358,7 +360,7 @@ _ROW_BUFFER: list[np.ndarray] = []
 
 
 def _round(executor: litz.Executor, data: np.ndarray, owned: np.ndarray, bounds: np.ndarray, args: dict[str, Any],
-           laps: _Laps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           laps: Laps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One round of an executor (module docstring): read the marked lists and its own, sample, join, pack."""
     n, k, block = int(args["n"]), int(args["k"]), int(args["block"])
     nb = num_blocks(n, block)
@@ -668,7 +670,7 @@ class NNDescentPhase:
         self._pending = 0
         self._counts = np.zeros(len(nk.COUNTERS), np.int64)
         self._slowest = 0.0  # the round's slowest task's own seconds, as it measured them
-        self._slowest_parts: dict[str, float] = {}  # and its parts (_Laps)
+        self._slowest_parts: dict[str, float] = {}  # and its parts (Laps)
         self._fastest = np.inf  # and its fastest task's: all slow alike, or one straggler?
         self._owned = [0, 0]
         self._fingerprints: dict[str, int] = {}
