@@ -533,8 +533,8 @@ def test_a_source_ships_only_after_the_master_has_its_completions(settled_first:
         else:
             [(peer, kind, fields)] = sent[2:]
             assert (peer, kind) == ("w1", "executor_state") and 0 not in w.slots
-            [[eid, _, inp, queued, saves]] = fields["executors"]
-            assert (eid, inp, queued, saves) == (0, None, [[7, 0, 0, "queued"]], None)
+            [[eid, _, inp, queued, saves, undo]] = fields["executors"]
+            assert (eid, inp, queued, saves, undo) == (0, None, [[7, 0, 0, "queued"]], None, [])
     finally:
         w.endpoint.close()
 
