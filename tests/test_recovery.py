@@ -309,6 +309,74 @@ def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path:
     assert processes_mentioning(job) == []
 
 
+@pytest.mark.parametrize("answers", [True, False], ids=["store-answers", "store-hangs"])
+def test_a_full_recovery_reads_the_checkpoint_off_the_masters_loop(tmp_path: Path, monkeypatch,
+                                                                    answers: bool) -> None:
+    """Full recovery: the master reads the last checkpoint (its manifest and the driver's file) on a
+    thread, and meanwhile publishes the job's status, which says the job is rolling back and what it
+    waits for. Here the driver's file is a FIFO no one writes (a read from a dead NFS server
+    blocks): ``litz status`` shows the rollback reading the last checkpoint, and goes on being
+    updated. Opened and closed, the FIFO fails the read, and the next try a second later finds the
+    file back: the job recovers. Never opened, the job stops after ``--checkpoint-timeout`` (2 s),
+    saying the storage did not answer.
+    Before, the master's loop was in the read: no status, nothing answered, and no end to it."""
+    import json
+
+    from litz.errors import LitzError
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "fullread", 4)
+    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
+                    checkpoint_timeout=2.0 if not answers else 30.0)
+    ckpt = tmp_path / "ckpt" / "ckpt-000000"
+    driver_file = ckpt / "driver"  # named by the manifest, below
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "s1")
+        from litz.cli import checkpoint
+
+        assert checkpoint(["--job", job]) == 0
+        driver_file = ckpt / json.loads((ckpt / storage.MANIFEST).read_text())["driver"]
+        blob = driver_file.read_bytes()
+        driver_file.unlink()
+        os.mkfifo(driver_file)
+        os.kill(victim["pid"], signal.SIGKILL)
+        st = _status_when(job, lambda s: "reading the last checkpoint" in describe_recovering(
+            s["master"]["recovering"]) if s["master"].get("recovering") else False)
+        said = describe_recovering(st["master"]["recovering"])
+        assert said.startswith("rolling the whole job back after the loss of s1 for "), said
+        updated = st["master"]["updated"]
+        st = _status_when(job, lambda s: s["master"]["updated"] > updated)  # the loop goes on meanwhile
+        assert "reading the last checkpoint" in describe_recovering(st["master"]["recovering"]), st
+        if answers:  # opened and closed, the FIFO ends the read with an error; the next, a second later,
+            # finds the file
+            deadline = time.monotonic() + 10
+            while True:  # the read blocks in the FIFO's open: a writer may open it now
+                try:
+                    os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
+                    break
+                except OSError:  # ENXIO: no reader yet
+                    assert time.monotonic() < deadline, "the master never read the driver's file"
+                    time.sleep(0.05)
+            driver_file.unlink()
+            driver_file.write_bytes(blob)
+            _end_after(job, stop, t, recovered=True)
+    finally:
+        stop.touch()
+        t.join(60)
+        with contextlib.suppress(OSError):  # a read still waiting (the store that hangs) ends
+            os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
+    assert not t.is_alive()
+    if answers:
+        _assert_recovered(out, "full", victim)
+    else:
+        error = out.get("error")
+        assert isinstance(error, LitzError), out
+        assert "the full recovery cannot use the job's last checkpoint" in str(error), error
+        assert "waiting for the checkpoint storage to answer" in str(error), error
+        assert "tried for 2 s (--checkpoint-timeout)" in str(error) and "--resume" in str(error), error
+    assert processes_mentioning(job) == []
+
+
 def test_a_survivor_serves_its_own_shards_while_it_reads_the_lost_ones(tmp_path: Path, monkeypatch) -> None:
     """Partial recovery: the survivor reads the lost server's rows from the running checkpoint on a
     thread and meanwhile answers requests. Here the read blocks (the checkpoint's file is a FIFO

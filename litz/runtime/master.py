@@ -341,8 +341,18 @@ def _id_order(ident: str) -> tuple[str, int, str]:
 
 
 def describe_recovering(r: dict[str, Any]) -> str:
-    """One line on a partial recovery in progress (``Master._recovering``), for ``litz status``
-    and the log."""
+    """One line on a recovery in progress (``Master._recovering``, ``_RollingBack.status``), for
+    ``litz status`` and the log."""
+    if r.get("strategy") == "full":
+        text = f"rolling the whole job back after the loss of {', '.join(r['lost'])} for {r['seconds']:.1f} s: "
+        if r.get("store_error"):
+            return text + f"waiting for the checkpoint storage to answer ({r['store_error']})"
+        if r["step"] == "reading":
+            return text + "reading the last checkpoint"
+        if r["step"] == "reloading":
+            return text + (f"{', '.join(r['waiting'])} reloading from "
+                           f"{r['restored_from'] or 'scratch (no checkpoint yet)'}")
+        return text + f"{', '.join(r['waiting'])} abandoning their tasks"
     kind = "shards" if r["role"] == "server" else "executors"
     text = f"recovering from the loss of {r['role']} {', '.join(r['lost'])} for {r['seconds']:.1f} s: "
     if r["settling"]:
@@ -444,6 +454,23 @@ def _next_try(deadline: float) -> float:
 
 #: Seconds a finished job waits for a worker still running a task it abandoned (statistics, goodbye).
 ABANDONED_GRACE = 1.0
+
+
+@dataclass
+class _RollingBack:
+    """A full recovery in progress, as ``litz status`` shows it (``Master._roll_back``)."""
+
+    lost: list[str]
+    started: float
+    step: str = "abandoning"  # then "reading" (the last checkpoint), then "reloading"
+    waiting: set[str] = field(default_factory=set)  # who the step waits for (the rollback's own set)
+    source: str | None = None  # the checkpoint it reloads, once read (None: from scratch)
+    store_error: str | None = None  # the store failed to answer: asked again until --checkpoint-timeout
+
+    def status(self) -> dict[str, Any]:
+        return {"strategy": "full", "lost": sorted(self.lost, key=_id_order), "step": self.step,
+                "waiting": sorted(self.waiting, key=_id_order), "restored_from": self.source,
+                "seconds": time.monotonic() - self.started, "store_error": self.store_error}
 
 
 class WaitTimeout(LitzError):
@@ -585,6 +612,7 @@ class Master:
         self._status_unpublished = False  # the last status write failed (etcd unreachable)
         self._status_put: concurrent.futures.Future[None] | None = None  # the status write under way
         self._restoring: _Restoring | None = None  # the partial recovery in progress
+        self._rolling_back: _RollingBack | None = None  # the full recovery in progress (for litz status)
         self._waiting_losses: list[tuple[str, str]] = []  # (ident, role) lost during the other role's recovery
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
         # completed partial recoveries the driver has not been told of yet (``Driver.recovered``):
@@ -692,6 +720,8 @@ class Master:
             status["unjoined"] = sorted(self.elastic.unjoined, key=_id_order)
         if (rec := self._restoring) is not None:
             status["recovering"] = self._recovering(rec)
+        elif self._rolling_back is not None:
+            status["recovering"] = self._rolling_back.status()
         if self.checkpoints is not None:
             status["checkpoint_running"] = self.checkpoints.round is not None
             status["checkpoints"] = list(itertools.islice(reversed(self.checkpoints.completed), 5))[::-1]
@@ -773,6 +803,27 @@ class Master:
                 raise WaitTimeout(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
             for msg in self._poll(100):
                 handle(msg)
+
+    def _off_loop(self, work: Callable[[], Any], what: str, timeout: float,
+                  handle: Callable[[Message], None]) -> Any:
+        """``work()`` on a thread while the loop handles messages (``handle``), watches the
+        processes and publishes the status; its value, or its exception raised here. WaitTimeout
+        saying ``what`` was awaited after ``timeout`` s: the thread is left to a store that never
+        answers (a daemon, it holds nothing of the job's)."""
+        box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                box.put((True, work()))
+            except Exception as exc:
+                box.put((False, exc))
+
+        threading.Thread(target=run, daemon=True, name="master-off-loop").start()
+        self._wait(lambda: not box.empty(), what, timeout, handle)
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
 
     def _handle_aside(self, msg: Message) -> None:
         """While waiting for replies, keep completions (and ``ship_ready``, which must follow
@@ -1346,6 +1397,13 @@ class Master:
 
     # -- failures (full recovery: everything rolls back) ---------------------------------------
     def _roll_back(self, driver: Driver, rb: _Rollback, leftover: list[Message]) -> None:
+        """Roll the whole job back (``_roll_back_all``); ``litz status`` shows it meanwhile."""
+        try:
+            self._roll_back_all(driver, rb, leftover)
+        finally:
+            self._rolling_back = None
+
+    def _roll_back_all(self, driver: Driver, rb: _Rollback, leftover: list[Message]) -> None:
         """Litz's full recovery: the whole job goes back to its last consistent checkpoint.
 
         1. The dead process leaves; survivors take its executors or shards; tasks in flight
@@ -1377,8 +1435,10 @@ class Master:
         losses, lost, moved, lost_servers = [rb], [], set(), []
         saved: dict[str, Any] | None = None
         where: dict[str, Any] = {}
+        progress = self._rolling_back = _RollingBack(lost, started, waiting=waiting)
         while losses:  # more may die meanwhile (a machine, a rack): they join this rollback
             rb = losses.pop(0)
+            progress.step, progress.store_error = "abandoning", None
             log.error("%s; rolling the whole job back to its last checkpoint", rb.reason)
             lost.append(rb.ident)
             self._fence(rb.ident)
@@ -1436,33 +1496,47 @@ class Master:
         from the last full checkpoint (fresh without one). Returns the driver's saved file and
         where the checkpoint is (both empty without one)."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
-        ck = self.checkpoints
+        ck, progress = self.checkpoints, self._rolling_back
+        assert progress is not None
         saved: dict[str, Any] | None = None
         where: dict[str, Any] = {}
         if ck is not None:
             deadline, said = time.monotonic() + ck.timeout, False
+            progress.step = "reading"
+
+            def read(location: str = ck.location) -> tuple[str, dict[str, Any], dict[str, Any]]:
+                _, path, manifest = storage.find_checkpoint(location)
+                return path, manifest, self._read_driver_file(location, path, manifest, self.driver)
+
+            def stop(exc: Exception) -> LitzError:
+                return LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops rather "
+                                 f"than start again from the beginning ({exc}){_gave_up(ck.timeout)}")
+
             while True:  # a store that fails to answer is asked again until --checkpoint-timeout
-                try:
-                    _, path, manifest = storage.find_checkpoint(ck.location)
-                    saved = self._read_driver_file(ck.location, path, manifest, self.driver)
+                try:  # off the loop: a store that hangs must not stop the master answering meanwhile
+                    path, manifest, saved = self._off_loop(read, "the checkpoint storage to answer",
+                                                           max(STORE_RETRY, deadline - time.monotonic()), on_msg)
                     where = {"location": ck.location, "path": path, "manifest": manifest}
+                    progress.source, progress.store_error = storage.display(ck.location, path), None
                 except storage.NoCheckpoint:
                     log.error("no complete checkpoint yet: the job starts again from the beginning")
+                except WaitTimeout as exc:  # the read hangs
+                    raise stop(exc) from None
                 except storage.CheckpointError as exc:  # never taken for "none": all the job's progress would go
                     if not storage.store_failed(exc) or time.monotonic() >= deadline:
-                        raise LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops "
-                                        f"rather than start again from the beginning ({exc})"
-                                        f"{_gave_up(ck.timeout)}") from exc
+                        raise stop(exc) from exc
                     if not said:
                         log.warning("the full recovery cannot read the job's last checkpoint (%s); trying again "
                                     "every %g s for up to %g s", exc, STORE_RETRY, ck.timeout)
                         said = True
+                    progress.store_error = str(exc)
                     until = _next_try(deadline)
                     self._wait(lambda until=until: time.monotonic() >= until, "the checkpoint storage",
                                STORE_RETRY + 1, on_msg)
                     continue
                 break
             ck.rolled_back()
+        progress.step = "reloading"
 
         def restore(kind: str) -> dict[str, Any]:
             return {"restore": self._where(where["location"], where["path"], where["manifest"], kind)} if where else {}
@@ -1490,6 +1564,7 @@ class Master:
             if not again:
                 log.warning("the full recovery: %s; asking again every %g s for up to %g s", msg["error"], STORE_RETRY,
                             ck.timeout)
+            progress.store_error = msg["error"]
             again[msg.sender] = _next_try(started + ck.timeout)
 
         while waiting:
