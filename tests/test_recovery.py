@@ -169,7 +169,7 @@ def _epoch(st: dict) -> int:
 
 
 def _waiting_for_the_store(job: str) -> dict:
-    """The status once ``litz status`` shows the job's partial recovery waiting for the storage."""
+    """The status once ``litz status`` shows the job's recovery (partial or full) waiting for the storage."""
     return _status_when(job, lambda s: "waiting for the checkpoint storage to answer" in describe_recovering(
         s["master"]["recovering"]) if s["master"].get("recovering") else False)
 
@@ -235,10 +235,9 @@ def test_a_recovery_that_cannot_read_its_checkpoints_stops_the_job_and_says_why(
 
         monkeypatch.setattr(storage, "checkpoint_dirs", unreachable)
         os.kill(victim["pid"], signal.SIGKILL)
-        if outage is not None:
-            if recovery == "partial":  # (a full recovery's status shows it rolling back)
-                st = _waiting_for_the_store(job)
-                assert "(cannot list checkpoint storage" in describe_recovering(st["master"]["recovering"]), st
+        if outage is not None:  # litz status says what the recovery waits for (a full one: since session 40)
+            st = _waiting_for_the_store(job)
+            assert "(cannot list checkpoint storage" in describe_recovering(st["master"]["recovering"]), st
         _end_after(job, stop, t, recovered=outage is not None)
     finally:
         stop.touch()
