@@ -673,6 +673,34 @@ def test_rollback_answer_waits_for_updates_sent_to_live_servers() -> None:
         w.endpoint.close()
 
 
+def test_after_a_rollback_a_worker_routes_by_the_masters_map_not_by_old_hints() -> None:
+    """Full recovery: the servers reload their shards and drop their forwards, so a worker must
+    route by the map as reloaded. A late answer to a request of the abandoned timeline (no longer
+    awaited) no longer teaches it where a shard moved (its hint names a server the shard was on
+    before the reload, with no forward for it now), and the master's ``shard_map`` after the
+    rollback replaces a map learned earlier (one a worker that joined during the rollback got at
+    its start). Stress runs found fetches answered "shard 8 is not on this server"."""
+    from litz.runtime.protocol import Message
+    from litz.runtime.worker import Worker
+
+    w = Worker("w0", "job", "127.0.0.1:1")
+    w.endpoint.send = lambda peer, kind, **fields: None  # type: ignore[method-assign]
+    try:
+        w.master, w.shard_map = "master", ["s0", "s1", "s0", "s1"]
+        w.endpoint.peers["s0"] = w.endpoint.peers["s1"] = "tcp://127.0.0.1:1"  # known: no etcd look-up
+        w._sent_to[7] = "s1"  # awaited
+        w.dispatch(Message("get_reply", {"rid": 3, "values": [], "errors": [], "moved": {"1": "s0"}}, sender="s1"))
+        assert w.shard_map == ["s0", "s1", "s0", "s1"]  # rid 3 is no longer awaited: its hint is old
+        w.dispatch(Message("get_reply", {"rid": 7, "values": [], "errors": [], "moved": {"3": "s0"}}, sender="s1"))
+        assert w.shard_map == ["s0", "s1", "s0", "s0"] and 7 not in w._sent_to
+        w.dispatch(Message("shard_map", {"shard_map": ["s1", "s1", "s0", "s0"]}, sender="s0"))  # not the master
+        assert w.shard_map == ["s0", "s1", "s0", "s0"]
+        w.dispatch(Message("shard_map", {"shard_map": ["s1", "s1", "s0", "s0"]}, sender="master"))
+        assert w.shard_map == ["s1", "s1", "s0", "s0"]
+    finally:
+        w.endpoint.close()
+
+
 def test_a_fenced_process_is_never_heard_again() -> None:
     """After the master's ``fence``, a worker drops everything the lost process sends (a stalled
     process elsewhere, which the master cannot kill, may come back); nobody else can fence."""

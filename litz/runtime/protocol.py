@@ -182,6 +182,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     # answers carry the round: a later loss restarts it ("error": the checkpoint storage failed to
     # answer; the master asks again until --checkpoint-timeout)
     MessageType("reloaded", {"round": "int", "error?": "str"}),
+    # master -> every worker after a full recovery: route by exactly this map (the servers reloaded
+    # their shards and dropped the forwards that an older map, one a joining worker got at its
+    # start, relied on)
+    MessageType("shard_map", {"shard_map": "list"}),
     # -- checkpoints (DESIGN.md §5) --
     # master -> workers and servers (all tasks completed, none running): copy your state in
     # memory, answer checkpoint_snapshot at once, then write it under path and answer

@@ -790,8 +790,12 @@ class Worker(Node):
         self._to_fetch.clear()
 
     def _learn_moves(self, msg: Message) -> None:
-        """A server forwarded part of our request: send the next ones straight to the new owner."""
-        self._sent_to.pop(msg["rid"], None)
+        """A server forwarded part of our request: send the next ones straight to the new owner.
+        Not from the answer to a request of a timeline a full recovery abandoned (no longer
+        awaited): its hints name where shards were before the servers reloaded, and followed they
+        lead to a server without the shard and with no forward for it (a stress run found one)."""
+        if self._sent_to.pop(msg["rid"], None) is None:
+            return
         for shard, server in (msg.get("moved") or {}).items():
             if server in self._gone:  # a hint older than the server's departure
                 continue
@@ -899,6 +903,11 @@ class Worker(Node):
         else:
             self._parts.pop(orig, None)
             self._unacked.discard(orig)
+
+    def on_shard_map(self, msg: Message) -> None:
+        """After a full recovery: route by exactly this map (the servers dropped their forwards)."""
+        if msg.sender == self.master:
+            self.shard_map = list(msg["shard_map"])
 
     def on_server_lost(self, msg: Message) -> None:
         """A server died and its shards were restored on others (SCAR partial recovery): route
