@@ -286,7 +286,11 @@ def test_a_survivor_whose_store_fails_is_asked_again_until_the_timeout(tmp_path:
         if back and recovery == "partial":
             st = _waiting_for_the_store(job)
             assert f"cannot read checkpoint file {part}" in describe_recovering(st["master"]["recovering"]), st
-        elif back:  # a rollback is not shown as it goes: its log says it
+        elif back:  # a rollback's status says so too (since session 40), and its log
+            st = _waiting_for_the_store(job)
+            said = describe_recovering(st["master"]["recovering"])
+            assert said.startswith("rolling the whole job back after the loss of s1") and \
+                f"cannot read checkpoint file {part}" in said, said
             deadline = time.monotonic() + 20
             while "the full recovery: " not in caplog.text and time.monotonic() < deadline:
                 time.sleep(0.05)

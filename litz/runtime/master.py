@@ -1562,6 +1562,8 @@ class Master:
 
         def handle(msg: Message) -> None:
             if msg.type != "reloaded" or not msg.get("error") or msg["round"] != self._restore_round:
+                if msg.type == "reloaded" and not again:  # the store answers again (litz status)
+                    progress.store_error = None
                 on_msg(msg)
                 return
             assert ck is not None  # (a process restores only from a checkpoint)
