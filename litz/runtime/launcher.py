@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -252,11 +252,16 @@ class LocalCluster:
         return "\n".join(f"--- the log of {ident} ends with:\n{self.log_tail(ident, 60)}"
                          for ident in idents if ident in self.children)
 
-    def kill(self, idents: list[str]) -> None:
-        """SIGKILL the children among ``idents`` (processes known to be stuck)."""
+    def kill(self, idents: Iterable[str], terminate: bool = False) -> None:
+        """SIGKILL (or, ``terminate``, SIGTERM) the children among ``idents`` that still run
+        (processes known to be stuck, or never part of the job)."""
         for ident in idents:
             proc = self.children.get(ident)
-            if proc is not None and proc.poll() is None:
+            if proc is None or proc.poll() is not None:
+                continue
+            if terminate:
+                proc.terminate()
+            else:
                 proc.kill()
 
     def log_tail(self, ident: str, lines: int = 15) -> str:
@@ -305,10 +310,7 @@ class LocalCluster:
     def stop_unjoined(self, status: dict[str, Any] | None) -> None:
         """Terminate this host's processes that the job's last ``status`` names as never joined:
         the master's goodbye never reaches them, so :meth:`stop` would wait its 5 s for each."""
-        for ident in (status or {}).get("unjoined", ()):
-            proc = self.children.get(ident)
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
+        self.kill((status or {}).get("unjoined", ()), terminate=True)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every child (they should already be leaving), then the private etcd."""

@@ -633,6 +633,8 @@ class Master:
         """Wait for messages (and check the processes' health); return those received."""
         out: list[Message] = []
         events = dict(self._poller.poll(timeout_ms))
+        if self._wake_r in events:  # the outcome it announces is queued, taken below or by the main loop:
+            self._drain_wake()  # left unread, every later poll (a sub-loop's wait) would return at once
         if self.endpoint.router in events:
             while True:
                 try:
@@ -1914,14 +1916,18 @@ class Master:
                 wait = min(deadline, r.since + ck.timeout) - time.monotonic()
                 select.select([self._wake_r], [], [], max(0.0, wait) + 0.01)
 
+    def _drain_wake(self) -> None:
+        """Empty the wake-up pipe that threads write when they queue an outcome for the loop."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
     def _background_done(self) -> None:
         """Take the outcomes of the checkpoint steps run off the loop (``_in_background``): the
         round's directory, the driver's file, the manifest."""
         from litz.ft import storage
 
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._wake_r, 4096):
-                pass
+        self._drain_wake()
         ck, st = self.checkpoints, self.state
         while not self._background.empty():
             cid, what, value, error = self._background.get()
