@@ -632,6 +632,38 @@ def test_slow_storage_does_not_hold_the_masters_loop(tmp_path: Path, monkeypatch
     assert completed_during("new_checkpoint_dir", 0.05) >= 5, spans
 
 
+@pytest.mark.parametrize("policy", ["full", "priority"])
+def test_a_round_the_job_ends_before_it_saves_anything_leaves_no_directory(tmp_path: Path, monkeypatch,
+                                                                          policy: str) -> None:
+    """A round that had saved nothing when the job finished (its directory still being made, or
+    made and training pausing, or rows being scored) is dropped. Its directory, empty and never
+    to be reused, stayed under the root: one per job that checkpoints. Here making a directory
+    takes 0.4 s and rounds follow each other, so the job ends inside one almost surely: every
+    directory left must be a complete checkpoint."""
+    made: list[str] = []
+    make = storage.new_checkpoint_dir
+
+    def slow_dir(fs, root, last=None):
+        time.sleep(0.4)
+        made.append(make(fs, root, last))
+        return made[-1]
+
+    monkeypatch.setattr(storage, "new_checkpoint_dir", slow_dir)
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=1.5)
+    res = litz.run(app, workers=2, servers=1, checkpoint_dir=str(tmp_path), checkpoint_every="0.05s",
+                   checkpoint_policy=policy, checkpoint_fraction=0.5 if policy == "priority" else 1.0)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    time.sleep(0.6)  # a directory still being made when the job ended is made by now
+    fs, root = storage.filesystem(str(tmp_path))
+    dirs = [p for _, p in storage.checkpoint_dirs(fs, root)]
+    records = [c["path"] for c in res.stats["master"]["checkpoints"] if c["ok"]]
+    assert len(made) > len(records) >= 1, (made, records)  # a round was dropped at the end
+    assert dirs == records, (dirs, records)
+    assert all(storage.has_manifest(fs, p) for p in dirs)
+
+
 def test_a_checkpoint_step_that_hangs_fails_its_round_and_training_goes_on(tmp_path: Path, monkeypatch) -> None:
     """A store that hangs (an NFS server gone) must not hold a round open for ever. The first
     round's directory never comes back (until the test ends), then the second round's driver

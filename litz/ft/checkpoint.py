@@ -427,6 +427,13 @@ class CheckpointCoordinator:
         r.waiting_written.discard(sender)
         return not r.waiting_written and not r.waiting_snapshot
 
+    def drop(self) -> CheckpointRound:
+        """Forget the round in progress, unrecorded: the job ended before it saved anything."""
+        r = self.round
+        assert r is not None
+        self.round = None
+        return r
+
     def finish(self) -> dict[str, Any]:
         """Close the round; returns its record (``ok`` False if a part failed to write)."""
         r = self.round

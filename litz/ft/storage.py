@@ -264,6 +264,20 @@ def new_checkpoint_dir(fs: pafs.FileSystem, root: str, last: str | None = None) 
     return path
 
 
+def remove_if_empty(fs: pafs.FileSystem, path: str) -> bool:
+    """Remove the checkpoint directory ``path`` if nothing was written in it (a round dropped before
+    it saved anything): numbers are never reused, so it would stay an empty ``ckpt-*`` for ever.
+    Returns whether it was removed; one that holds a file is left alone."""
+    try:
+        if fs.get_file_info(path).type != pafs.FileType.Directory \
+                or fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+            return False
+        fs.delete_dir(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot remove the empty checkpoint directory {path}: {exc}") from exc
+    return True
+
+
 def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> None:
     """Write the manifest under a temporary name, then move it into place: the checkpoint exists."""
     tmp = f"{path}/{MANIFEST}.tmp"

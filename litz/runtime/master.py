@@ -452,6 +452,9 @@ def _next_try(deadline: float) -> float:
     the last time at ``deadline`` (``--checkpoint-timeout`` after the recovery began)."""
     return min(time.monotonic() + STORE_RETRY, deadline)
 
+#: The phases of a checkpoint round before any process saved anything for it.
+_UNSAVED = ("preparing", "pausing", "scoring")
+
 #: Seconds a finished job waits for a worker still running a task it abandoned (statistics, goodbye).
 ABANDONED_GRACE = 1.0
 
@@ -1863,6 +1866,8 @@ class Master:
         a process that died meanwhile leaves the round without a manifest, as any failed one."""
         ck = self.checkpoints
         r = ck.round if ck is not None else None
+        if r is not None and r.phase in _UNSAVED:
+            self._drop_unsaved_round()
         if r is None or r.phase not in ("snapshot", "writing", "manifest"):
             return
         assert ck is not None
@@ -1885,6 +1890,53 @@ class Master:
         if ck.round is r:
             log.warning("checkpoint %s was still being written when the job finished; it has no manifest and "
                         "will never be used", r.path)
+
+    def _drop_unsaved_round(self, wait: float = 5.0) -> None:
+        """The job finished while a round had saved nothing yet (its directory being made, training
+        pausing for it, its rows being scored): drop it, and remove the directory it made. Empty,
+        and never to be reused (numbers are not), it would stay under the checkpoint root for
+        ever, one per job that checkpoints. Waits at most ``wait`` seconds in all: a store that
+        stopped answering keeps the directory, as a failed round's."""
+        from litz.ft import storage
+
+        ck = self.checkpoints
+        assert ck is not None
+        r = ck.drop()
+        deadline = time.monotonic() + wait
+        path = r.dir_path
+        while path is None and (left := deadline - time.monotonic()) > 0:  # still being made
+            try:
+                cid, what, value, error = self._background.get(timeout=left)
+            except queue.Empty:
+                break
+            if cid == r.cid and what == "dir":
+                if error is not None:
+                    return  # it took no number: nothing to remove
+                path = value
+        if path is None:
+            log.warning("checkpoint round %d was dropped when the job finished; its directory was not made "
+                        "within %g s, and may be left empty", r.cid, wait)
+            return
+        location, outcome = ck.location, queue.SimpleQueue()
+
+        def remove() -> None:
+            try:
+                outcome.put(storage.remove_if_empty(storage.filesystem(location)[0], path))
+            except storage.CheckpointError as exc:
+                outcome.put(exc)
+
+        threading.Thread(target=remove, daemon=True, name="checkpoint-drop").start()
+        try:
+            removed = outcome.get(timeout=max(0.0, deadline - time.monotonic()) + 0.1)
+        except queue.Empty:
+            removed = TimeoutError(f"the store did not answer within {wait:g} s")
+        shown = storage.display(location, path)
+        if isinstance(removed, Exception):
+            log.warning("checkpoint %s was dropped when the job finished, before it saved anything; its "
+                        "directory stays, empty: %s", shown, removed)
+        else:
+            log.info("checkpoint %s was dropped when the job finished, before it saved anything%s", shown,
+                     "; its empty directory was removed" if removed else "")
 
     def _part_never_written(self, ident: str, error: str) -> None:
         """``ident`` died, or left the job (its goodbye after a scale-in; a retiring process writes
@@ -2270,6 +2322,8 @@ class Master:
                 self._send_outbox()
             if driver._finished:
                 self._complete_checkpoint_being_written()
+            elif (r := self.checkpoints.round if self.checkpoints else None) is not None and r.phase in _UNSAVED:
+                self._drop_unsaved_round()  # stopped: a round being written stays unfinished, as the stop asked
             if self.options.get("collect_stats", True):
                 stats = self.collect_stats()
             stats.setdefault("master", {"role": "master"}).update({"recoveries": list(self.recoveries),
