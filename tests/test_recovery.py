@@ -915,3 +915,59 @@ def test_a_worker_lost_as_the_job_finishes_does_not_hold_it(tmp_path: Path, monk
     assert res.value == "done" and time.monotonic() - t0 < 30
     assert "w0" in res.stats and "s0" in res.stats and "w1" not in res.stats
     assert processes_mentioning(job) == []
+
+
+@pytest.mark.parametrize("join_timeout", [30.0, 1.0])
+def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_path: Path, monkeypatch,
+                                                                          join_timeout: float) -> None:
+    """Scale-out, then a server dies before the new worker is ready: the full rollback runs while it
+    initialises (held here in its read of the checkpoint: the driver's file is a FIFO, as in the test
+    above), so it becomes ready during the rollback. It joins once the rollback is over: executors
+    move to it from the reloaded state, and every row is exact at the end. Before, it joined at
+    once, and the executors sent its way were ones the workers had just dropped to reload them:
+    the job failed ("w0 cannot migrate executors [2]: not hosted here"). With a join timeout
+    shorter than the rollback, the scale gave up on it meanwhile: it never joined."""
+    import json
+
+    from litz.cli import checkpoint, scale
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "readyrb", 6)
+    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
+                    checkpoint_timeout=30.0, options={"join_timeout": join_timeout})
+    ckpt = tmp_path / "ckpt" / "ckpt-000000"
+    driver_file = ckpt / "driver"
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "s1")
+        assert checkpoint(["--job", job]) == 0
+        driver_file = ckpt / json.loads((ckpt / storage.MANIFEST).read_text())["driver"]
+        blob = driver_file.read_bytes()
+        driver_file.unlink()
+        os.mkfifo(driver_file)
+        assert scale(["--job", job, "--workers", "3"]) == 0
+        _status_when(job, lambda s: any(p["id"] == "w2" for p in s["processes"]), timeout=30)
+        os.kill(victim["pid"], signal.SIGKILL)
+        _status_when(job, lambda s: "reading the last checkpoint" in describe_recovering(
+            s["master"]["recovering"]) if s["master"].get("recovering") else False)
+        time.sleep(2.0)  # w2 initialises (a fork and an init: well under a second) while the rollback waits
+        while True:  # the read blocks in the FIFO's open: a writer may open it now
+            try:
+                os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
+                break
+            except OSError:
+                time.sleep(0.05)
+        driver_file.unlink()
+        driver_file.write_bytes(blob)
+        st = _status_when(job, lambda s: s["master"].get("recoveries") and any(
+            p["id"] == "w2" and p.get("executors") for p in s["processes"]) and not s["master"].get("scaling"),
+            timeout=30)
+        stop.touch()
+        t.join(60)
+    finally:
+        stop.touch()
+        t.join(60)
+        with contextlib.suppress(OSError):
+            os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
+    assert not t.is_alive()
+    _assert_recovered(out, "full", victim)
+    assert processes_mentioning(job) == []

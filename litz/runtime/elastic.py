@@ -296,7 +296,9 @@ class Elasticity:
         if op is None or st is None:
             return
         join_timeout = float(self.m.options.get("join_timeout", JOIN_TIMEOUT))
-        if op.joining and time.monotonic() - op.started > join_timeout:
+        # not while a full rollback runs: the processes it holds back (``Master._roll_back_all``)
+        # are ready, and giving up on them would spread executors mid-rollback
+        if op.joining and not self.m.rolling_back and time.monotonic() - op.started > join_timeout:
             # e.g. a host started without the job secret: its processes registered in etcd, but no
             # message reaches them (their refusals are in their own logs); go on without them
             reason = (f"scale {op.cid}: {', '.join(sorted(op.joining))} did not join within {join_timeout:.0f} s "

@@ -1401,6 +1401,11 @@ class Master:
         self.elastic.recovered()
 
     # -- failures (full recovery: everything rolls back) ---------------------------------------
+    @property
+    def rolling_back(self) -> bool:
+        """Whether a full recovery is in progress (new processes join after it)."""
+        return getattr(self, "_rolling_back", None) is not None
+
     def _roll_back(self, driver: Driver, rb: _Rollback, leftover: list[Message]) -> None:
         """Roll the whole job back (``_roll_back_all``); ``litz status`` shows it meanwhile."""
         try:
@@ -1429,11 +1434,17 @@ class Master:
             ck.round.errors.append(f"{rb.ident} died during the checkpoint: the job rolled back")
             self._finish_checkpoint()
         waiting: set[str] = set()
+        # A new process that becomes ready meanwhile (a scale-out under way) joins once the rollback
+        # is over: joining spreads executors onto it, and moves sent while the workers drop their
+        # executors to reload them failed the job ("cannot migrate executors [2]: not hosted here")
+        ready_later: list[Message] = []
 
         def on_msg(msg: Message) -> None:
             if msg.type in ("rolled_back", "reloaded"):
                 if msg["round"] == self._restore_round:  # not an answer to a round a loss restarted
                     waiting.discard(msg.sender)
+            elif msg.type == "ready":
+                ready_later.append(msg)
             elif msg.type != "done":
                 self._handle_aside(msg)
 
@@ -1500,6 +1511,8 @@ class Master:
         else:
             driver.dispatch_initial_tasks()
         self.elastic.recovered()
+        for msg in ready_later:
+            self._handle_aside(msg)
 
     def _reload(self, st: MasterState, lost_servers: list[str], waiting: set[str],
                 on_msg: Callable[[Message], None]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
