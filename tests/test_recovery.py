@@ -971,3 +971,49 @@ def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_p
     assert not t.is_alive()
     _assert_recovered(out, "full", victim)
     assert processes_mentioning(job) == []
+
+
+
+def test_a_worker_that_joins_during_a_partial_recovery_gets_its_share(tmp_path: Path, monkeypatch) -> None:
+    """Scale-out, then a worker dies before the new one is ready: the partial recovery plans the
+    dead's executors onto the survivor w0, and w2 joins while w0 reads them (held here: the
+    checkpoint's file is a FIFO). Once they are restored, the executors are spread again: w2
+    gets its share. Before, the scale had ended when w2 joined (the dead's executors, being
+    restored, could not move, and w0 held its own share), so w0 ran all six and w2 none, for the
+    rest of the job."""
+    from litz.cli import checkpoint, scale
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "joinpr", 6)
+    t, out = _start(app, workers=2, servers=1, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="partial",
+                    checkpoint_timeout=30.0)
+    part = tmp_path / "ckpt" / "ckpt-000000" / "executors-w1.arrow"
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "w1")
+        assert checkpoint(["--job", job]) == 0
+        hidden = part.with_name("hidden")
+        part.rename(hidden)
+        os.mkfifo(part)
+        assert scale(["--job", job, "--workers", "3"]) == 0
+        _status_when(job, lambda s: any(p["id"] == "w2" for p in s["processes"]), timeout=30)
+        os.kill(victim["pid"], signal.SIGKILL)
+        _status_when(job, lambda s: s["master"].get("recovering"))
+        _status_when(job, lambda s: not s["master"]["scaling"], timeout=30)  # w2 joined during the recovery
+        deadline = time.monotonic() + 10
+        while True:  # w0's read blocks in the FIFO's open: a writer may open it now (the read fails)
+            try:
+                os.close(os.open(part, os.O_WRONLY | os.O_NONBLOCK))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "w0 never read the checkpoint"
+                time.sleep(0.05)
+        hidden.rename(part)  # w0 is asked again a second later
+        st = _status_when(job, lambda s: s["master"].get("recoveries") and sorted(
+            len(p["executors"]) for p in s["processes"] if p["role"] == "worker") == [3, 3], timeout=30)
+        _end_after(job, stop, t, recovered=True)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive()
+    _assert_recovered(out, "partial", victim)
+    assert processes_mentioning(job) == []

@@ -232,12 +232,18 @@ class Elasticity:
                 self._joined()
 
     def recovered(self) -> None:
-        """A recovery ended during the operation: the survivors took the dead's items, perhaps
-        unevenly. Once every new process has joined, spread them again over the processes that
-        stay (moves off retiring ones included: a rollback abandons migrations in flight)."""
+        """A recovery ended: the survivors took the dead's items, perhaps unevenly. During an
+        operation, once every new process has joined, spread them again over the processes that
+        stay (moves off retiring ones included: a rollback abandons migrations in flight). Without
+        one, spread them over all: a process that joined while the recovery ran was not a survivor
+        when the recovery planned, so it took none of the dead's items (it sat idle, the others
+        doubled up); after a plain loss the plan was even, and nothing moves."""
         op, st = self.op, self.m.state
         if op is None:
             self._next_join()  # a host that offered itself during the recovery joins now
+            if self.op is None and st is not None:
+                self.m.rebalance()
+                self.m.rebalance_shards()
         if op is None or st is None or op.joining:
             return
         self.m.rebalance(self._staying(st.workers), ship_input=not op.retiring)
