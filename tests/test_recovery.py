@@ -204,6 +204,37 @@ def _assert_recovered(out: dict, recovery: str, victim: dict) -> dict:
     return rec
 
 
+def _fifo_in_place_of(path: Path) -> Path:
+    """Put a FIFO no one writes in place of the checkpoint file ``path``: a read blocks in its
+    open, as a read from a dead NFS server does. Returns where the file went."""
+    hidden = path.with_name(path.name + ".hidden")
+    path.rename(hidden)
+    os.mkfifo(path)
+    return hidden
+
+
+def _fail_the_read(path: Path, who: str, hidden: Path | None = None, timeout: float = 10.0) -> None:
+    """Once a reader waits in the open of the FIFO at ``path``, open and close it: the read fails (a
+    FIFO cannot seek), and the reader's process is asked again a second later. Then put the file
+    back from ``hidden``, for that second read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            break
+        except OSError:  # ENXIO: no reader yet
+            assert time.monotonic() < deadline, f"{who} never read the checkpoint"
+            time.sleep(0.05)
+    if hidden is not None:
+        os.replace(hidden, path)
+
+
+def _free_a_reader(path: Path) -> None:
+    """Let a read still blocked in the FIFO at ``path`` end (a store that hangs, at a test's end)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
 @pytest.mark.parametrize(("recovery", "outage"), [("full", None), ("partial", None), ("partial", 1.5),
                                                   ("full", 1.5)],
                          ids=["full", "partial", "partial-store-back", "full-store-back"])
@@ -339,9 +370,7 @@ def test_a_full_recovery_reads_the_checkpoint_off_the_masters_loop(tmp_path: Pat
 
         assert checkpoint(["--job", job]) == 0
         driver_file = ckpt / json.loads((ckpt / storage.MANIFEST).read_text())["driver"]
-        blob = driver_file.read_bytes()
-        driver_file.unlink()
-        os.mkfifo(driver_file)
+        hidden = _fifo_in_place_of(driver_file)
         os.kill(victim["pid"], signal.SIGKILL)
         st = _status_when(job, lambda s: "reading the last checkpoint" in describe_recovering(
             s["master"]["recovering"]) if s["master"].get("recovering") else False)
@@ -352,22 +381,12 @@ def test_a_full_recovery_reads_the_checkpoint_off_the_masters_loop(tmp_path: Pat
         assert "reading the last checkpoint" in describe_recovering(st["master"]["recovering"]), st
         if answers:  # opened and closed, the FIFO ends the read with an error; the next, a second later,
             # finds the file
-            deadline = time.monotonic() + 10
-            while True:  # the read blocks in the FIFO's open: a writer may open it now
-                try:
-                    os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
-                    break
-                except OSError:  # ENXIO: no reader yet
-                    assert time.monotonic() < deadline, "the master never read the driver's file"
-                    time.sleep(0.05)
-            driver_file.unlink()
-            driver_file.write_bytes(blob)
+            _fail_the_read(driver_file, "the master", hidden)
             _end_after(job, stop, t, recovered=True)
     finally:
         stop.touch()
         t.join(60)
-        with contextlib.suppress(OSError):  # a read still waiting (the store that hangs) ends
-            os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
+        _free_a_reader(driver_file)
     assert not t.is_alive()
     if answers:
         _assert_recovered(out, "full", victim)
@@ -401,9 +420,7 @@ def test_a_survivor_serves_its_own_shards_while_it_reads_the_lost_ones(tmp_path:
         victim = next(p for p in st["processes"] if p["id"] == "s1")
         assert checkpoint(["--job", job]) == 0
         part = tmp_path / "ckpt" / "ckpt-000000" / "shards-s1.arrow"
-        hidden = part.with_name("hidden")
-        part.rename(hidden)
-        os.mkfifo(part)
+        hidden = _fifo_in_place_of(part)
         with Membership(st["etcd"], job) as mem:
             mem.register(proc_key("tester", "tester"), {"id": "tester", "addr": tester.address, "role": "tester"})
             tester.connect("s0", mem.get(proc_key("server", "s0"))["addr"])
@@ -415,15 +432,7 @@ def test_a_survivor_serves_its_own_shards_while_it_reads_the_lost_ones(tmp_path:
             reply = tester.recv()
             assert reply is not None and reply["rid"] == 1
             assert job_status(job)["master"].get("recovering"), "restored from a FIFO no one wrote?"
-            deadline = time.monotonic() + 10
-            while True:  # its read blocks in the FIFO's open: a writer may open it now
-                try:
-                    os.close(os.open(part, os.O_WRONLY | os.O_NONBLOCK))  # the read fails: a FIFO cannot seek
-                    break
-                except OSError:  # ENXIO: no reader yet
-                    assert time.monotonic() < deadline, "s0 never read the checkpoint"
-                    time.sleep(0.05)
-            hidden.rename(part)  # s0 said its read failed, and is asked again a second later
+            _fail_the_read(part, "s0", hidden)  # s0 says its read failed, and is asked again a second later
         _end_after(job, stop, t, recovered=True)
     finally:
         stop.touch()
@@ -941,24 +950,15 @@ def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_p
         victim = next(p for p in st["processes"] if p["id"] == "s1")
         assert checkpoint(["--job", job]) == 0
         driver_file = ckpt / json.loads((ckpt / storage.MANIFEST).read_text())["driver"]
-        blob = driver_file.read_bytes()
-        driver_file.unlink()
-        os.mkfifo(driver_file)
+        hidden = _fifo_in_place_of(driver_file)
         assert scale(["--job", job, "--workers", "3"]) == 0
         _status_when(job, lambda s: any(p["id"] == "w2" for p in s["processes"]), timeout=30)
         os.kill(victim["pid"], signal.SIGKILL)
         _status_when(job, lambda s: "reading the last checkpoint" in describe_recovering(
             s["master"]["recovering"]) if s["master"].get("recovering") else False)
         time.sleep(2.0)  # w2 initialises (a fork and an init: well under a second) while the rollback waits
-        while True:  # the read blocks in the FIFO's open: a writer may open it now
-            try:
-                os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
-                break
-            except OSError:
-                time.sleep(0.05)
-        driver_file.unlink()
-        driver_file.write_bytes(blob)
-        st = _status_when(job, lambda s: s["master"].get("recoveries") and any(
+        _fail_the_read(driver_file, "the master", hidden)
+        _status_when(job, lambda s: s["master"].get("recoveries") and any(
             p["id"] == "w2" and p.get("executors") for p in s["processes"]) and not s["master"].get("scaling"),
             timeout=30)
         stop.touch()
@@ -966,12 +966,10 @@ def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_p
     finally:
         stop.touch()
         t.join(60)
-        with contextlib.suppress(OSError):
-            os.close(os.open(driver_file, os.O_WRONLY | os.O_NONBLOCK))
+        _free_a_reader(driver_file)
     assert not t.is_alive()
     _assert_recovered(out, "full", victim)
     assert processes_mentioning(job) == []
-
 
 
 def test_a_worker_that_joins_during_a_partial_recovery_gets_its_share(tmp_path: Path, monkeypatch) -> None:
@@ -991,23 +989,13 @@ def test_a_worker_that_joins_during_a_partial_recovery_gets_its_share(tmp_path: 
         st = wait_running(job)
         victim = next(p for p in st["processes"] if p["id"] == "w1")
         assert checkpoint(["--job", job]) == 0
-        hidden = part.with_name("hidden")
-        part.rename(hidden)
-        os.mkfifo(part)
+        hidden = _fifo_in_place_of(part)
         assert scale(["--job", job, "--workers", "3"]) == 0
         _status_when(job, lambda s: any(p["id"] == "w2" for p in s["processes"]), timeout=30)
         os.kill(victim["pid"], signal.SIGKILL)
         _status_when(job, lambda s: s["master"].get("recovering"))
         _status_when(job, lambda s: not s["master"]["scaling"], timeout=30)  # w2 joined during the recovery
-        deadline = time.monotonic() + 10
-        while True:  # w0's read blocks in the FIFO's open: a writer may open it now (the read fails)
-            try:
-                os.close(os.open(part, os.O_WRONLY | os.O_NONBLOCK))
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "w0 never read the checkpoint"
-                time.sleep(0.05)
-        hidden.rename(part)  # w0 is asked again a second later
+        _fail_the_read(part, "w0", hidden)  # w0 is asked again a second later
         st = _status_when(job, lambda s: s["master"].get("recoveries") and sorted(
             len(p["executors"]) for p in s["processes"] if p["role"] == "worker") == [3, 3], timeout=30)
         _end_after(job, stop, t, recovered=True)
