@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -213,6 +214,16 @@ def _fifo_in_place_of(path: Path) -> Path:
     return hidden
 
 
+def _hold_the_driver_file(job: str, ckpt: Path) -> tuple[Path, Path]:
+    """Take the job's first checkpoint (``ckpt``) and put a FIFO in place of its driver's file,
+    which a full recovery reads; returns the file's path and where the file went."""
+    from litz.cli import checkpoint
+
+    assert checkpoint(["--job", job]) == 0
+    driver_file = ckpt / json.loads((ckpt / storage.MANIFEST).read_text())["driver"]
+    return driver_file, _fifo_in_place_of(driver_file)
+
+
 def _fail_the_read(path: Path, who: str, hidden: Path | None = None, timeout: float = 10.0) -> None:
     """Once a reader waits in the open of the FIFO at ``path``, open and close it: the read fails (a
     FIFO cannot seek), and the reader's process is asked again a second later. Then put the file
@@ -354,7 +365,6 @@ def test_a_full_recovery_reads_the_checkpoint_off_the_masters_loop(tmp_path: Pat
     file back: the job recovers. Never opened, the job stops after ``--checkpoint-timeout`` (2 s),
     saying the storage did not answer.
     Before, the master's loop was in the read: no status, nothing answered, and no end to it."""
-    import json
 
     from litz.errors import LitzError
 
@@ -366,11 +376,7 @@ def test_a_full_recovery_reads_the_checkpoint_off_the_masters_loop(tmp_path: Pat
     try:
         st = wait_running(job)
         victim = next(p for p in st["processes"] if p["id"] == "s1")
-        from litz.cli import checkpoint
-
-        assert checkpoint(["--job", job]) == 0
-        driver_file = ckpt / json.loads((ckpt / storage.MANIFEST).read_text())["driver"]
-        hidden = _fifo_in_place_of(driver_file)
+        driver_file, hidden = _hold_the_driver_file(job, ckpt)
         os.kill(victim["pid"], signal.SIGKILL)
         st = _status_when(job, lambda s: "reading the last checkpoint" in describe_recovering(
             s["master"]["recovering"]) if s["master"].get("recovering") else False)
@@ -936,9 +942,7 @@ def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_p
     once, and the executors sent its way were ones the workers had just dropped to reload them:
     the job failed ("w0 cannot migrate executors [2]: not hosted here"). With a join timeout
     shorter than the rollback, the scale gave up on it meanwhile: it never joined."""
-    import json
-
-    from litz.cli import checkpoint, scale
+    from litz.cli import scale
 
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "readyrb", 6)
     t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
@@ -948,9 +952,7 @@ def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_p
     try:
         st = wait_running(job)
         victim = next(p for p in st["processes"] if p["id"] == "s1")
-        assert checkpoint(["--job", job]) == 0
-        driver_file = ckpt / json.loads((ckpt / storage.MANIFEST).read_text())["driver"]
-        hidden = _fifo_in_place_of(driver_file)
+        driver_file, hidden = _hold_the_driver_file(job, ckpt)
         assert scale(["--job", job, "--workers", "3"]) == 0
         _status_when(job, lambda s: any(p["id"] == "w2" for p in s["processes"]), timeout=30)
         os.kill(victim["pid"], signal.SIGKILL)
