@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+import litz
+
 __all__ = [
     "Corpus",
     "DEFAULT_FASHION_MNIST_ROOT",
@@ -154,6 +156,32 @@ def _decode_split(img_path: Path, lbl_path: Path) -> tuple[np.ndarray, np.ndarra
     return x, labels.astype(np.int64)
 
 
+class MissingDataset(litz.ConfigError, FileNotFoundError):
+    """A data set that is not installed: a FileNotFoundError, and a ConfigError, so that ``litz
+    launch`` says it in one line (which package to install) rather than with a traceback, whether
+    ``make_app`` or an executor's ``load_input`` finds it missing."""
+
+
+def fashion_mnist_files(split: str, root: str | None = None) -> tuple[Path, Path]:
+    """The image and label files of Fashion-MNIST's ``split``; MissingDataset if either is not there.
+    An application checks them in ``make_app``, so that a job without the data stops before it
+    starts a process."""
+    prefix = _SPLIT_PREFIX.get(split)
+    if prefix is None:
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    base = Path(root or os.environ.get("LITZ_FASHION_MNIST") or DEFAULT_FASHION_MNIST_ROOT)
+    img_path = base / f"{prefix}-images-idx3-ubyte.gz"
+    lbl_path = base / f"{prefix}-labels-idx1-ubyte.gz"
+    for p in (img_path, lbl_path):
+        if not p.is_file():
+            raise MissingDataset(
+                f"Fashion-MNIST file {p} not found. Install the Debian package "
+                f"'dataset-fashion-mnist' (apt-get install dataset-fashion-mnist), or set "
+                f"LITZ_FASHION_MNIST / pass root= to a directory holding the *-ubyte.gz files."
+            )
+    return img_path, lbl_path
+
+
 def load_fashion_mnist(
     split: str, root: str | None = None, *, cache: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -166,19 +194,8 @@ def load_fashion_mnist(
     cache (see module docstring); copy them (``np.array(X)``) if you need to modify them.  If the
     cache directory is not writable the data is decoded in memory and returned writable.
     """
-    prefix = _SPLIT_PREFIX.get(split)
-    if prefix is None:
-        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
-    base = Path(root or os.environ.get("LITZ_FASHION_MNIST") or DEFAULT_FASHION_MNIST_ROOT)
-    img_path = base / f"{prefix}-images-idx3-ubyte.gz"
-    lbl_path = base / f"{prefix}-labels-idx1-ubyte.gz"
-    for p in (img_path, lbl_path):
-        if not p.is_file():
-            raise FileNotFoundError(
-                f"Fashion-MNIST file {p} not found. Install the Debian package "
-                f"'dataset-fashion-mnist' (apt-get install dataset-fashion-mnist), or set "
-                f"LITZ_FASHION_MNIST / pass root= to a directory holding the *-ubyte.gz files."
-            )
+    img_path, lbl_path = fashion_mnist_files(split, root)
+    prefix = _SPLIT_PREFIX[split]
     if not cache:
         return _decode_split(img_path, lbl_path)
 
@@ -476,8 +493,8 @@ def _frozen(corpus: Corpus) -> Corpus:
     return corpus
 
 
-def _missing(what: str, path: Path, package: str, env: str) -> FileNotFoundError:
-    return FileNotFoundError(
+def _missing(what: str, path: Path, package: str, env: str) -> MissingDataset:
+    return MissingDataset(
         f"{what} not found at {path}. Install the Debian package '{package}' "
         f"(apt-get install -y {package}), or set {env} to a directory holding its files.")
 

@@ -21,7 +21,7 @@ import numpy as np
 
 import litz
 from apps import gpu
-from apps.datasets import load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
+from apps.datasets import fashion_mnist_files, load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
 from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
 from apps.options import require_at_least, require_finite, seed
 
@@ -227,6 +227,8 @@ def make_app(argv: list[str]) -> litz.App:
                      precondition_rank=0, blocks=1, train_rows=0)
     require_finite(args, positive=("lr",), non_negative=("lr_decay", "l2"))
     gpu.check_device(args.device)
+    for split in ("train", "test"):  # the data is read by the processes: refuse before starting one
+        fashion_mnist_files(split)
     if args.precondition_rank >= dim:
         raise litz.ConfigError(f"--precondition-rank must be below {dim}, got {args.precondition_rank}")
     if args.train_rows and args.tasks_per_epoch > args.train_rows:  # (tasks of no rows: thousands of empty ones)

@@ -439,6 +439,8 @@ def test_loaders_read_the_debian_formats_and_name_the_package_when_missing(tmp_p
         read_fortunes(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="wordnet-base"):
         load_text_corpus("wordnet", root=str(tmp_path / "missing"))
+    with pytest.raises(litz.ConfigError, match="wordnet-base"):  # litz launch says it in one line
+        load_text_corpus("wordnet", root=str(tmp_path / "missing"))
 
 
 def test_vocabulary_layout_balances_chunks_and_inverts() -> None:

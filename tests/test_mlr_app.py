@@ -60,6 +60,25 @@ def test_litz_launch_app_help_and_bad_etcd() -> None:
     assert len(err) == 1 and "cannot reach etcd" in err[0] and "127.0.0.1:9" in err[0], proc.stderr
 
 
+@pytest.mark.parametrize(("app", "env", "package"), [("mlr", "LITZ_FASHION_MNIST", "dataset-fashion-mnist"),
+                                                    ("lda --corpus wordnet", "LITZ_WORDNET", "wordnet-base"),
+                                                    ("lda", "LITZ_FORTUNES", "fortunes")])
+def test_a_missing_data_set_is_refused_in_one_line_before_the_job_starts(monkeypatch, app: str, env: str,
+                                                                          package: str) -> None:
+    """Which package to install, in one line, and nothing started. Before, MLR's job started its
+    etcd and processes, and each worker failed to initialise its executors with a traceback; LDA
+    printed make_app's traceback around the same sentence."""
+    monkeypatch.setenv(env, "/nonexistent-data")
+    name, *argv = app.split()
+    started = time.monotonic()
+    proc = _litz("launch", f"apps/{name}.py", *argv, timeout=60)
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "/nonexistent-data" in err[0] and "apt-get install" in err[0] \
+        and package in err[0], proc.stderr
+    assert "initialisation failed" not in err[0] and time.monotonic() - started < 20
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     (["--epochs", "-2"], "--epochs must be a positive integer, got -2"),
