@@ -88,6 +88,17 @@ def _app_error(what: str, exc: Exception) -> LitzError:
     return LitzError(f"{what}:\n{''.join(te.format()).rstrip()}")
 
 
+def _lease_seconds(text: str) -> int:
+    """``--lease-ttl``: what ``$LITZ_LEASE_TTL`` takes (every process reads it from there)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds >= 1, got {text!r}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     """A command's ``--timeout``: it must leave the master time to answer."""
     try:
@@ -202,7 +213,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address the job's processes listen on (default 127.0.0.1); "
                         "an address beyond loopback requires --secret-file")
-    p.add_argument("--lease-ttl", default=None, metavar="SECONDS",
+    p.add_argument("--lease-ttl", default=None, metavar="SECONDS", type=_lease_seconds,
                    help="a process silent this long is declared lost (default $LITZ_LEASE_TTL, else 5); "
                         "more avoids false alarms on a heavily loaded machine")
     return p

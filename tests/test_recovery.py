@@ -105,15 +105,20 @@ def test_recovery_options_are_checked_before_anything_starts() -> None:
 
 
 def test_litz_launch_refuses_a_bad_lease_ttl_before_anything_starts(tmp_path: Path) -> None:
-    """``litz launch --lease-ttl`` sets what every process of the job reads; a bad value stops
-    the launch before anything starts."""
+    """``litz launch --lease-ttl`` sets what every process of the job reads (``$LITZ_LEASE_TTL``); a
+    bad value stops the launch before anything starts, named as it was given: the option is a
+    usage error (exit 2; it was named as the variable), the variable a configuration error."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     bad = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--lease-ttl", "0"],
                          cwd=root, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "LITZ_LEASE_TTL must be a whole number of seconds >= 1" in bad.stderr
+    assert bad.returncode == 2, bad.stderr
+    assert "argument --lease-ttl: must be a whole number of seconds >= 1, got '0'" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py"], cwd=root, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "LITZ_LEASE_TTL": "2.5"})
+    assert bad.returncode == 1 and "LITZ_LEASE_TTL must be a whole number of seconds >= 1, got '2.5'" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 

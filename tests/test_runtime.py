@@ -265,9 +265,11 @@ def test_unsendable_result_fails_only_its_task(etcd) -> None:
     ({"workers": 0}, "at least one worker and one server (got 0 and 1)"),
     ({"servers": 0}, "at least one worker and one server (got 2 and 0)"),
     ({"num_executors": 0}, "at least one executor (--executors), got 0"),
+    ({"servers": 9, "options": {"num_shards": 8}}, "9 servers for 8 shards would leave servers idle"),
 ])
 def test_bad_job_sizes_are_refused_before_anything_starts(sizes: dict, message: str) -> None:
-    """Before, ``num_executors=0`` (``--executors 0``) silently meant the default."""
+    """Before, ``num_executors=0`` (``--executors 0``) silently meant the default, and servers
+    beyond the shards started and held nothing (``litz scale`` refused them)."""
     app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
     with pytest.raises(litz.ConfigError, match=re.escape(message)):
         litz.run(app, **sizes)

@@ -387,6 +387,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors}")
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
+    if servers > num_shards:  # as ``litz scale`` refuses: a server holds whole shards
+        raise ConfigError(f"{servers} servers for {num_shards} shards would leave servers idle (--servers "
+                          f"{num_shards} at most)")
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
         if not checkpoint_dir:
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
