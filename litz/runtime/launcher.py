@@ -402,6 +402,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     if resumed is not None:
         num_executors = resumed.manifest["num_executors"]
     n_exec = num_executors or app.num_executors or 4 * workers
+    if workers > n_exec:  # allowed (an app of one executor under litz.run's default 2 workers), but said
+        log.warning("%d workers for %d executors: %d of them will hold none (--executors sets how many)",
+                    workers, n_exec, workers - n_exec)
     if checkpoint_dir:  # a bad policy is refused before anything starts
         CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction,
                               checkpoint_timeout, checkpoint_keep)
