@@ -978,6 +978,36 @@ def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_p
     assert processes_mentioning(job) == []
 
 
+def test_a_scale_command_during_a_full_rollback_is_refused_and_the_job_recovers(tmp_path: Path, monkeypatch) -> None:
+    """``litz scale`` while the job rolls back (held in its read of the checkpoint, as above) is
+    refused, as during a partial recovery, and the job recovers exactly. Before, it was accepted:
+    a scale-in's moves went to workers that had just dropped their executors to reload them, and
+    the job failed ("w2 cannot migrate executors [5]: not hosted here")."""
+    from litz.cli import scale
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scalerb", 6)
+    t, out = _start(app, workers=3, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
+                    checkpoint_timeout=30.0)
+    driver_file = tmp_path / "ckpt" / "ckpt-000000" / "driver"
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "s1")
+        driver_file, hidden = _hold_the_driver_file(job, tmp_path / "ckpt" / "ckpt-000000")
+        os.kill(victim["pid"], signal.SIGKILL)
+        _status_when(job, lambda s: s["master"].get("recovering"))
+        assert scale(["--job", job, "--workers", "2"]) == 1
+        _fail_the_read(driver_file, "the master", hidden)
+        _end_after(job, stop, t, recovered=True)
+    finally:
+        stop.touch()
+        t.join(60)
+        _free_a_reader(driver_file)
+    assert not t.is_alive()
+    _assert_recovered(out, "full", victim)
+    assert out["res"].stats["master"]["scale_history"] == []
+    assert processes_mentioning(job) == []
+
+
 def test_a_worker_that_joins_during_a_partial_recovery_gets_its_share(tmp_path: Path, monkeypatch) -> None:
     """Scale-out, then a worker dies before the new one is ready: the partial recovery plans the
     dead's executors onto the survivor w0, and w2 joins while w0 reads them (held here: the

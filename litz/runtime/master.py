@@ -1097,8 +1097,11 @@ class Master:
 
     @property
     def recovering(self) -> bool:
-        """Whether a partial recovery is under way (or waiting for one)."""
-        return self._restoring is not None or bool(self._waiting_losses)
+        """Whether a recovery is under way: partial (or waiting for one) or a full rollback. Scale
+        commands are refused meanwhile and hosts' offers wait: a scale-in's moves, sent while the
+        workers dropped their executors to reload them, failed the job ("w2 cannot migrate
+        executors [5]: not hosted here")."""
+        return self._restoring is not None or bool(self._waiting_losses) or self.rolling_back
 
     def _fence(self, ident: str) -> None:
         """Declare ``ident`` lost for good: its work is being recovered elsewhere, so it must
@@ -1510,6 +1513,7 @@ class Master:
             driver.resumed()
         else:
             driver.dispatch_initial_tasks()
+        self._rolling_back = None  # over: scale commands and hosts' offers go on (``recovering``)
         self.elastic.recovered()
         for msg in ready_later:
             self._handle_aside(msg)
