@@ -1008,6 +1008,42 @@ def test_a_scale_command_during_a_full_rollback_is_refused_and_the_job_recovers(
     assert processes_mentioning(job) == []
 
 
+def test_a_scale_in_under_way_when_a_staying_worker_dies_completes_after_the_rollback(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """A scale-in (w2 leaves) is under way when w0, a worker that stays, dies: the full rollback
+    (held in its read of the checkpoint) puts w0's executors on w1 and abandons the moves off w2,
+    whose executors reload there. The scale-in then moves them to w1 and completes, and every row
+    is exact. Before, the scale went on during the rollback: its moves off w2 reached w2 while it
+    had dropped its executors to reload them, and the job failed ("w2 cannot migrate executors
+    [5]: not hosted here")."""
+    from litz.cli import scale
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scaleinrb", 6)
+    t, out = _start(app, workers=3, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
+                    checkpoint_timeout=30.0)
+    driver_file = tmp_path / "ckpt" / "ckpt-000000" / "driver"
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "w0")
+        driver_file, hidden = _hold_the_driver_file(job, tmp_path / "ckpt" / "ckpt-000000")
+        assert scale(["--job", job, "--workers", "2"]) == 0
+        os.kill(victim["pid"], signal.SIGKILL)
+        _status_when(job, lambda s: s["master"].get("recovering"))
+        time.sleep(1.0)  # the scale's moves and ticks would go on meanwhile
+        _fail_the_read(driver_file, "the master", hidden)
+        _status_when(job, lambda s: s["master"].get("scale_history"), timeout=30)
+        _end_after(job, stop, t, recovered=True)
+    finally:
+        stop.touch()
+        t.join(60)
+        _free_a_reader(driver_file)
+    assert not t.is_alive()
+    _assert_recovered(out, "full", victim)
+    [scaled] = out["res"].stats["master"]["scale_history"]
+    assert scaled["workers"] == ["w1"] and scaled["retired"] == ["w2"] and scaled["lost"] == ["w0"], scaled
+    assert processes_mentioning(job) == []
+
+
 def test_a_worker_that_joins_during_a_partial_recovery_gets_its_share(tmp_path: Path, monkeypatch) -> None:
     """Scale-out, then a worker dies before the new one is ready: the partial recovery plans the
     dead's executors onto the survivor w0, and w2 joins while w0 reads them (held here: the

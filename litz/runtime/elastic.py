@@ -282,7 +282,10 @@ class Elasticity:
             self._joined()
 
     def _joined(self) -> None:
-        """Every new process is ready (or given up on): spread executors and shards onto them."""
+        """Every new process is ready (or given up on): spread executors and shards onto them. Not
+        during a full rollback (a joining process lost then): ``recovered`` spreads them at its end."""
+        if self.m.rolling_back:
+            return
         self.m.rebalance(ship_input=True)
         self.m.rebalance_shards()
         self.tick()
@@ -299,12 +302,14 @@ class Elasticity:
         """Retire workers left without executors and servers left without shards (once everyone
         routes around them); close the operation when nothing is pending."""
         op, st = self.op, self.m.state
-        if op is None or st is None:
+        # Nothing while a full rollback runs (``recovered`` ticks at its end): the workers drop their
+        # executors to reload them, so moves sent meanwhile (executors the rollback put back on a
+        # retiring worker, say) failed the job, and the processes it holds back from joining are
+        # ready, not late
+        if op is None or st is None or self.m.rolling_back:
             return
         join_timeout = float(self.m.options.get("join_timeout", JOIN_TIMEOUT))
-        # not while a full rollback runs: the processes it holds back (``Master._roll_back_all``)
-        # are ready, and giving up on them would spread executors mid-rollback
-        if op.joining and not self.m.rolling_back and time.monotonic() - op.started > join_timeout:
+        if op.joining and time.monotonic() - op.started > join_timeout:
             # e.g. a host started without the job secret: its processes registered in etcd, but no
             # message reaches them (their refusals are in their own logs); go on without them
             reason = (f"scale {op.cid}: {', '.join(sorted(op.joining))} did not join within {join_timeout:.0f} s "
