@@ -1065,11 +1065,7 @@ def make_app(argv: list[str]) -> litz.App:
         "block": args.block, "filter": args.filter, "order": args.order, "queries": args.queries, "seed": args.seed,
         "device": args.device,
         "data_seed": args.data_seed, "return_graph": args.return_graph, "quiet": args.quiet}
-    try:
-        n = len(load_points(config))
-    except FileNotFoundError as exc:
-        raise litz.ConfigError(str(exc).splitlines()[0]) from None
-    config["n"] = n
+    n = config["n"] = len(load_points(config))  # (data not installed: a ConfigError, MissingDataset)
     return litz.App(NNDDriver, NNDExecutor, tables=nndescent_tables(n, args.k, block=args.block), config=config,
                     name="nndescent")
 

@@ -937,110 +937,59 @@ def test_a_worker_lost_as_the_job_finishes_does_not_hold_it(tmp_path: Path, monk
     assert processes_mentioning(job) == []
 
 
-def test_a_worker_that_becomes_ready_during_a_full_rollback_joins_after_it(tmp_path: Path, monkeypatch) -> None:
-    """Scale-out, then a server dies before the new worker is ready: the full rollback runs while it
-    initialises (held here in its read of the checkpoint: the driver's file is a FIFO, as in the test
-    above), so it becomes ready during the rollback. It joins once the rollback is over: executors
-    move to it from the reloaded state, and every row is exact at the end. Before, it joined at
-    once, and the executors sent its way were ones the workers had just dropped to reload them:
-    the job failed ("w0 cannot migrate executors [2]: not hosted here"). The scale's join timeout
-    (1 s here) is shorter than the rollback: it must not run out meanwhile (it did, and the scale
-    gave up on the worker, which never joined)."""
-    from litz.cli import scale
+@pytest.mark.parametrize(("victim", "when", "workers"), [("s1", "out", 4), ("s1", "during", 2), ("w0", "before", 2)])
+def test_scaling_and_a_full_rollback(tmp_path: Path, monkeypatch, victim: str, when: str, workers: int) -> None:
+    """A scale of 3 workers and a full rollback (held in its read of the checkpoint, as above).
 
-    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "readyrb", 6)
-    t, out = _start(app, workers=2, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
-                    checkpoint_timeout=30.0, options={"join_timeout": 1.0})
-    ckpt = tmp_path / "ckpt" / "ckpt-000000"
-    driver_file = ckpt / "driver"
-    try:
-        st = wait_running(job)
-        victim = next(p for p in st["processes"] if p["id"] == "s1")
-        driver_file, hidden = _hold_the_driver_file(job, ckpt)
-        assert scale(["--job", job, "--workers", "3"]) == 0
-        _status_when(job, lambda s: any(p["id"] == "w2" for p in s["processes"]), timeout=30)
-        os.kill(victim["pid"], signal.SIGKILL)
-        _status_when(job, lambda s: "reading the last checkpoint" in describe_recovering(
-            s["master"]["recovering"]) if s["master"].get("recovering") else False)
-        time.sleep(2.0)  # w2 initialises (a fork and an init: well under a second) while the rollback waits
-        _fail_the_read(driver_file, "the master", hidden)
-        _status_when(job, lambda s: s["master"].get("recoveries") and any(
-            p["id"] == "w2" and p.get("executors") for p in s["processes"]) and not s["master"].get("scaling"),
-            timeout=30)
-        stop.touch()
-        t.join(60)
-    finally:
-        stop.touch()
-        t.join(60)
-        _free_a_reader(driver_file)
-    assert not t.is_alive()
-    _assert_recovered(out, "full", victim)
-    assert processes_mentioning(job) == []
-
-
-def test_a_scale_command_during_a_full_rollback_is_refused_and_the_job_recovers(tmp_path: Path, monkeypatch) -> None:
-    """``litz scale`` while the job rolls back (held in its read of the checkpoint, as above) is
-    refused, as during a partial recovery, and the job recovers exactly. Before, it was accepted:
-    a scale-in's moves went to workers that had just dropped their executors to reload them, and
-    the job failed ("w2 cannot migrate executors [5]: not hosted here")."""
+    ``out``: a scale-out, and a server dies before the new worker w3 is ready, so it becomes
+    ready during the rollback. It joins once the rollback is over: executors move to it from the
+    reloaded state. Its join timeout (1 s) is shorter than the rollback, and must not run out
+    meanwhile (it did, and the scale gave up on w3). ``during``: ``litz scale`` while the job
+    rolls back is refused, as during a partial recovery. ``before``: a scale-in (w2 leaves) is
+    under way when w0, a worker that stays, dies; the rollback puts w0's executors on w1 and
+    abandons the moves off w2, whose executors reload there; the scale-in then moves them to w1
+    and completes. Every row is exact at the end. Before, the new worker joined at once, the
+    scale-in was accepted during the rollback, or went on during it: moves went to workers that
+    had just dropped their executors to reload them, and the job failed ("w2 cannot migrate
+    executors [5]: not hosted here")."""
     from litz.cli import scale
 
     job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scalerb", 6)
     t, out = _start(app, workers=3, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
-                    checkpoint_timeout=30.0)
+                    checkpoint_timeout=30.0, options={"join_timeout": 1.0})
     driver_file = tmp_path / "ckpt" / "ckpt-000000" / "driver"
     try:
         st = wait_running(job)
-        victim = next(p for p in st["processes"] if p["id"] == "s1")
+        proc = next(p for p in st["processes"] if p["id"] == victim)
         driver_file, hidden = _hold_the_driver_file(job, tmp_path / "ckpt" / "ckpt-000000")
-        os.kill(victim["pid"], signal.SIGKILL)
+        if when != "during":
+            assert scale(["--job", job, "--workers", str(workers)]) == 0
+        if when == "out":
+            _status_when(job, lambda s: any(p["id"] == "w3" for p in s["processes"]), timeout=30)
+        os.kill(proc["pid"], signal.SIGKILL)
         _status_when(job, lambda s: s["master"].get("recovering"))
-        assert scale(["--job", job, "--workers", "2"]) == 1
+        if when == "during":
+            assert scale(["--job", job, "--workers", str(workers)]) == 1  # refused
+        time.sleep(2.0)  # w3 initialises meanwhile (well under a second), a scale's ticks would go on
         _fail_the_read(driver_file, "the master", hidden)
+        if when != "during":
+            _status_when(job, lambda s: s["master"].get("scale_history") and any(
+                p["id"] == "w3" and p.get("executors") for p in s["processes"]) == (when == "out"), timeout=30)
         _end_after(job, stop, t, recovered=True)
     finally:
         stop.touch()
         t.join(60)
         _free_a_reader(driver_file)
     assert not t.is_alive()
-    _assert_recovered(out, "full", victim)
-    assert out["res"].stats["master"]["scale_history"] == []
-    assert processes_mentioning(job) == []
-
-
-def test_a_scale_in_under_way_when_a_staying_worker_dies_completes_after_the_rollback(tmp_path: Path,
-                                                                                     monkeypatch) -> None:
-    """A scale-in (w2 leaves) is under way when w0, a worker that stays, dies: the full rollback
-    (held in its read of the checkpoint) puts w0's executors on w1 and abandons the moves off w2,
-    whose executors reload there. The scale-in then moves them to w1 and completes, and every row
-    is exact. Before, the scale went on during the rollback: its moves off w2 reached w2 while it
-    had dropped its executors to reload them, and the job failed ("w2 cannot migrate executors
-    [5]: not hosted here")."""
-    from litz.cli import scale
-
-    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "scaleinrb", 6)
-    t, out = _start(app, workers=3, servers=2, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery="full",
-                    checkpoint_timeout=30.0)
-    driver_file = tmp_path / "ckpt" / "ckpt-000000" / "driver"
-    try:
-        st = wait_running(job)
-        victim = next(p for p in st["processes"] if p["id"] == "w0")
-        driver_file, hidden = _hold_the_driver_file(job, tmp_path / "ckpt" / "ckpt-000000")
-        assert scale(["--job", job, "--workers", "2"]) == 0
-        os.kill(victim["pid"], signal.SIGKILL)
-        _status_when(job, lambda s: s["master"].get("recovering"))
-        time.sleep(1.0)  # the scale's moves and ticks would go on meanwhile
-        _fail_the_read(driver_file, "the master", hidden)
-        _status_when(job, lambda s: s["master"].get("scale_history"), timeout=30)
-        _end_after(job, stop, t, recovered=True)
-    finally:
-        stop.touch()
-        t.join(60)
-        _free_a_reader(driver_file)
-    assert not t.is_alive()
-    _assert_recovered(out, "full", victim)
-    [scaled] = out["res"].stats["master"]["scale_history"]
-    assert scaled["workers"] == ["w1"] and scaled["retired"] == ["w2"] and scaled["lost"] == ["w0"], scaled
+    _assert_recovered(out, "full", proc)
+    history = out["res"].stats["master"]["scale_history"]
+    if when == "during":
+        assert history == []
+    else:
+        [scaled] = history
+        expected = ["w0", "w1", "w2", "w3"] if when == "out" else ["w1"]
+        assert scaled["workers"] == expected and scaled["lost"] == [victim], scaled
+        assert scaled["retired"] == ([] if when == "out" else ["w2"]), scaled
     assert processes_mentioning(job) == []
 
 
