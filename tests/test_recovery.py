@@ -1026,3 +1026,48 @@ def test_a_worker_that_joins_during_a_partial_recovery_gets_its_share(tmp_path: 
     assert not t.is_alive()
     _assert_recovered(out, "partial", victim)
     assert processes_mentioning(job) == []
+
+
+@pytest.mark.parametrize("recovery", ["partial", "full"])
+def test_a_server_lost_while_the_others_route_around_it_is_recovered(tmp_path: Path, monkeypatch,
+                                                                      recovery: str) -> None:
+    """A scale-in to 2 servers: s2's shards have moved, and the master waits for every process to
+    route around s2 before telling it to leave; w1 is stopped (SIGSTOP), so it cannot answer, and
+    s2 dies then. It is recovered as a server holding nothing (partial: the others send again what
+    it never answered; full: the job rolls back), the scale-in completes, and every row is exact.
+    Before, the job failed: s2 was neither a server of the job any more nor told to leave."""
+    from litz.cli import checkpoint, scale
+
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "routesrb", 6)
+    t, out = _start(app, workers=2, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"), recovery=recovery)
+    w1 = None
+    try:
+        st = wait_running(job)
+        assert checkpoint(["--job", job]) == 0
+        w1, s2 = (next(p for p in st["processes"] if p["id"] == i) for i in ("w1", "s2"))
+        os.kill(w1["pid"], signal.SIGSTOP)
+        assert scale(["--job", job, "--servers", "2"]) == 0
+        _status_when(job, lambda s: s["master"]["scaling"] and not next(
+            p for p in s["processes"] if p["id"] == "s2")["shards"], timeout=20)  # out of the job, not told to leave
+        os.kill(s2["pid"], signal.SIGKILL)
+        _status_when(job, lambda s: any(p["id"] == "s2" and p["state"] == "lost" for p in s["processes"]),
+                     timeout=20)  # the master took it for lost while w1 still could not answer
+        os.kill(w1["pid"], signal.SIGCONT)  # (a rollback waits for w1's answer)
+        w1 = None
+        _status_when(job, lambda s: s["master"].get("recoveries"), timeout=20)
+        _status_when(job, lambda s: s["master"]["scale_history"], timeout=30)
+        _end_after(job, stop, t, recovered=True)
+    finally:
+        if w1 is not None:
+            os.kill(w1["pid"], signal.SIGCONT)
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive()
+    assert "error" not in out, out.get("error")
+    res = out["res"]
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    [rec] = res.stats["master"]["recoveries"]
+    assert rec["lost"] == "s2" and rec["strategy"] == recovery, rec
+    [scaled] = res.stats["master"]["scale_history"]
+    assert scaled["servers"] == ["s0", "s1"] and scaled["lost"] == ["s2"], scaled
+    assert processes_mentioning(job) == []

@@ -1065,6 +1065,14 @@ class Master:
             self._fence(ident)
             return
         group = st.servers if ident in st.servers else st.workers if ident in st.workers else None
+        if group is None and ident in self.elastic.retiring() and ident not in self.retiring \
+                and self.procs.get(ident, {}).get("role") == "server":
+            # a server a scale-in emptied, waiting for everyone to route around it: requests may
+            # still reach it, and it forwards them. Recovered as a server that holds nothing:
+            # partial, the others send again what it never answered; full, the job rolls back.
+            # (Before, the job failed: it was neither a server of the job nor told to leave.)
+            st.servers.append(ident)
+            group = st.servers
         role = "server" if group is st.servers else "worker"
         if group is None and (ident in self.retiring or self.elastic.joining(ident)):
             # it held nothing: one retired by a scale-in (told to leave), or one still joining
