@@ -238,3 +238,30 @@ def test_a_servers_loss_reaches_the_processes_a_scale_operation_adds_or_removes(
     assert told == ["s0", "s2", "s3", "w0", "w1", "w2"]
     assert all(f["shard_map"] == ["s0"] * 4 for _, _, f in sent)
     assert m._restoring is None and m.recoveries[-1]["lost"] == "s1"
+
+
+def test_nothing_moves_to_or_from_a_process_declared_lost_whose_recovery_waits() -> None:
+    """Without sockets: w0 and s0 were declared lost while the other role's recovery ran, so they
+    are still in their groups (their own recovery waits) but gone from the processes; a worker w3
+    and a server s2 join meanwhile. Spreading the work moves nothing to or from w0 or s0: w3 gets
+    executors from w1 and w2 only, s2 shards from s1 only. Before, a stress run found the master
+    moving executors to w0 (``KeyError: 'w0'``: it has no address any more), and moves off the
+    dead would never have been answered."""
+    from litz.runtime.master import Master, MasterState
+
+    sent: list[tuple[str, str, dict]] = []
+    m = object.__new__(Master)  # the state machine alone: sends are recorded
+    m.endpoint = type("E", (), {"send": lambda self, to, kind, **f: sent.append((to, kind, f))})()
+    m.state = st = MasterState(6, ["w0", "w1", "w2"], ["s0", "s1"], num_shards=8)
+    m.lost = {"w0", "s0"}
+    m.procs = {i: {"addr": f"ipc://{i}"} for i in ("w1", "w2", "w3", "s1", "s2")}
+    st.placement = {0: "w0", 1: "w1", 2: "w1", 3: "w1", 4: "w1", 5: "w2"}  # w1 holds more than its share
+    st.shard_map = ["s0"] + ["s1"] * 7
+    st.workers.append("w3")
+    st.servers.append("s2")
+    assert m.rebalance() and m.rebalance_shards()
+    moves = sorted((to, f["dest"]) for to, kind, f in sent)
+    assert moves == [("s1", "s2"), ("w1", "w2"), ("w1", "w3")], moves  # w0's executor and s0's shard stay
+    assert [mig[1] for mig in st.migrations.values()] == ["w1", "w1"]
+    assert sorted(s for shards, _, _ in st.shard_migrations.values() for s in shards) != [] \
+        and 0 not in st.shards_moving

@@ -2130,9 +2130,15 @@ class Master:
         return {"checkpoints": ck is not None, "partial": ck is not None and ck.policy != "full"}
 
     def rebalance_shards(self, servers: list[str] | None = None) -> list[int]:
-        assert self.state is not None
-        return [mid for dest, shards in self.state.plan_shard_balance(servers).items()
-                for mid in self.move_shards(shards, dest)]
+        """Spread the shards evenly over ``servers`` (default: all) with few moves; as ``rebalance``,
+        nothing moves to or from a server declared lost."""
+        st = self.state
+        assert st is not None
+        targets = [s for s in (servers if servers is not None else st.servers) if s not in self.lost]
+        if not targets:
+            return []
+        return [mid for dest, shards in st.plan_shard_balance(targets).items()
+                for mid in self.move_shards([s for s in shards if st.shard_map[s] not in self.lost], dest)]
 
     def init_worker(self, ident: str) -> None:
         """Send a worker the application, its executors (none for one joining later) and the maps."""
@@ -2208,10 +2214,19 @@ class Master:
         return mids
 
     def rebalance(self, workers: list[str] | None = None, ship_input: bool = True) -> list[int]:
-        """Spread executors evenly over ``workers`` (default: all) with few moves."""
-        assert self.state is not None
-        return [mid for dest, eids in self.state.plan_balance(workers).items()
-                for mid in self.move_executors(eids, dest, ship_input)]
+        """Spread executors evenly over ``workers`` (default: all) with few moves. Nothing moves to
+        or from a worker declared lost: one whose recovery waits for the other role's (a server's)
+        is still in the group, and a worker joining meanwhile spread executors onto it (the job
+        failed, `KeyError: 'w0'`, a stress run found). Its recovery places its executors; the
+        spread that follows a recovery takes them into account."""
+        st = self.state
+        assert st is not None
+        targets = [w for w in (workers if workers is not None else st.workers) if w not in self.lost]
+        if not targets:
+            return []
+        return [mid for dest, eids in st.plan_balance(targets).items()
+                for mid in self.move_executors([e for e in eids if st.moving_dest(e) not in self.lost], dest,
+                                               ship_input)]
 
     def on_ship_ready(self, msg: Message) -> None:
         """The source of a migration reported every completion of its executors: they may leave.
