@@ -549,6 +549,8 @@ class Resume:
 class Master:
     """Runs one job's driver over registered worker and server processes."""
 
+    _rolling_back: _RollingBack | None = None  # the full recovery in progress (for litz status)
+
     def __init__(self, app: App, job: str, membership: Membership, *, workers: int, servers: int,
                  num_executors: int, options: dict[str, Any] | None = None,
                  health_check: Callable[[], None] | None = None, startup_timeout: float = 60.0,
@@ -615,7 +617,6 @@ class Master:
         self._status_unpublished = False  # the last status write failed (etcd unreachable)
         self._status_put: concurrent.futures.Future[None] | None = None  # the status write under way
         self._restoring: _Restoring | None = None  # the partial recovery in progress
-        self._rolling_back: _RollingBack | None = None  # the full recovery in progress (for litz status)
         self._waiting_losses: list[tuple[str, str]] = []  # (ident, role) lost during the other role's recovery
         self._restore_round = 0  # numbers recovery plans: answers to a replaced plan are ignored
         # completed partial recoveries the driver has not been told of yet (``Driver.recovered``):
@@ -1415,7 +1416,7 @@ class Master:
     @property
     def rolling_back(self) -> bool:
         """Whether a full recovery is in progress (new processes join after it)."""
-        return getattr(self, "_rolling_back", None) is not None
+        return self._rolling_back is not None
 
     def _roll_back(self, driver: Driver, rb: _Rollback, leftover: list[Message]) -> None:
         """Roll the whole job back (``_roll_back_all``); ``litz status`` shows it meanwhile."""
@@ -2134,11 +2135,18 @@ class Master:
         nothing moves to or from a server declared lost."""
         st = self.state
         assert st is not None
-        targets = [s for s in (servers if servers is not None else st.servers) if s not in self.lost]
+        return self._spread(servers if servers is not None else st.servers, st.plan_shard_balance,
+                            st.shard_map.__getitem__, self.move_shards)
+
+    def _spread(self, group: list[str], plan: Callable[[list[str]], dict[str, list[int]]],
+                where: Callable[[int], str], move: Callable[[list[int], str], list[int]]) -> list[int]:
+        """The moves ``plan`` makes over the live processes of ``group``, started with ``move``,
+        leaving out items on (or going to) processes declared lost (``where``: an item's place)."""
+        targets = [p for p in group if p not in self.lost]
         if not targets:
             return []
-        return [mid for dest, shards in st.plan_shard_balance(targets).items()
-                for mid in self.move_shards([s for s in shards if st.shard_map[s] not in self.lost], dest)]
+        return [mid for dest, items in plan(targets).items()
+                for mid in move([i for i in items if where(i) not in self.lost], dest)]
 
     def init_worker(self, ident: str) -> None:
         """Send a worker the application, its executors (none for one joining later) and the maps."""
@@ -2221,12 +2229,8 @@ class Master:
         spread that follows a recovery takes them into account."""
         st = self.state
         assert st is not None
-        targets = [w for w in (workers if workers is not None else st.workers) if w not in self.lost]
-        if not targets:
-            return []
-        return [mid for dest, eids in st.plan_balance(targets).items()
-                for mid in self.move_executors([e for e in eids if st.moving_dest(e) not in self.lost], dest,
-                                               ship_input)]
+        return self._spread(workers if workers is not None else st.workers, st.plan_balance, st.moving_dest,
+                            lambda eids, dest: self.move_executors(eids, dest, ship_input))
 
     def on_ship_ready(self, msg: Message) -> None:
         """The source of a migration reported every completion of its executors: they may leave.
