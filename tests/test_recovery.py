@@ -962,12 +962,17 @@ def test_scaling_and_a_full_rollback(tmp_path: Path, monkeypatch, victim: str, w
         st = wait_running(job)
         proc = next(p for p in st["processes"] if p["id"] == victim)
         driver_file, hidden = _hold_the_driver_file(job, tmp_path / "ckpt" / "ckpt-000000")
+        leaving = next(p for p in st["processes"] if p["id"] == "w2")
+        if when == "before":  # w2 cannot ship its executors yet: the scale-in is still under way at the kill
+            os.kill(leaving["pid"], signal.SIGSTOP)
         if when != "during":
             assert scale(["--job", job, "--workers", str(workers)]) == 0
         if when == "out":
             _status_when(job, lambda s: any(p["id"] == "w3" for p in s["processes"]), timeout=30)
         os.kill(proc["pid"], signal.SIGKILL)
         _status_when(job, lambda s: s["master"].get("recovering"))
+        if when == "before":
+            os.kill(leaving["pid"], signal.SIGCONT)
         if when == "during":
             assert scale(["--job", job, "--workers", str(workers)]) == 1  # refused
         time.sleep(2.0)  # w3 initialises meanwhile (well under a second), a scale's ticks would go on
@@ -977,6 +982,9 @@ def test_scaling_and_a_full_rollback(tmp_path: Path, monkeypatch, victim: str, w
                 p["id"] == "w3" and p.get("executors") for p in s["processes"]) == (when == "out"), timeout=30)
         _end_after(job, stop, t, recovered=True)
     finally:
+        if when == "before":  # (stopped still if the test failed before it let w2 go on)
+            with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+                os.kill(leaving["pid"], signal.SIGCONT)
         stop.touch()
         t.join(60)
         _free_a_reader(driver_file)
