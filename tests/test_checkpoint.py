@@ -1250,6 +1250,69 @@ def test_a_rounds_undo_moves_with_a_migrating_shard_and_executor(tmp_path: Path,
             node.endpoint.close()
 
 
+def test_what_a_round_scored_before_it_migrated_is_not_scored_again_in_that_round() -> None:
+    """Partial round 5 reaches w0 and s0, which score executor 0 and shard 1, ship them to w1
+    and s1 (moves the master ordered before the round), and only then reaches w1 and s1 (their
+    reads served the other peer first; no sockets here). They do not score them again: before,
+    they did, the round chose among those rows twice, saved more than its fraction (50 rows of
+    40 in a CI run) and wrote them into two files. The next round scores them on their new hosts."""
+    from litz.ps.server import ServerNode, ShardStore
+    from litz.ps.tables import table_index
+    from litz.runtime.protocol import Message, decode, encode
+    from litz.runtime.worker import Slot, Worker
+
+    w0, w1 = Worker("w0", "job", "127.0.0.1:1"), Worker("w1", "job", "127.0.0.1:1")
+    s0, s1 = ServerNode("s0", "job", "127.0.0.1:1"), ServerNode("s1", "job", "127.0.0.1:1")
+    nodes = (w0, w1, s0, s1)
+    sent: list[tuple[str, str, str, list]] = []
+    for node in nodes:
+        node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:  # type: ignore[method-assign]
+                              sent.append((who, peer, kind, encode(kind, **fields))))
+        node._looked_up.update({"master", "w0", "w1", "s0", "s1"})
+        node.master = "master"
+    for w in (w0, w1):
+        w.options["checkpoint_policy"] = "priority"
+
+    def scores_of(node: Worker | ServerNode, cid: int) -> np.ndarray:
+        del sent[:]
+        node.dispatch(Message("ckpt_scores", {"cid": cid, "policy": "priority"}, sender="master"))
+        [reply] = [decode(f, sender=who) for who, _, k, f in sent if k == "ckpt_scores_reply"]
+        assert reply["cid"] == cid and reply.get("error") is None
+        return reply["scores"]
+
+    def deliver(kind: str, to: Worker | ServerNode) -> None:
+        [(who, frames)] = [(who, f) for who, peer, k, f in sent if k == kind and peer == to.ident]
+        to.dispatch(decode(frames, sender=who))
+
+    try:
+        tables = [litz.Table("t", (2,))]
+        for srv, shards in ((s0, [0, 1]), (s1, [])):
+            srv.store = ShardStore(table_index(tables), shards, 2, keeps_saved=True)
+        s0.store.update("t", [0, 1, 2, 3], np.arange(8.0).reshape(4, 2))
+        config = {"rows": 6, "sleep": 0.0}
+        w1.app, w1.num_executors = {"executor": testapps.RowsExecutor, "config": config}, 1
+        ex = testapps.RowsExecutor()
+        ex.executor_id, ex.num_executors, ex.config = 0, 1, config
+        ex.state = ex.init_state()
+        ex.run_task({})
+        w0.slots = {0: Slot(ex)}
+        w0.row_saves[0] = RowSaves(ex.state_rows(), 3)
+        ex.run_task({})
+        assert len(scores_of(w0, 5)) == 6 and len(scores_of(s0, 5)) == 4
+        w0.dispatch(Message("migrate_out", {"mid": 2, "executors": [0], "dest": "w1", "ship_input": True},
+                            sender="master"))
+        w0.dispatch(Message("ship", {"mid": 2}, sender="master"))
+        s0.dispatch(Message("migrate_shards", {"mid": 3, "shards": [1], "dest": "s1"}, sender="master"))
+        deliver("executor_state", w1)
+        deliver("shard_data", s1)
+        assert 0 in w1.slots and 1 in s1.store.shards
+        assert len(scores_of(w1, 5)) == 0 and len(scores_of(s1, 5)) == 0  # scored where they were
+        assert len(scores_of(w1, 6)) == 6 and len(scores_of(s1, 6)) == 2
+    finally:
+        for node in nodes:
+            node.endpoint.close()
+
+
 def test_row_scoring_waits_for_running_executors_and_fails_at_the_first_error() -> None:
     """A worker's partial rounds (no sockets): an executor is scored only once it runs no task,
     the round is answered when all are scored (executors in order, one gone is skipped), and a

@@ -107,6 +107,9 @@ class RowSaves:
         oldest), or, with None, no row is (a row never saved comes first)."""
         self.saved = StateRows(rows.values.copy(), rows.ptr.copy())
         self.saved_round = np.full(rows.num_rows, -1 if saved_in is None else saved_in, np.int64)
+        # the last round that scored these rows: an executor scored on one worker that migrates
+        # before the round reaches its new host is not scored (and saved) twice in that round
+        self.scored_in: int | None = None
 
     def matches(self, rows: StateRows) -> bool:
         return np.array_equal(rows.ptr, self.saved.ptr)
@@ -117,6 +120,7 @@ class RowSaves:
         ``round-robin``, the rounds since it was saved; ``random``, a draw. A row never saved
         comes first under the first two."""
         n = rows.num_rows
+        self.scored_in = round_
         if policy == "random":
             return np.random.default_rng(seed).random(n)
         if policy == "priority":

@@ -9,7 +9,7 @@ the message is affected (an item is applied whole or not at all).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Any
 
 import cloudpickle
@@ -256,12 +256,13 @@ class ShardStore:
             else:
                 self.saved[(name, key)], self.saved_round[(name, key)] = row, saved_in
 
-    def scores(self, policy: str, round_: int) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
-        """Every row hosted here with its claim to be saved next: ``priority``, the table's
-        distance (L2 unless the table says otherwise) from its saved value; ``round-robin``, the
-        rounds since it was saved (``round_`` is this one's); ``random``, a draw.
-        A row never saved comes first under the first two."""
-        entries = [(name, shard, key) for shard, tables in self.shards.items()
+    def scores(self, policy: str, round_: int, skip: Collection[int] = ()
+               ) -> tuple[list[tuple[str, int, Hashable]], np.ndarray]:
+        """Every row hosted here (but in the shards ``skip``) with its claim to be saved next:
+        ``priority``, the table's distance (L2 unless the table says otherwise) from its saved
+        value; ``round-robin``, the rounds since it was saved (``round_`` is this one's);
+        ``random``, a draw. A row never saved comes first under the first two."""
+        entries = [(name, shard, key) for shard, tables in self.shards.items() if shard not in skip
                    for name, rows in tables.items() for key in rows]
         if policy == "random":
             return entries, np.random.default_rng(round_).random(len(entries))
@@ -395,6 +396,8 @@ class ServerNode(Node):
         self._subs: dict[int, tuple[_Pending, list[tuple[int, list[int]]], str, list[Any]]] = {}
         self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         self._scored: dict[int, list[tuple[str, int, Hashable]]] = {}  # partial round -> rows scored
+        # shard -> the last partial round that scored it, here or on the server it came from
+        self._scored_in: dict[int, int] = {}
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self._abandoned_to: set[str] = set()  # dead servers of a rollback under way: forward nothing there
         self.forwarded = 0
@@ -558,10 +561,11 @@ class ServerNode(Node):
         store = self._store()
         data = store.extract(list(msg["shards"]), msg["dest"])
         saved, staged = store.extract_saved(data), store.extract_staged(list(msg["shards"]))
+        scored = [[s, self._scored_in.pop(s)] for s in msg["shards"] if s in self._scored_in]
         self.shards_out += len(msg["shards"])
         self.endpoint.send(msg["dest"], "shard_data", mid=msg["mid"], shards=msg["shards"], data=data,
                            source=self.ident, **({"saved": saved} if saved else {}),
-                           **({"staged": staged} if staged else {}))
+                           **({"staged": staged} if staged else {}), **({"scored": scored} if scored else {}))
 
     def on_settle(self, msg: Message) -> None:
         """The source of shard migration ``mid`` died: say whether its shards arrived here."""
@@ -576,21 +580,28 @@ class ServerNode(Node):
         self._store().install(list(msg["shards"]), msg["data"])
         self._store().install_saved(msg.get("saved", []))
         self._store().install_staged(msg.get("staged", []))
+        self._scored_in.update((int(s), int(cid)) for s, cid in msg.get("scored", []))
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
 
     # -- SCAR partial checkpoints -----------------------------------------------------------------
     def on_ckpt_scores(self, msg: Message) -> None:
-        """Score every row for a partial checkpoint; the master picks the global top fraction."""
+        """Score every row for a partial checkpoint; the master picks the global top fraction.
+        Not the rows of a shard that arrived already scored in this round (by the server it left,
+        whose message came first): the round would choose among them twice, and save more than
+        its fraction."""
+        cid = msg["cid"]
         try:
-            entries, scores = self._store().scores(msg["policy"], msg["cid"])
+            store = self._store()
+            entries, scores = store.scores(msg["policy"], cid, {s for s, c in self._scored_in.items() if c == cid})
         except LitzError as exc:  # e.g. an application's distance function failed: this round is lost
             self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=msg["cid"], scores=np.empty(0),
                                error=f"{self.ident}: {exc}")
             return
-        self._scored = {msg["cid"]: entries}  # one round at a time: an earlier one failed, or ended
-        self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=msg["cid"], scores=scores)
+        self._scored = {cid: entries}  # one round at a time: an earlier one failed, or ended
+        self._scored_in.update(dict.fromkeys(store.shards, cid))
+        self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=cid, scores=scores)
 
     def on_ckpt_save(self, msg: Message) -> None:
         """Save the chosen rows (as they are now) into a partial checkpoint, in the background."""
@@ -645,6 +656,7 @@ class ServerNode(Node):
         self._subs.clear()
         self._abandoned_to.clear()  # (no update of the abandoned timeline is still on its way)
         self._scored.clear()
+        self._scored_in.clear()
         self.restore_gen += 1
         self.abandoned_mids = max(self.abandoned_mids, msg.get("abandoned", 0))
         try:

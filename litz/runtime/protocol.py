@@ -135,9 +135,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("migrate_shards", {"mid": "int", "shards": "list", "dest": "str", "dest_addr?": "str"}),
     # source -> dest server: [table, shard, keys, stacked rows] per non-empty table of the shards;
     # "saved": [table, keys, stacked copies, rounds] of the rows' copies as last saved (partial
-    # checkpoints score rows against them)
+    # checkpoints score rows against them); "staged": undo entries of rounds still open;
+    # "scored": [shard, round] of the shards a partial round already scored on the source
     MessageType("shard_data", {"mid": "int", "shards": "list", "data": "list", "source": "str", "saved?": "list",
-                               "staged?": "list"}),
+                               "staged?": "list", "scored?": "list"}),
     # dest server -> master: the shards of migration mid are served here now
     MessageType("shards_moved", {"mid": "int", "shards": "list"}),
     # master -> workers and servers: the servers in "gone" hold no shard any more; route by

@@ -449,8 +449,11 @@ class Worker(Node):
 
     def on_ckpt_scores(self, msg: Message) -> None:
         """Score the state rows of every executor that keeps some, each between two of its tasks:
-        those idle now, the others as their running task ends (``_score_ready``)."""
-        eids = {eid for eid, slot in self.slots.items() if keeps_rows(slot.executor)}
+        those idle now, the others as their running task ends (``_score_ready``). One that arrived
+        already scored in this round (on the worker it left) is not scored again: the round would
+        choose among its rows twice, save more than its fraction, and write the executor twice."""
+        eids = {eid for eid, slot in self.slots.items() if keeps_rows(slot.executor)
+                and ((saves := self.row_saves.get(eid)) is None or saves.scored_in != msg["cid"])}
         self._scored.clear()  # the master runs one round at a time: an earlier one failed, or ended
         self._scoring.request(msg["cid"], msg.sender, msg["policy"], eids)
         self._score_ready()
