@@ -42,3 +42,65 @@ def test_hundreds_of_shard_and_executor_migrations_lose_and_double_no_update(etc
     np.testing.assert_array_equal(out["final"], out["truth"])
     for seqs in out["done_seq"]:
         assert sorted(seqs) == list(range(len(seqs)))
+
+
+@pytest.mark.parametrize("moved_on", [False, True])
+def test_an_update_forwarded_by_a_server_that_dies_before_answering_is_not_applied_twice(moved_on: bool) -> None:
+    """Without sockets: w0 updates keys 0-3 through s0, which applies 0 and 2 and forwards 1 and
+    3 (shard 1 moved to s1); s1 applies them, and s0 dies before it answers w0. On ``server_lost``
+    (shard 0 restored on s1) w0 sends the whole update again: s1, or s2 if shard 1 moved on
+    there meanwhile (what s1 remembers travels with it), applies 0 and 2 and not 1 and 3 a second
+    time. Before, they were applied twice. The update is answered, and a later one, whose ``low``
+    is past it, lets s1 forget it."""
+    from litz.ps.server import ServerNode, ShardStore
+    from litz.ps.tables import table_index
+    from litz.runtime.protocol import Message, decode, encode
+    from litz.runtime.worker import Worker
+
+    tables = [litz.Table("t", (2,))]
+    s0, s1, s2 = (ServerNode(f"s{i}", "job", "127.0.0.1:1") for i in range(3))
+    w0 = Worker("w0", "job", "127.0.0.1:1")
+    nodes = {n.ident: n for n in (s0, s1, s2, w0)}
+    sent: list[tuple[str, str, str, list]] = []
+    for node in nodes.values():
+        node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:  # type: ignore[method-assign]
+                              sent.append((who, peer, kind, encode(kind, **fields))))
+        node._looked_up.update(nodes)
+        node.master = "master"
+
+    def deliver(kind: str, to: str) -> None:
+        """The first message of this kind to ``to`` not yet delivered."""
+        k = next(k for k, (_, peer, kind_, _) in enumerate(sent) if kind_ == kind and peer == to)
+        who, _, _, frames = sent.pop(k)
+        nodes[to].dispatch(decode(frames, sender=who))
+
+    try:
+        for srv, shards in ((s0, [0, 1]), (s1, []), (s2, [])):
+            srv.store = ShardStore(table_index(tables), shards, 2, keeps_saved=False)
+        s0.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
+        deliver("shard_data", "s1")
+        w0.tables, w0.num_shards, w0.shard_map = table_index(tables), 2, ["s0", "s0"]
+        deltas = np.arange(1.0, 9.0).reshape(4, 2)
+        w0._send_updates({"t": ([0, 1, 2, 3], list(deltas))})
+        deliver("update", "s0")
+        deliver("update", "s1")  # the forwarded part: applied on s1, its answer to s0 never read
+        if moved_on:
+            s1.dispatch(Message("migrate_shards", {"mid": 2, "shards": [1], "dest": "s2"}, sender="master"))
+            deliver("shard_data", "s2")
+        owner = "s2" if moved_on else "s1"
+        # s0 dies; partial recovery restores shard 0 on s1 (no checkpoint yet: fresh rows)
+        s1.dispatch(Message("restore_shards", {"shards": [0]}, sender="master"))
+        w0.dispatch(Message("server_lost", {"server": "s0", "shard_map": ["s1", owner]}, sender="master"))
+        while pending := [(peer, kind) for _, peer, kind, _ in sent  # the resent parts, forwards, answers
+                          if kind in ("update", "update_ack") and peer in ("s1", "s2", "w0")]:
+            deliver(pending[0][1], pending[0][0])
+        np.testing.assert_array_equal(s1.store.get("t", [0, 2]), deltas[[0, 2]])
+        np.testing.assert_array_equal(nodes[owner].store.get("t", [1, 3]), deltas[[1, 3]])  # once, not twice
+        assert not w0._unacked and not w0._update_items
+        assert s1.store.once.applied
+        w0._send_updates({"t": ([0], [deltas[0]])})  # low is past the first update now
+        deliver("update", "s1")
+        assert not s1.store.once.applied
+    finally:
+        for node in nodes.values():
+            node.endpoint.close()

@@ -40,6 +40,68 @@ def item_error(item: Any, exc: Exception) -> str:
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
+class AppliedOnce:
+    """Which rows an update that may come twice has already changed here (no sockets).
+
+    A server that forwards part of an update (its shard moved on) answers the worker only after
+    the new owner did. Should it die in between, the worker never learns that the forwarded part
+    landed, and sends the whole update again, to the shards' owners now (SCAR partial recovery,
+    ``on_server_lost``), as does a live server whose forward went to the one that died. So
+    forwarded and resent updates name the update they belong to, ``origin = [worker, rid, low]``
+    (the rid the worker gave it, and the lowest rid it still holds unanswered, any of which it
+    may still send again), and the owner remembers, per origin, the keys it applied, by table
+    and shard: a key already applied under that origin is not applied again. Updates sent once,
+    straight to the owner, carry no origin and cost nothing here. What is remembered travels
+    with a shard that migrates, and is forgotten once the worker no longer holds the update.
+    """
+
+    def __init__(self, num_shards: int) -> None:
+        self.num_shards = num_shards
+        # (worker, rid) -> (table, shard) -> keys applied here under that origin
+        self.applied: dict[tuple[str, int], dict[tuple[str, int], set[Hashable]]] = {}
+
+    def prune(self, worker: str, low: int) -> None:
+        """``worker`` holds no update below rid ``low`` any more: none of them can come again."""
+        if not self.applied:  # (every update asks)
+            return
+        for origin in [o for o in self.applied if o[0] == worker and o[1] < low]:
+            del self.applied[origin]
+
+    def fresh(self, origin: tuple[str, int], table: str, keys: list[Hashable]) -> list[int] | None:
+        """Positions of ``keys`` not yet applied here under ``origin`` (None: all of them)."""
+        seen = self.applied.get(origin)
+        if seen is None:
+            return None
+        n = self.num_shards
+        keep = [j for j, key in enumerate(keys) if key not in seen.get((table, shard_of(key, n)), ())]
+        return None if len(keep) == len(keys) else keep
+
+    def record(self, origin: tuple[str, int], table: str, keys: list[Hashable]) -> None:
+        if not keys:
+            return
+        seen, n = self.applied.setdefault(origin, {}), self.num_shards
+        for key in keys:
+            seen.setdefault((table, shard_of(key, n)), set()).add(key)
+
+    def extract(self, shards: Collection[int]) -> list[list[Any]]:
+        """Remove what is remembered of ``shards`` (leaving): ``[worker, rid, table, shard, keys]`` each."""
+        out: list[list[Any]] = []
+        for (worker, rid), seen in list(self.applied.items()):
+            for table, shard in [ts for ts in seen if ts[1] in shards]:
+                out.append([worker, rid, table, shard, list(seen.pop((table, shard)))])
+            if not seen:
+                del self.applied[(worker, rid)]
+        return out
+
+    def install(self, entries: list[list[Any]]) -> None:
+        """Take what came with migrated shards (``extract``)."""
+        for worker, rid, table, shard, keys in entries:
+            self.applied.setdefault((worker, int(rid)), {}).setdefault((table, int(shard)), set()).update(keys)
+
+    def clear(self) -> None:
+        self.applied.clear()
+
+
 class ShardStore:
     """The rows of the logical shards one server hosts: shard -> table -> key -> row."""
 
@@ -56,6 +118,7 @@ class ShardStore:
         self.gets = 0
         self.updates = 0
         self.forward: dict[int, str] = {}  # shards that moved away -> where they went
+        self.once = AppliedOnce(num_shards)  # the keys that updates which may come twice changed here
         # SCAR: each row's value as last saved in a checkpoint, and the round (its cid) it was saved in
         self.saved: dict[tuple[str, Hashable], np.ndarray] = {}
         self.saved_round: dict[tuple[str, Hashable], int] = {}
@@ -175,6 +238,7 @@ class ShardStore:
         self.saved.clear()
         self.saved_round.clear()
         self.staged.clear()
+        self.once.clear()  # the workers dropped every update of the abandoned timeline
         self.shards = {}
         self.adopt(shards, rows)
 
@@ -365,12 +429,13 @@ class ShardStore:
 class _Pending:
     """A request partly forwarded to the servers its shards moved to: its reply waits for theirs."""
 
-    __slots__ = ("requester", "rid", "kind", "values", "errors", "outstanding", "moved")
+    __slots__ = ("requester", "rid", "kind", "values", "errors", "outstanding", "moved", "origin")
 
-    def __init__(self, requester: str, rid: int, kind: str, n: int) -> None:
+    def __init__(self, requester: str, rid: int, kind: str, n: int, origin: list[Any] | None = None) -> None:
         self.requester = requester
         self.rid = rid
         self.kind = kind
+        self.origin = origin  # an update's [worker, rid, low] (AppliedOnce), which its forwarded parts carry
         self.values: list[Any] = [None] * n
         self.errors: list[Any] = [None] * n
         self.outstanding = 0
@@ -383,7 +448,9 @@ class ServerNode(Node):
     A request for a shard that moved away is forwarded to where it went (which may forward
     again), and the answer is sent back to the requester as one reply, with a hint of the
     new location so that workers learn the new map lazily. Updates that reach the old owner
-    are forwarded in order behind the shard itself, so none is lost or applied twice.
+    are forwarded in order behind the shard itself, so none is lost or applied twice (nor when
+    the forwarding server dies before it answers and the worker sends the update again:
+    ``AppliedOnce``).
     """
 
     role = "server"
@@ -437,13 +504,27 @@ class ServerNode(Node):
     def _serve(self, msg: Message, kind: str) -> None:
         store = self._store()
         items = msg["items"]
-        pend = _Pending(msg.sender, msg["rid"], kind, len(items))
+        origin = msg.get("origin")  # a forwarded or resent update: it may come twice (AppliedOnce)
+        once = None if origin is None else (str(origin[0]), int(origin[1]))
+        if once is not None:
+            store.once.prune(once[0], int(origin[2]))
+        elif kind == "update":  # straight from the worker: its forwarded parts name it
+            origin = [msg.sender, msg["rid"], msg.get("low", msg["rid"])]
+            store.once.prune(msg.sender, origin[2])
+        pend = _Pending(msg.sender, msg["rid"], kind, len(items), origin)
         subs: dict[str, list[tuple[int, list[int], list[Any]]]] = {}
         for i, item in enumerate(items):
             try:
                 name, keys = item[0], item[1]
                 table = lookup(store.tables, name)
                 keys = table.check_keys(keys)
+                if kind == "update":
+                    deltas = item[2]
+                    if not isinstance(deltas, np.ndarray):
+                        raise TableError(f"table {table.name!r}: deltas must be an array")
+                    deltas = table.check_delta(deltas, n=len(keys), what="update")
+                    if once is not None and (keep := store.once.fresh(once, table.name, keys)) is not None:
+                        keys, deltas = [keys[j] for j in keep], deltas[keep]
                 local, remote = store.split(keys)
                 if kind == "get":
                     if local is None:  # the common case: no second copy of a big read
@@ -454,14 +535,12 @@ class ServerNode(Node):
                             out[local] = store.get_checked(table, [keys[j] for j in local])
                         pend.values[i] = out
                 else:
-                    deltas = item[2]
-                    if not isinstance(deltas, np.ndarray):
-                        raise TableError(f"table {table.name!r}: deltas must be an array")
-                    deltas = table.check_delta(deltas, n=len(keys), what="update")
                     if local is None:
                         store.update_checked(table, keys, deltas)
                     elif local:
                         store.update_checked(table, [keys[j] for j in local], deltas[local])
+                    if once is not None:
+                        store.once.record(once, table.name, keys if local is None else [keys[j] for j in local])
                 for dest, idx in remote.items():
                     sub = [table.name, [keys[j] for j in idx]]
                     if kind == "update":
@@ -491,7 +570,8 @@ class ServerNode(Node):
             self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts], dest, items)
             pend.outstanding += 1
             self.forwarded += 1
-            self.endpoint.send(dest, pend.kind, rid=self._sub_rid, items=items)
+            self.endpoint.send(dest, pend.kind, rid=self._sub_rid, items=items,
+                               **({"origin": pend.origin} if pend.origin is not None else {}))
 
     def _reply(self, pend: _Pending) -> None:
         extra: dict[str, Any] = {"moved": pend.moved} if pend.moved else {}
@@ -562,10 +642,12 @@ class ServerNode(Node):
         data = store.extract(list(msg["shards"]), msg["dest"])
         saved, staged = store.extract_saved(data), store.extract_staged(list(msg["shards"]))
         scored = [[s, self._scored_in.pop(s)] for s in msg["shards"] if s in self._scored_in]
+        once = store.once.extract(set(msg["shards"]))
         self.shards_out += len(msg["shards"])
         self.endpoint.send(msg["dest"], "shard_data", mid=msg["mid"], shards=msg["shards"], data=data,
                            source=self.ident, **({"saved": saved} if saved else {}),
-                           **({"staged": staged} if staged else {}), **({"scored": scored} if scored else {}))
+                           **({"staged": staged} if staged else {}), **({"scored": scored} if scored else {}),
+                           **({"once": once} if once else {}))
 
     def on_settle(self, msg: Message) -> None:
         """The source of shard migration ``mid`` died: say whether its shards arrived here."""
@@ -581,6 +663,7 @@ class ServerNode(Node):
         self._store().install_saved(msg.get("saved", []))
         self._store().install_staged(msg.get("staged", []))
         self._scored_in.update((int(s), int(cid)) for s, cid in msg.get("scored", []))
+        self._store().once.install(msg.get("once", []))
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])

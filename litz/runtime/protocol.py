@@ -103,8 +103,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("get", {"rid": "int", "items": "list"}),
     # server -> requester: one stacked array per item, or an error per item
     MessageType("get_reply", {"rid": "int", "values": "list", "errors": "list", "moved?": "dict"}),
-    # worker -> server: apply updates; items are [table, keys, stacked deltas]
-    MessageType("update", {"rid": "int", "items": "list"}),
+    # worker -> server: apply updates; items are [table, keys, stacked deltas]; "low": the lowest
+    # rid of the worker's updates still unanswered. Forwarded by a server, or sent again after a
+    # server died, with "origin": [worker, its rid, its low], so that none is applied twice
+    MessageType("update", {"rid": "int", "items": "list", "low?": "int", "origin?": "list"}),
     # server -> worker: updates applied (errors name the item that was refused)
     MessageType("update_ack", {"rid": "int", "errors": "list", "moved?": "dict"}),
     # a receiver could not process a message: the reason, and the request id if it had one
@@ -136,9 +138,10 @@ MESSAGES: dict[str, MessageType] = _declare(
     # source -> dest server: [table, shard, keys, stacked rows] per non-empty table of the shards;
     # "saved": [table, keys, stacked copies, rounds] of the rows' copies as last saved (partial
     # checkpoints score rows against them); "staged": undo entries of rounds still open;
-    # "scored": [shard, round] of the shards a partial round already scored on the source
+    # "scored": [shard, round] of the shards a partial round already scored on the source;
+    # "once": [worker, rid, table, shard, keys] of forwarded or resent updates applied (AppliedOnce)
     MessageType("shard_data", {"mid": "int", "shards": "list", "data": "list", "source": "str", "saved?": "list",
-                               "staged?": "list", "scored?": "list"}),
+                               "staged?": "list", "scored?": "list", "once?": "list"}),
     # dest server -> master: the shards of migration mid are served here now
     MessageType("shards_moved", {"mid": "int", "shards": "list"}),
     # master -> workers and servers: the servers in "gone" hold no shard any more; route by

@@ -886,13 +886,19 @@ class Worker(Node):
         table = self.tables.get(name)
         return max(1, self.options["frame_bytes"] // table.row_nbytes) if table is not None else 1 << 30
 
-    def _send_update_groups(self, by_server: dict[str, list[Any]]) -> list[int]:
+    def _send_update_groups(self, by_server: dict[str, list[Any]], again: int | None = None) -> list[int]:
+        """Send update items to their servers; ``again``: they are those of update ``again`` (as first
+        sent), whose server died unanswered: it may have forwarded some of them, applied by now,
+        and the new owners skip those by this origin (``AppliedOnce``). ``low``, the lowest update
+        still unanswered (or being sent again), lets the servers forget origins that cannot come again."""
         rids = []
+        low = min(min(self._update_items, default=self._rid + 1), min(self._parts, default=self._rid + 1))
+        extra: dict[str, Any] = {"low": low} if again is None else {"origin": [self.ident, again, low]}
         for server, items in by_server.items():
             self._rid += 1
             self._sent_to[self._rid] = server
             self._update_items[self._rid] = items  # kept until acknowledged: a lost server's are sent again
-            self.endpoint.send(server, "update", rid=self._rid, items=items)
+            self.endpoint.send(server, "update", rid=self._rid, items=items, **extra)
             rids.append(self._rid)
         return rids
 
@@ -931,7 +937,8 @@ class Worker(Node):
                         self._to_fetch.setdefault(owner, {}).setdefault(name, []).append((key, version))
             elif rid in self._update_items:
                 orig = self._replaces.pop(rid, rid)
-                new = self._send_update_groups(self._by_owner(self._update_items.pop(rid)))
+                new = self._send_update_groups(self._by_owner(self._update_items[rid]), again=orig)
+                del self._update_items[rid]
                 self._replaces.update(dict.fromkeys(new, orig))
                 self._parts[orig] = self._parts.get(orig, 1) - 1 + len(new)
                 if not self._parts[orig]:
