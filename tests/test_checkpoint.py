@@ -1250,12 +1250,14 @@ def test_a_rounds_undo_moves_with_a_migrating_shard_and_executor(tmp_path: Path,
             node.endpoint.close()
 
 
-def test_what_a_round_scored_before_it_migrated_is_not_scored_again_in_that_round() -> None:
+def test_what_a_round_scored_before_it_migrated_is_not_scored_again_in_that_round(tmp_path: Path) -> None:
     """Partial round 5 reaches w0 and s0, which score executor 0 and shard 1, ship them to w1
     and s1 (moves the master ordered before the round), and only then reaches w1 and s1 (their
     reads served the other peer first; no sockets here). They do not score them again: before,
     they did, the round chose among those rows twice, saved more than its fraction (50 rows of
-    40 in a CI run) and wrote them into two files. The next round scores them on their new hosts."""
+    40 in a CI run) and wrote them into two files. s0 saves every row the round chose, those of
+    shard 1 as they left (before, it left them out: the round saved less than it chose). The
+    next round scores them on their new hosts."""
     from litz.ps.server import ServerNode, ShardStore
     from litz.ps.tables import table_index
     from litz.runtime.protocol import Message, decode, encode
@@ -1307,6 +1309,14 @@ def test_what_a_round_scored_before_it_migrated_is_not_scored_again_in_that_roun
         deliver("shard_data", s1)
         assert 0 in w1.slots and 1 in s1.store.shards
         assert len(scores_of(w1, 5)) == 0 and len(scores_of(s1, 5)) == 0  # scored where they were
+        s1.store.update("t", [1], np.ones((1, 2)))  # after it left s0
+        s0.dispatch(Message("ckpt_save", {"cid": 5, "location": str(tmp_path), "path": str(tmp_path),
+                                          "rows": [0, 1, 2, 3]}, sender="master"))
+        _until_background([s0], lambda: any(k == "checkpoint_written" for _, _, k, _ in sent), "the part")
+        written = {key: np.frombuffer(row, np.float32) for _, _, key, row in storage.read_shards(*storage.filesystem(
+            str(tmp_path / "shards-s0.arrow")))}
+        assert sorted(written) == [0, 1, 2, 3] and written[1].tolist() == [2.0, 3.0]  # as it left
+        assert sorted(k for _, k in s0.store.saved) == [0, 2]  # the copies of shard 1 are s1's
         assert len(scores_of(w1, 6)) == 6 and len(scores_of(s1, 6)) == 2
     finally:
         for node in nodes:

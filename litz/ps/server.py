@@ -465,6 +465,9 @@ class ServerNode(Node):
         self._scored: dict[int, list[tuple[str, int, Hashable]]] = {}  # partial round -> rows scored
         # shard -> the last partial round that scored it, here or on the server it came from
         self._scored_in: dict[int, int] = {}
+        # rows of the round in ``_scored`` whose shard migrated before the round's save, as they
+        # left: the round chose among them here, and their new server does not score them again
+        self._left: dict[tuple[str, Hashable], np.ndarray] = {}
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self._abandoned_to: set[str] = set()  # dead servers of a rollback under way: forward nothing there
         self.forwarded = 0
@@ -642,6 +645,9 @@ class ServerNode(Node):
         data = store.extract(list(msg["shards"]), msg["dest"])
         saved, staged = store.extract_saved(data), store.extract_staged(list(msg["shards"]))
         scored = [[s, self._scored_in.pop(s)] for s in msg["shards"] if s in self._scored_in]
+        if self._scored:  # a round scored these rows and has not saved them yet
+            self._left.update(((name, key), row) for name, _, keys, rows in data
+                              for key, row in zip(keys, rows, strict=True))
         once = store.once.extract(set(msg["shards"]))
         self.shards_out += len(msg["shards"])
         self.endpoint.send(msg["dest"], "shard_data", mid=msg["mid"], shards=msg["shards"], data=data,
@@ -683,24 +689,33 @@ class ServerNode(Node):
                                error=f"{self.ident}: {exc}")
             return
         self._scored = {cid: entries}  # one round at a time: an earlier one failed, or ended
+        self._left.clear()
         self._scored_in.update(dict.fromkeys(store.shards, cid))
         self.endpoint.send(msg.sender, "ckpt_scores_reply", cid=cid, scores=scores)
 
     def on_ckpt_save(self, msg: Message) -> None:
-        """Save the chosen rows (as they are now) into a partial checkpoint, in the background."""
+        """Save the chosen rows (as they are now) into a partial checkpoint, in the background.
+        A row whose shard migrated since it was scored is saved as it left (a value it had);
+        only its new server's copies say what is saved (it is chosen again in a later round)."""
+        left, self._left = self._left, {}
         if self.part_refused(msg):
             return
         store = self._store()
         entries = self._scored.pop(msg["cid"], [])
+        chosen = [entries[i] for i in msg["rows"]]
         rows = [(name, shard, key, store.shards[shard][name][key].copy())
-                for name, shard, key in (entries[i] for i in msg["rows"]) if shard in store.shards]
+                for name, shard, key in chosen if shard in store.shards]
         store.stage(rows, msg["cid"])
+        rows += [(name, shard, key, left[(name, key)]) for name, shard, key in chosen
+                 if shard not in store.shards and (name, key) in left]
         from litz.ft import storage
 
         self.checkpoint_part(msg, f"shards-{self.ident}.arrow", lambda fs, path: storage.write_shards(fs, path, rows))
 
     def on_checkpoint_done(self, msg: Message) -> None:
         """A round ended, complete or failed: what it copied counts as saved, or not (``settle``)."""
+        if self._scored.pop(msg["cid"], None) is not None:  # failed before its save reached here
+            self._left.clear()
         if self.store is not None:
             self.store.settle(msg["cid"], msg["ok"])
 
@@ -740,6 +755,7 @@ class ServerNode(Node):
         self._abandoned_to.clear()  # (no update of the abandoned timeline is still on its way)
         self._scored.clear()
         self._scored_in.clear()
+        self._left.clear()
         self.restore_gen += 1
         self.abandoned_mids = max(self.abandoned_mids, msg.get("abandoned", 0))
         try:
