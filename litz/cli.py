@@ -25,6 +25,7 @@ import cloudpickle
 from litz.api import App
 from litz.errors import JobStopped, LitzError, TaskError
 from litz.ft.checkpoint import DEFAULT_TIMEOUT
+from litz.runtime.stragglers import DEFAULT_FACTOR
 
 #: ``litz launch``'s exit status when ``litz stop`` ended the job (sysexits' EX_TEMPFAIL: it may be resumed)
 EXIT_STOPPED = 75
@@ -213,6 +214,12 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address the job's processes listen on (default 127.0.0.1); "
                         "an address beyond loopback requires --secret-file")
+    p.add_argument("--relieve-stragglers", action="store_true",
+                   help="move executors off workers that run their tasks slower than the others (a busy or "
+                        "slower host) until every worker takes about as long for one task of each of its executors")
+    p.add_argument("--straggler-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
+                   help=f"with --relieve-stragglers: move only when that shortens the slowest worker's time "
+                        f"by this factor at least (default {DEFAULT_FACTOR:g})")
     p.add_argument("--lease-ttl", default=None, metavar="SECONDS", type=_lease_seconds,
                    help="a process silent this long is declared lost (default $LITZ_LEASE_TTL, else 5); "
                         "more avoids false alarms on a heavily loaded machine")
@@ -280,6 +287,8 @@ def launch(argv: list[str]) -> int:
         module = load_app_module(path)
         app = app_from_module(module, app_argv)
         options: dict[str, Any] = {"cache": not opts.no_cache, "update_log": not opts.no_update_log}
+        if opts.relieve_stragglers:
+            options["straggler_relief"] = opts.straggler_factor
         result = run(app, workers=opts.workers, servers=opts.servers, num_executors=opts.executors,
                      job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
                      host=opts.host, checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
@@ -444,6 +453,10 @@ def status(argv: list[str]) -> int:
         print(describe_recovering(m["recovering"]))
     for line in describe_checkpoints(m):
         print(line)
+    if m.get("straggler_moves"):
+        last = m["last_straggler_move"]
+        print(f"straggler relief: {m['straggler_moves']} executor(s) moved off slower workers, the last "
+              f"executor {last['executor']} from {last['from']} to {last['to']}")
     for proc in st["processes"]:
         extra = ""
         if "executors" in proc:

@@ -446,3 +446,16 @@ def test_a_refusal_of_the_drivers_own_call_says_where_it_was_made(tmp_path: Path
     assert err == (f"litz: table 't': update of key 0 has shape (5,), expected (2,) (raised at {app}:7, in "
                    "dispatch_initial_tasks)"), err
     sys.modules.pop("bad_driver", None)
+
+
+def test_status_says_how_many_executors_straggler_relief_moved(monkeypatch, capsys) -> None:
+    """Without a job: ``litz status`` prints the master's count of straggler moves and the last one."""
+    from litz import cli
+
+    master = {"phase": "running", "version": 9, "completed": 9, "inflight": 1, "straggler_moves": 2,
+              "last_straggler_move": {"executor": 6, "from": "w0", "to": "w1", "time": 0.0}}
+    monkeypatch.setattr(cli, "job_status", lambda job, etcd=None: {"job": job, "etcd": "x", "master": master,
+                                                                   "processes": []})
+    assert cli.status(["--job", "j"]) == 0
+    assert ("straggler relief: 2 executor(s) moved off slower workers, the last executor 6 from w0 to w1"
+            in capsys.readouterr().out)

@@ -104,3 +104,22 @@ def test_an_update_forwarded_by_a_server_that_dies_before_answering_is_not_appli
     finally:
         for node in nodes.values():
             node.endpoint.close()
+
+
+def test_straggler_relief_moves_executors_off_a_slow_worker_until_the_rounds_even_out(etcd) -> None:
+    """w0 runs its tasks 4 times slower than w1 (8 against 2 ms: a busy host). With straggler
+    relief on, executors move from w0 to w1 until the time for one task of each executor is within
+    the factor (1.25) on both: from 4 and 4 to 3 and 5 (rounds of 24 against 10 ms), then 2 and 6
+    (16 against 12 ms), and no further (1 and 7 would be 8 against 14 ms: not a quarter shorter
+    than 16). Every executor's tasks are counted in order and the table holds their exact sums."""
+    app = testapps.straggler_app(executors=8, stop_after=1.8, slow=0.008, fast=0.002)
+    res = litz.run(app, workers=2, servers=1, etcd=etcd.url,
+                   options={"straggler_relief": 1.25, "straggler_interval": 0.25, "straggler_min_tasks": 5})
+    moves = res.stats["master"]["straggler_moves"]
+    assert [(m["from"], m["to"]) for m in moves] == [("w0", "w1")] * 2, moves
+    held = {ident: s["executors"] for ident, s in res.stats.items() if s.get("role") == "worker"}
+    assert sorted(map(len, held.values())) == [2, 6] and len(held["w0"]) == 2, held
+    for e, seqs in enumerate(res.value["seqs"]):
+        assert seqs == list(range(1, len(seqs) + 1)), (e, seqs[:10])
+        assert res.value["table"][e] == len(seqs)
+    assert sum(map(len, res.value["seqs"])) > 300  # (w1 alone runs about 700 in 1.8 s)

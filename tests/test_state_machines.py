@@ -858,3 +858,56 @@ def test_keys_and_deltas_that_are_not_what_they_seem_are_refused_naming_the_tabl
         t.check_delta(None)
     with pytest.raises(TableError, match=r"table 't': update is None, expected an array of shape \(3, 2\)"):
         t.check_delta(None, n=3)
+
+
+def test_straggler_relief_moves_one_executor_at_a_time_until_the_rounds_even_out() -> None:
+    """Without sockets: workers report their tasks' total run time and count; each decision
+    (every interval, with enough tasks measured on every worker holding executors) moves one
+    executor from the longest round (executors × time per task) to where one more keeps the
+    round shortest, if the job's longest round gets shorter by the factor. Equal workers never
+    trade executors; a worker not measured yet holds the decision back."""
+    from litz.runtime.stragglers import StragglerRelief, from_options
+
+    relief = StragglerRelief(factor=1.25, interval=1.0, min_tasks=5)
+    per_task = {"w0": 0.008, "w1": 0.002, "w2": 0.002}
+    held = {"w0": 4, "w1": 4, "w2": 0}  # w2 joined: its speed is not known yet
+    totals = {w: [0.0, 0] for w in per_task}
+
+    def run(seconds: float, now: float) -> tuple[str, str] | None:
+        for w, n in held.items():  # each worker runs its executors' tasks one after another
+            if n:
+                ran = int(seconds / per_task[w])
+                totals[w][0] += ran * per_task[w]
+                totals[w][1] += ran
+                relief.observe(w, *totals[w])
+        return relief.decide(now, dict(held))
+
+    assert run(0.5, 0.0) is None  # the first call starts the measure
+    assert run(0.5, 0.5) is None  # too soon
+    moves = []
+    for now in range(1, 8):
+        move = run(1.0, float(now))
+        if move is not None:
+            moves.append(move)
+            held[move[0]] -= 1
+            held[move[1]] += 1
+    assert moves == [("w0", "w1"), ("w0", "w1")] and held == {"w0": 2, "w1": 6, "w2": 0}
+
+    even = StragglerRelief(factor=1.25, interval=1.0, min_tasks=5)
+    for now in range(5):
+        for w in ("a", "b"):
+            even.observe(w, now * 1.0, now * 100)
+        assert even.decide(float(now), {"a": 4, "b": 5}) is None  # one more on a would be as long a round
+    waiting = StragglerRelief(factor=1.25, interval=1.0, min_tasks=5)
+    waiting.observe("a", 0.0, 0)
+    assert waiting.decide(0.0, {"a": 4, "b": 4}) is None
+    waiting.observe("a", 1.0, 10)  # b holds executors but never reported: no decision
+    assert waiting.decide(2.0, {"a": 4, "b": 4}) is None
+    assert from_options({}) is None and from_options({"straggler_relief": True}).factor == 1.25
+    with pytest.raises(ValueError, match="factor must be > 1"):
+        from_options({"straggler_relief": 1.0})
+    import litz
+    from tests import testapps
+
+    with pytest.raises(litz.ConfigError, match="straggler relief: the straggler factor must be > 1"):
+        litz.run(testapps.straggler_app(2, 1.0, 0.0, 0.0), options={"straggler_relief": 0.5})  # before any start

@@ -867,3 +867,47 @@ class BadInputExecutor(litz.Executor):
     def load_input(self) -> None:
         if self.executor_id == 1:
             raise FileNotFoundError("no partition 1 on this host")
+
+
+class StragglerDriver(litz.Driver):
+    """Keeps every executor busy, one task at a time each, for ``stop_after`` seconds; then
+    reads the table, in which each task of executor e added 1 to row e."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.t0 = time.monotonic()
+        self.seqs: list[list[int]] = [[] for _ in range(self.num_executors)]
+        self.running = self.num_executors
+        for e in range(self.num_executors):
+            self.dispatch_task(e, None)
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        self.seqs[result.executor_id].append(result.value)
+        if time.monotonic() - self.t0 < self.config["stop_after"]:
+            self.dispatch_task(result.executor_id, None)
+            return
+        self.running -= 1
+        if not self.running:
+            table = self.ps.get_many("t", list(range(self.num_executors)))[:, 0]
+            self.finish({"seqs": self.seqs, "table": table.tolist()})
+
+
+class SlowHostExecutor(litz.Executor):
+    """A task sleeps ``slow`` seconds on the worker named ``slow_worker`` (a busy host), else
+    ``fast``; it counts its tasks in its state and adds 1 to row ``executor_id``."""
+
+    def init_state(self) -> dict:
+        return {"count": 0}
+
+    def run_task(self, args: None) -> int:
+        with open("/proc/self/comm") as f:
+            here = f.read().strip()
+        time.sleep(self.config["slow"] if here == f"litz-{self.config['slow_worker']}" else self.config["fast"])
+        self.state["count"] += 1
+        self.ps.update_many("t", [self.executor_id], np.ones((1, 1)))
+        return self.state["count"]
+
+
+def straggler_app(executors: int, stop_after: float, slow: float, fast: float, slow_worker: str = "w0") -> litz.App:
+    return litz.App(StragglerDriver, SlowHostExecutor, tables=[litz.Table("t", (1,), "float64")],
+                    num_executors=executors,
+                    config={"stop_after": stop_after, "slow": slow, "fast": fast, "slow_worker": slow_worker})

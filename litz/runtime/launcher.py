@@ -32,7 +32,7 @@ from litz.api import App, JobResult
 from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProcessLost
 from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator
 from litz.ps.tables import table_index
-from litz.runtime import jobs, security, spawner
+from litz.runtime import jobs, security, spawner, stragglers
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import STATUS_KEY, Master, Resume, StartupTimeout
@@ -387,6 +387,10 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors}")
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
+    try:  # a bad straggler setting is refused before anything starts
+        stragglers.from_options(options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"straggler relief: {exc}") from None
     if servers > num_shards:  # as ``litz scale`` refuses: a server holds whole shards
         raise ConfigError(f"{servers} servers for {num_shards} shards would leave servers idle (--servers "
                           f"{num_shards} at most)")

@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import math
 import os
 import queue
 import select
@@ -34,7 +35,7 @@ from litz.errors import JobStopped, LitzError, ProcessLost, TableError
 from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator, CheckpointRound, select_top
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
-from litz.runtime import spawner
+from litz.runtime import spawner, stragglers
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
 from litz.runtime.node import PROCS, kill_job_process, proc_key
@@ -628,6 +629,8 @@ class Master:
         self._route_rid = 0
         self._route_waits: dict[int, set[str]] = {}  # routes request -> processes yet to answer
         self._init_blobs: tuple[bytes, bytes] | None = None
+        self.relief = stragglers.from_options(self.options)  # None: off
+        self.straggler_moves: list[dict[str, Any]] = []  # executors moved off slower workers
 
     def table(self, name: str) -> Table:
         return lookup(self.tables, name)
@@ -720,6 +723,9 @@ class Master:
         status["scale_history"] = self.elastic.history[-5:]
         if self.recoveries:
             status["recoveries"] = self.recoveries[-5:]
+        if self.straggler_moves:
+            status["straggler_moves"] = len(self.straggler_moves)
+            status["last_straggler_move"] = self.straggler_moves[-1]
         if self.lost:
             status["lost"] = sorted(self.lost, key=_id_order)
         if self.elastic.unjoined:  # their agents stop them when the job ends (they cannot hear the master)
@@ -780,6 +786,7 @@ class Master:
             except ProcessLost as exc:
                 self._process_lost(exc.ident, str(exc))
         self.elastic.tick()  # time-outs of scale operations
+        self._relieve_stragglers()
         for ev in self.membership.poll_events():
             if ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
                 ident = ev.key.rsplit("/", 1)[-1]
@@ -2232,6 +2239,35 @@ class Master:
         return self._spread(workers if workers is not None else st.workers, st.plan_balance, st.moving_dest,
                             lambda eids, dest: self.move_executors(eids, dest, ship_input))
 
+    def _relieve_stragglers(self) -> None:
+        """Move one executor off a worker that runs its tasks slower than the others, when
+        straggler relief is on (``stragglers.py``) and nothing else moves executors: not while the
+        job starts or stops, recovers, scales, or has migrations in flight (the driver's own
+        included); the measure starts over after those."""
+        relief, st = self.relief, self.state
+        if relief is None or st is None:
+            return
+        now = time.monotonic()
+        if (self.driver is None or self._stop is not None or self.recovering or self.elastic.op is not None
+                or st.moving):
+            relief.restart(now)
+            return
+        for gone in [w for w in relief.known() if w not in st.workers or w in self.lost]:
+            relief.forget(gone)
+        counts = dict.fromkeys((w for w in st.workers if w not in self.lost and w not in self.retiring), 0)
+        for worker in st.placement.values():
+            if worker in counts:
+                counts[worker] += 1
+        move = relief.decide(now, counts)
+        if move is None:
+            return
+        src, dst = move
+        eid = max(e for e, w in st.placement.items() if w == src)
+        if self.move_executors([eid], dst):
+            log.warning("straggler relief: executor %d moves from %s to %s (%s)", eid, src, dst,
+                        relief.describe(src, dst))
+            self.straggler_moves.append({"executor": eid, "from": src, "to": dst, "time": time.time()})
+
     def on_ship_ready(self, msg: Message) -> None:
         """The source of a migration reported every completion of its executors: they may leave.
 
@@ -2267,6 +2303,14 @@ class Master:
         off the socket before, or lost while the driver handled its first completions) never
         counts: its tasks are dispatched again, perhaps already."""
         assert self.state is not None
+        busy = msg.get("busy")
+        if self.relief is not None and busy is not None and msg.sender not in self.lost:
+            if (isinstance(busy, list) and len(busy) == 2 and isinstance(busy[0], (int, float))
+                    and not isinstance(busy[0], bool) and math.isfinite(busy[0]) and busy[0] >= 0
+                    and is_int(busy[1]) and busy[1] >= 0):
+                self.relief.observe(msg.sender, busy[0], int(busy[1]))
+            else:
+                log.warning("malformed busy report from %s: %.100r; ignored", msg.sender, busy)
         for task_id, tb in self._reports(msg, "failed"):
             if msg.sender in self.lost:
                 return
@@ -2372,7 +2416,8 @@ class Master:
                 stats = self.collect_stats()
             stats.setdefault("master", {"role": "master"}).update({"recoveries": list(self.recoveries),
                                "checkpoints": list(self.checkpoints.completed) if self.checkpoints else [],
-                               "scale_history": list(self.elastic.history)})
+                               "scale_history": list(self.elastic.history),
+                               "straggler_moves": list(self.straggler_moves)})
             if not driver._finished and self._stop is not None:
                 stopped = self._stop
                 self.publish_status("stopped", final=True)

@@ -97,8 +97,9 @@ MESSAGES: dict[str, MessageType] = _declare(
     MessageType("ready", {"role": "str", "error?": "str"}),
     # master -> worker: micro-tasks, each [task_id, executor_id, version, args]
     MessageType("tasks", {"tasks": "list"}),
-    # worker -> master: finished tasks [task_id, result] and failed ones [task_id, traceback]
-    MessageType("done", {"completed": "list", "failed": "list"}),
+    # worker -> master: finished tasks [task_id, result] and failed ones [task_id, traceback];
+    # "busy": [seconds its tasks have run in all, how many ran] (straggler relief)
+    MessageType("done", {"completed": "list", "failed": "list", "busy?": "list"}),
     # worker/master -> server: read rows; items are [table, keys]
     MessageType("get", {"rid": "int", "items": "list"}),
     # server -> requester: one stacked array per item, or an error per item

@@ -151,6 +151,7 @@ class Worker(Node):
         self.migrations_in = 0
         self.tasks_forwarded = 0
         self.tasks_run = 0
+        self.busy = 0.0  # seconds tasks have run here, not counting their waits for reads (stragglers.py)
         self.tasks_failed = 0
         self.update_errors: list[str] = []
         self._rollback_from: tuple[str, int] | None = None  # the master waiting for rolled_back, its round
@@ -988,7 +989,8 @@ class Worker(Node):
         if completed or failed:
             assert self.master is not None
             try:
-                self.endpoint.send(self.master, "done", completed=completed, failed=failed)
+                self.endpoint.send(self.master, "done", completed=completed, failed=failed,
+                                   busy=[self.busy, self.tasks_run + self.tasks_failed])
             except Exception:  # a result that cannot be serialized fails its own task, not the batch
                 self._send_done_one_by_one(completed, failed)
 
@@ -1034,12 +1036,14 @@ class Worker(Node):
         while self.runnable:
             glet, task = self.runnable.popleft()
             self.current = task
+            began = time.perf_counter()
             if glet is None:  # a task to start
                 runners = self._idle_runners
                 glet = runners.pop() if runners else greenlet.greenlet(self._runner, parent=self.hub)
                 glet.switch(task)
             elif not glet.dead:  # resume it where it blocked in ps_get
                 glet.switch()
+            self.busy += time.perf_counter() - began  # until it ended or blocked in a read
             self.current = None
             if self._oldest_unsent is not None and time.monotonic() - self._oldest_unsent > interval:
                 self.flush()
@@ -1076,7 +1080,7 @@ class Worker(Node):
         out.update(migrations_out=self.migrations_out, migrations_in=self.migrations_in,
                    tasks_forwarded=self.tasks_forwarded, executors=sorted(self.slots), rollbacks=self.rollbacks,
                    rows_restored=self.rows_restored)
-        out.update(tasks_run=self.tasks_run, tasks_failed=self.tasks_failed,
+        out.update(tasks_run=self.tasks_run, tasks_failed=self.tasks_failed, busy_seconds=self.busy,
                    updates_logged=self.log.updates_in, update_rows_sent=self.log.rows_out,
                    update_errors=len(self.update_errors))
         return out
