@@ -2242,14 +2242,14 @@ class Master:
     def _relieve_stragglers(self) -> None:
         """Move one executor off a worker that runs its tasks slower than the others, when
         straggler relief is on (``stragglers.py``) and nothing else moves executors: not while the
-        job starts or stops, recovers, scales, or has migrations in flight (the driver's own
-        included); the measure starts over after those."""
+        job starts or stops, recovers, scales, pauses for a checkpoint, or has migrations in flight
+        (the driver's own included); the measure starts over after those."""
         relief, st = self.relief, self.state
         if relief is None or st is None:
             return
         now = time.monotonic()
         if (self.driver is None or self._stop is not None or self.recovering or self.elastic.op is not None
-                or st.moving):
+                or st.moving or st.paused):
             relief.restart(now)
             return
         for gone in [w for w in relief.known() if w not in st.workers or w in self.lost]:
