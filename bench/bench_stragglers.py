@@ -15,30 +15,22 @@ import argparse
 import statistics
 import time
 
+import bench_microtasks as micro  # the bench folder is on sys.path when run as a script
 import numpy as np
 
 import litz
 
 
-class BSPDriver(litz.Driver):
-    """``iterations`` rounds of one task per executor; the next round starts once all are done."""
+class BSPDriver(micro.BigReadDriver):
+    """``rounds`` rounds of one task per executor, each once the last is done; the result is the
+    time from the first task to the last."""
 
     def dispatch_initial_tasks(self) -> None:
-        self.rounds, self.left, self.t0 = 0, self.num_executors, time.monotonic()
-        for e in range(self.num_executors):
-            self.dispatch_task(e, None)
+        self.began = time.perf_counter()
+        super().dispatch_initial_tasks()
 
-    def handle_task_completion(self, result: litz.TaskResult) -> None:
-        self.left -= 1
-        if self.left:
-            return
-        self.rounds += 1
-        if self.rounds == self.config["iterations"]:
-            self.finish(time.monotonic() - self.t0)
-            return
-        self.left = self.num_executors
-        for e in range(self.num_executors):
-            self.dispatch_task(e, None)
+    def result(self) -> float:
+        return time.perf_counter() - self.began
 
 
 class BusyHostExecutor(litz.Executor):
@@ -60,7 +52,7 @@ def main() -> None:
     args = p.parse_args()
     app = litz.App(BSPDriver, BusyHostExecutor, tables=[litz.Table("t", (1,), "float64")],
                    num_executors=args.executors,
-                   config={"iterations": args.iterations, "task_s": args.task_ms / 1e3, "slow": args.slow})
+                   config={"rounds": args.iterations, "task_s": args.task_ms / 1e3, "slow": args.slow})
     times: dict[str, list[float]] = {"off": [], "on": []}
     moves: list[int] = []
     for _ in range(args.repeats):  # timed by the driver: from its first task to its last
