@@ -2248,8 +2248,8 @@ class Master:
         if relief is None or st is None:
             return
         now = time.monotonic()
-        if (self.driver is None or self._stop is not None or self.recovering or self.elastic.op is not None
-                or st.moving or st.paused):
+        if (self.driver is None or self.driver._finished or self._stop is not None or self.recovering
+                or self.elastic.op is not None or st.moving or st.paused):
             relief.restart(now)
             return
         for gone in [w for w in relief.known() if w not in st.workers or w in self.lost]:
