@@ -961,6 +961,46 @@ def test_resume_auto_starts_afresh_then_resumes_from_the_newest(tmp_path: Path) 
     assert not storage.has_complete_checkpoint(str(tmp_path / "nowhere"))
 
 
+def test_resume_auto_falls_back_past_a_damaged_checkpoint(tmp_path: Path, caplog) -> None:
+    """``--resume auto`` skips a newest checkpoint with a truncated data file or a damaged driver
+    state (each named in a warning) and resumes from the one before, exactly; with only damaged
+    ones it refuses, naming them, rather than start from scratch. Before, the first case stopped
+    the job at its servers' start and the second at the driver's."""
+    import shutil
+
+    from litz.runtime.master import Resume
+
+    ckpt = str(tmp_path / "ckpt")
+    app = testapps.migrating_app(tasks=800, executors=4, move_prob=0.0)
+    app.driver = testapps.CheckpointingDriver
+    app.config.update(checkpoint_at=200, stop_at=500)
+    litz.run(app, workers=1, servers=1, checkpoint_dir=ckpt)
+    fs, root = storage.filesystem(ckpt)
+    [(_, good)] = storage.checkpoint_dirs(fs, root)
+    newer = storage.new_checkpoint_dir(fs, root)  # the same checkpoint, one newer: damaged below
+    shutil.copytree(good, newer, dirs_exist_ok=True)
+    shards = Path(newer, storage.read_manifest(fs, newer)["shards_files"][0])
+    whole = shards.read_bytes()
+    shards.write_bytes(whole[: len(whole) - 40])  # cut off its footer
+    app.config.update(checkpoint_at=None, stop_at=None)
+    res = litz.run(app, workers=1, servers=1, checkpoint_dir=ckpt, resume="auto").value
+    assert any(f"checkpoint file {shards} is damaged" in r.getMessage() for r in caplog.records)
+    assert 200 <= res["resumed_at"] < 500
+    np.testing.assert_array_equal(res["final"], res["truth"])
+    assert sum(len(s) for s in res["done_seq"]) == 800
+
+    shards.write_bytes(whole)  # without sockets from here: which checkpoint is chosen
+    pkl = Path(newer, "driver.pkl")
+    pkl.write_bytes(pkl.read_bytes()[:20])
+    chosen = Resume.newest_usable(ckpt, app, None, 64, app.driver())
+    assert chosen is not None and chosen.path == good
+    blob = Path(good, "driver.pkl").read_bytes()
+    Path(good, "driver.pkl").write_bytes(blob[:20])
+    with pytest.raises(storage.DamagedCheckpoint, match=f"no usable checkpoint in {ckpt}: cannot load the "
+                                                        f"driver's state from {newer}/driver.pkl.*{good}/driver.pkl"):
+        litz.run(app, workers=1, servers=1, checkpoint_dir=ckpt, resume="auto")
+
+
 class _Puts:
     """The part of Membership that the master's command handlers use: answers go to ``put``."""
 

@@ -389,6 +389,35 @@ def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 10
     return removed
 
 
+def full_checkpoints(location: str) -> Iterator[tuple[pafs.FileSystem, str, dict[str, Any]]]:
+    """The complete full checkpoints at ``location`` (a checkpoint directory: its ``ckpt-*``),
+    newest first, with their manifests, read as they are asked for (``_newest_first``)."""
+    fs, root = filesystem(location)
+    for path, manifest in _newest_first(fs, root):
+        if not manifest.get("partial_of"):
+            yield fs, path, manifest
+
+
+def verify_files(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> None:
+    """Check that every file a full checkpoint's manifest lists is there, and that each Arrow
+    file ends as one should (its footer reads), without reading the data: a missing or truncated
+    file raises :class:`DamagedCheckpoint` naming it; storage that does not answer,
+    :class:`CheckpointError`. (``--resume auto`` falls back past a damaged checkpoint.)"""
+    names = [*manifest["shards_files"], *manifest["executors_files"], *manifest.get("executor_rows_files", [])]
+    for name in [*names, manifest["driver"]]:
+        where = f"{path}/{name}"
+        try:
+            if fs.get_file_info(where).type != pafs.FileType.File:
+                raise DamagedCheckpoint(f"checkpoint file {where}, which its manifest lists, is missing")
+            if name in names:
+                with fs.open_input_file(where) as f:
+                    pa.ipc.open_file(f)
+        except pa.ArrowInvalid as exc:  # (before OSError: Arrow's errors may derive from it)
+            raise DamagedCheckpoint(f"checkpoint file {where} is damaged: {exc}") from exc
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint file {where}: {exc}") from exc
+
+
 def has_complete_checkpoint(location: str) -> bool:
     """Whether ``location`` holds a checkpoint to resume from (a missing directory holds none)."""
     fs, path = filesystem(location)

@@ -394,15 +394,17 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     if servers > num_shards:  # as ``litz scale`` refuses: a server holds whole shards
         raise ConfigError(f"{servers} servers for {num_shards} shards would leave servers idle (--servers "
                           f"{num_shards} at most)")
+    driver = app.driver()
+    resumed: Resume | None = None
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
         if not checkpoint_dir:
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
-        from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
-
-        resume = checkpoint_dir if storage.has_complete_checkpoint(checkpoint_dir) else None
-        if resume is None:
-            log.warning("no complete checkpoint in %s yet: starting from scratch", checkpoint_dir)
-    resumed = Resume.find(resume, app, num_executors, num_shards) if resume else None
+        resumed = Resume.newest_usable(checkpoint_dir, app, num_executors, num_shards, driver)
+        if resumed is None:
+            log.warning("no usable complete checkpoint in %s: starting from scratch", checkpoint_dir)
+    elif resume:
+        resumed = Resume.find(resume, app, num_executors, num_shards)
+        resumed.read_driver(driver)  # a damaged driver.pkl is refused before any process starts
     if resumed is not None:
         num_executors = resumed.manifest["num_executors"]
     n_exec = num_executors or app.num_executors or 4 * workers
@@ -438,9 +440,6 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     level = os.environ.get("LITZ_LOG_LEVEL")
     if level and not isinstance(logging.getLevelName(level.upper()), int):  # every process would exit on it
         raise ConfigError(f"$LITZ_LOG_LEVEL: unknown log level {level!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
-    driver = app.driver()
-    if resumed is not None:
-        resumed.read_driver(driver)  # a damaged driver.pkl is refused before any process starts
     early: list[int] = []  # SIGTERMs while the job starts: they stop it once its master runs
     with _on_sigterm(lambda: early.append(1)), LocalCluster(job, workers=workers, servers=servers, etcd=etcd,
                                                              host=host, secret_file=secret_file) as cluster:

@@ -518,6 +518,41 @@ class Resume:
         """The newest complete checkpoint at ``location``, checked against the job being started."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         _, path, manifest = storage.find_checkpoint(location)
+        return cls._checked(location, path, manifest, app, num_executors, num_shards)
+
+    @classmethod
+    def newest_usable(cls, location: str, app: App, num_executors: int | None, num_shards: int,
+                      driver: Driver) -> Resume | None:
+        """``--resume auto``: the newest complete full checkpoint at ``location`` whose files are
+        all there and whole and whose driver state loads (read into ``driver``); None if there is
+        none. A damaged one is skipped with a warning that names what is wrong: the checkpoints
+        before it are as good as they were, and a restart loop must not stop on one bad file.
+        Storage that does not answer, a checkpoint of another shape than this job (an older one
+        would not be any better), or only damaged ones, raise."""
+        from litz.ft import storage
+
+        damaged: list[str] = []
+        for fs, path, manifest in storage.full_checkpoints(location):
+            resume = cls._checked(location, path, manifest, app, num_executors, num_shards)
+            try:
+                storage.verify_files(fs, path, manifest)
+                resume.read_driver(driver)
+            except storage.DamagedCheckpoint as exc:
+                log.warning("%s; that checkpoint is skipped, an older one is tried", exc)
+                damaged.append(str(exc))
+                continue
+            return resume
+        if damaged:  # starting afresh would throw the job's progress away without a word
+            raise storage.DamagedCheckpoint(f"no usable checkpoint in {location}: {'; '.join(damaged)} (remove "
+                                            "them, or choose another --checkpoint-dir, to start from scratch)")
+        return None
+
+    @classmethod
+    def _checked(cls, location: str, path: str, manifest: dict[str, Any], app: App, num_executors: int | None,
+                 num_shards: int) -> Resume:
+        """The checkpoint at ``path`` if the job being started fits it (tables, executors, shards)."""
+        from litz.ft import storage
+
         # rows per table too, where the checkpoint says (those of before session 31 do not)
         with_rows = all("num_rows" in t for t in manifest["tables"])
         declared = {t.name: [list(t.shape), str(np.dtype(t.dtype)), *([t.num_rows] if with_rows else [])]
@@ -1653,8 +1688,8 @@ class Master:
         try:
             return load_driver(blob, driver)
         except Exception as exc:  # truncated, damaged, or of a driver class the application no longer has
-            raise storage.CheckpointError(f"cannot load the driver's state from {where}: "
-                                          f"{type(exc).__name__}: {exc}") from exc
+            raise storage.DamagedCheckpoint(f"cannot load the driver's state from {where}: "
+                                            f"{type(exc).__name__}: {exc}") from exc
 
     def _resume_driver(self, driver: Driver) -> None:
         """Give the driver back its checkpointed attributes and the tasks it had dispatched."""
