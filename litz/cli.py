@@ -233,6 +233,13 @@ def _split_launch_args(argv: list[str]) -> tuple[str, argparse.Namespace, list[s
     x app.py --epochs 3``); after it, what Litz does not know is the application's."""
     parser = _launch_parser()
     takes_value = {name for action in parser._actions for name in action.option_strings if action.nargs != 0}
+    known = {name for action in parser._actions for name in action.option_strings}
+    # a value that starts with "-" (``--checkpoint-every -5s``) is the option's value, not an option of
+    # its own: argparse would say "expected one argument", and Litz's own check says what is wrong
+    argv = list(argv)
+    for i in range(len(argv) - 2, -1, -1):
+        if argv[i] in takes_value and argv[i + 1].startswith("-") and argv[i + 1].split("=")[0] not in known:
+            argv[i:i + 2] = [f"{argv[i]}={argv[i + 1]}"]
     candidates, i = [], 0
     while i < len(argv):  # arguments that are neither options nor the values of Litz's options
         if argv[i] in takes_value:

@@ -89,3 +89,17 @@ def test_survive_kills_a_server_and_the_job_recovers_by_itself(tmp_path: Path, r
     if recovery == "partial":
         assert rec["restored"] == len(run["victim"]["shards"]) and rec["onto"] != [rec["lost"]]
     assert run["error"] < 0.01  # as good as without the failure (about 0.001)
+
+
+def test_a_litz_option_value_that_starts_with_a_dash_is_its_value() -> None:
+    """``--checkpoint-every -5s`` gives -5s to the option (which Litz then refuses with its own
+    message: ``litz launch`` exits 1 naming the value), not "expected one argument" from argparse;
+    an option followed by another option is still refused, and the app's own options are its own."""
+    from litz.cli import _split_launch_args
+
+    parsed = _split_launch_args(["app.py", "--checkpoint-every", "-5s", "--seed", "-1"])
+    assert not isinstance(parsed, str)
+    path, opts, app_argv = parsed
+    assert (path, opts.checkpoint_every, app_argv) == ("app.py", "-5s", ["--seed", "-1"])
+    with pytest.raises(SystemExit):
+        _split_launch_args(["--job", "--workers", "2", "app.py"])
