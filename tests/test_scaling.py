@@ -265,3 +265,27 @@ def test_nothing_moves_to_or_from_a_process_declared_lost_whose_recovery_waits()
     assert [mig[1] for mig in st.migrations.values()] == ["w1", "w1"]
     assert sorted(s for shards, _, _ in st.shard_migrations.values() for s in shards) != [] \
         and 0 not in st.shards_moving
+
+
+def test_the_job_end_does_not_wait_for_processes_a_scale_is_still_waiting_for() -> None:
+    """Without a job: a worker of a scale-out still joining (registered, not ready: a host
+    without the job secret cannot hear the master, so it never is) is told to leave but not
+    waited for; the goodbyes of the others are taken as before. Before, the master waited its
+    whole shutdown timeout for it."""
+    from litz.runtime.elastic import ScaleOp
+    from litz.runtime.master import Master
+
+    class Members:
+        def deregister(self) -> None:
+            pass
+
+    m = Master(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), "j", Members(),  # type: ignore[arg-type]
+               workers=1, servers=1, num_executors=2)
+    m.procs = {"w0": {"role": "worker"}, "w9": {"role": "worker"}}
+    m._byes["w0"] = {"role": "worker", "tasks_run": 3}
+    m.elastic.op = ScaleOp("c", time.monotonic(), joining={"w9"})
+    stats: dict[str, Any] = {}
+    started = time.monotonic()
+    m.shutdown(stats, timeout=3.0)
+    assert time.monotonic() - started < 1.0
+    assert stats == {"w0": {"role": "worker", "tasks_run": 3}}

@@ -2480,12 +2480,17 @@ class Master:
     def shutdown(self, stats: dict[str, dict[str, Any]], timeout: float = 5.0) -> None:
         """Tell every process to leave and wait (briefly) for their goodbyes: a worker still in an
         abandoned task only ``ABANDONED_GRACE`` s (the launcher then terminates what is left). Not
-        for processes that never joined: they cannot hear it (their agent stops them)."""
+        for processes that never joined: they cannot hear it (their agent stops them). Those of a
+        scale still joining are told but not waited for: one that cannot hear the master (a host
+        without the job secret) would hold the launcher for the whole ``timeout``, and one that
+        can has done no work to report."""
         busy = self._busy_workers()
-        targets = [p for p in self.procs if p != "master" and p not in self._byes and p not in self._unresponsive
-                   and p not in self.lost and p not in self.elastic.unjoined
-                   and self.procs[p].get("role") in ("worker", "server")]
-        for p in targets:
+        joining = self.elastic.op.joining if self.elastic.op is not None else set()
+        told = [p for p in self.procs if p != "master" and p not in self._byes and p not in self._unresponsive
+                and p not in self.lost and p not in self.elastic.unjoined
+                and self.procs[p].get("role") in ("worker", "server")]
+        targets = [p for p in told if p not in joining]
+        for p in told:
             try:
                 self.endpoint.send(p, "shutdown", reason="job finished")
             except Exception:
