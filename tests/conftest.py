@@ -203,6 +203,22 @@ def wait_running(job: str, out: dict | None = None, timeout: float = 60.0) -> di
     return status_when(job, lambda s: s["master"].get("phase") == "running", timeout, out)
 
 
+def wire_without_sockets(nodes: Any) -> list[tuple[str, str, str, list]]:
+    """Record what ``nodes`` (workers and servers built but never started) send, encoded as on the
+    wire, as ``(from, to, kind, frames)``; each knows the others and ``master`` (no etcd lookup) and
+    has ``master`` as its master. A test delivers what it chooses, in the order it chooses."""
+    from litz.runtime.protocol import encode
+
+    sent: list[tuple[str, str, str, list]] = []
+    idents = {node.ident for node in nodes} | {"master"}
+    for node in nodes:
+        node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:
+                              sent.append((who, peer, kind, encode(kind, **fields))))
+        node._looked_up.update(idents)
+        node.master = "master"
+    return sent
+
+
 def run_in_cuda_simulator(script: str, done: str, timeout: float = 300) -> str:
     """Run ``script`` in a Python process of its own under Numba's CUDA simulator and require that it
     prints ``done``; returns its output. A process of its own because ``NUMBA_ENABLE_CUDASIM`` must be

@@ -18,7 +18,7 @@ from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, RowSaves, parse_every
 from tests import testapps
-from tests.conftest import processes_mentioning, run_in_thread, wait_running
+from tests.conftest import processes_mentioning, run_in_thread, wait_running, wire_without_sockets
 from tests.s3_server import location as s3_location
 
 
@@ -1207,19 +1207,14 @@ def test_a_rounds_undo_moves_with_a_migrating_shard_and_executor(tmp_path: Path,
     saved ones on the new hosts, and rows that had moved ranked as if the checkpoint held them."""
     from litz.ps.server import ServerNode, ShardStore
     from litz.ps.tables import shard_of, table_index
-    from litz.runtime.protocol import Message, decode, encode
+    from litz.runtime.protocol import Message, decode
     from litz.runtime.worker import Slot, Worker
 
     tables = [litz.Table("t", (2,))]
     a, b = ServerNode("s0", "job", "127.0.0.1:1"), ServerNode("s1", "job", "127.0.0.1:1")
     w0, w1 = Worker("w0", "job", "127.0.0.1:1"), Worker("w1", "job", "127.0.0.1:1")
-    sent: list[tuple[str, str, str, list]] = []  # (from, to, kind, frames)
     nodes = (a, b, w0, w1)
-    for node in nodes:
-        node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:  # type: ignore[method-assign]
-                              sent.append((who, peer, kind, encode(kind, **fields))))
-        node._looked_up.update({"master", "s0", "w0"})
-        node.master = "master"
+    sent = wire_without_sockets(nodes)  # (from, to, kind, frames)
 
     def deliver(kind: str, to: str) -> None:
         [(who, frames)] = [(who, f) for who, peer, k, f in sent if k == kind and peer == to]
@@ -1300,18 +1295,13 @@ def test_what_a_round_scored_before_it_migrated_is_not_scored_again_in_that_roun
     next round scores them on their new hosts."""
     from litz.ps.server import ServerNode, ShardStore
     from litz.ps.tables import table_index
-    from litz.runtime.protocol import Message, decode, encode
+    from litz.runtime.protocol import Message, decode
     from litz.runtime.worker import Slot, Worker
 
     w0, w1 = Worker("w0", "job", "127.0.0.1:1"), Worker("w1", "job", "127.0.0.1:1")
     s0, s1 = ServerNode("s0", "job", "127.0.0.1:1"), ServerNode("s1", "job", "127.0.0.1:1")
     nodes = (w0, w1, s0, s1)
-    sent: list[tuple[str, str, str, list]] = []
-    for node in nodes:
-        node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:  # type: ignore[method-assign]
-                              sent.append((who, peer, kind, encode(kind, **fields))))
-        node._looked_up.update({"master", "w0", "w1", "s0", "s1"})
-        node.master = "master"
+    sent = wire_without_sockets(nodes)
     for w in (w0, w1):
         w.options["checkpoint_policy"] = "priority"
 

@@ -7,6 +7,7 @@ import pytest
 
 import litz
 from tests import testapps
+from tests.conftest import wire_without_sockets
 
 
 def test_hundreds_of_random_executor_migrations_keep_sums_and_state_exact(etcd) -> None:
@@ -54,19 +55,14 @@ def test_an_update_forwarded_by_a_server_that_dies_before_answering_is_not_appli
     is past it, lets s1 forget it."""
     from litz.ps.server import ServerNode, ShardStore
     from litz.ps.tables import table_index
-    from litz.runtime.protocol import Message, decode, encode
+    from litz.runtime.protocol import Message, decode
     from litz.runtime.worker import Worker
 
     tables = [litz.Table("t", (2,))]
     s0, s1, s2 = (ServerNode(f"s{i}", "job", "127.0.0.1:1") for i in range(3))
     w0 = Worker("w0", "job", "127.0.0.1:1")
     nodes = {n.ident: n for n in (s0, s1, s2, w0)}
-    sent: list[tuple[str, str, str, list]] = []
-    for node in nodes.values():
-        node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:  # type: ignore[method-assign]
-                              sent.append((who, peer, kind, encode(kind, **fields))))
-        node._looked_up.update(nodes)
-        node.master = "master"
+    sent = wire_without_sockets(nodes.values())
 
     def deliver(kind: str, to: str) -> None:
         """The first message of this kind to ``to`` not yet delivered."""
