@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ft.checkpoint import CheckpointCoordinator, RowSaves, parse_every
 from tests import testapps
-from tests.conftest import processes_mentioning, run_in_thread, wait_running, wire_without_sockets
+from tests.conftest import processes_mentioning, run_in_thread, status_when, wait_running, wire_without_sockets
 from tests.s3_server import location as s3_location
 
 
@@ -31,6 +32,26 @@ def test_shard_rows_round_trip_exactly_with_int_and_string_keys(tmp_path: Path) 
     assert [(t, s, k) for t, s, k, _ in back] == [(t, s, k) for t, s, k, _ in rows]
     for (_, _, _, raw), (_, _, _, row) in zip(back, rows, strict=True):
         assert raw == row.tobytes()  # bit for bit, NaN included
+
+
+def _run_until(tmp_path: Path, monkeypatch, cond: Callable[[list[dict]], bool], app: litz.App,  # noqa: ANN001
+               **kw: object) -> litz.JobResult:
+    """Run an open-ended ``app`` (testapps.TimedMigratingDriver: exact sums) until its checkpoint
+    records in ``litz status`` (the last five) satisfy ``cond``, then stop it and return its result.
+    A fixed number of tasks or seconds could end before the rounds a test needs on a slow machine."""
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    stop = tmp_path / "stop"
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    job = f"until-{time.time_ns()}"
+    t, out = run_in_thread(app, job=job, **kw)
+    try:
+        status_when(job, lambda s: cond(s["master"].get("checkpoints", [])), timeout=60)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("traceback")
+    return out["res"]
 
 
 def _full_manifest(**fields: object) -> dict:
@@ -146,20 +167,18 @@ def test_pruning_keeps_the_newest_full_checkpoints_and_what_builds_on_them(tmp_p
 
 
 @pytest.mark.parametrize("store", ["local", "s3"])
-def test_a_job_keeps_only_the_newest_full_checkpoints(tmp_path: Path, request: pytest.FixtureRequest,
+def test_a_job_keeps_only_the_newest_full_checkpoints(tmp_path: Path, monkeypatch, request: pytest.FixtureRequest,
                                                       store: str) -> None:
     """On S3 too, where a directory is a key prefix and removing it deletes its keys."""
     where = str(tmp_path) if store == "local" else \
         s3_location(request.getfixturevalue("s3_bucket"), f"keep-{time.time_ns()}")
     app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
-    app.driver = testapps.TimedMigratingDriver
-    app.config.update(stop_after=2.0)
-    res = litz.run(app, workers=2, servers=1, checkpoint_dir=where, checkpoint_every="0.1s", checkpoint_keep=2)
+    res = _run_until(tmp_path, monkeypatch, lambda cs: sum(c["ok"] and c["kind"] == "full" for c in cs) >= 3, app,
+                     workers=2, servers=1, checkpoint_dir=where, checkpoint_every="0.1s", checkpoint_keep=2)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
     records = [c for c in res.stats["master"]["checkpoints"] if c["ok"]]
     fulls = [c["path"] for c in records if c["kind"] == "full"]
-    if len(fulls) < 3:
-        pytest.skip(f"only {len(fulls)} full checkpoints in 2 s (machine too slow)")
+    assert len(fulls) >= 3, records
     fs, root = storage.filesystem(where)
     dirs = [p for _, p in storage.checkpoint_dirs(fs, root)]
     complete_fulls = [p for p in dirs if storage.has_manifest(fs, p)
@@ -557,37 +576,23 @@ def test_server_scores_rows_by_distance_age_or_chance() -> None:
     assert len(a) == 3 and not np.array_equal(a, b)
 
 
-class _UntilPartialDriver(testapps.TimedMigratingDriver):
-    """Stops dispatching once the job's checkpoint directory holds a partial checkpoint (looked at
-    every 50 ms; ``stop_after`` bounds the wait). A fixed number of tasks could end before the
-    first partial round on a slow machine, and the test then skipped its checks."""
-
-    def _stopping(self) -> bool:
-        now = time.monotonic()
-        if not getattr(self, "_partial_seen", False) and now - getattr(self, "_looked", 0.0) > 0.05:
-            self._looked = now
-            running = storage.running_checkpoint(self.config["ckpt"])
-            self._partial_seen = running is not None and bool(running[2])
-        return getattr(self, "_partial_seen", False) or super()._stopping()
-
-
-def test_priority_partial_checkpoints_save_the_top_fraction_after_a_full_base(tmp_path: Path) -> None:
+def test_priority_partial_checkpoints_save_the_top_fraction_after_a_full_base(tmp_path: Path, monkeypatch) -> None:
     import math
 
     app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
-    app.driver = _UntilPartialDriver
-    app.config.update(stop_after=60.0, ckpt=str(tmp_path))
-    res = litz.run(app, workers=2, servers=2, checkpoint_dir=str(tmp_path), checkpoint_every="0.2s",
-                   checkpoint_policy="priority", checkpoint_fraction=0.25)
+    ckpt = str(tmp_path / "ckpt")
+    res = _run_until(tmp_path, monkeypatch, lambda cs: any(c["ok"] and c["kind"] == "partial" for c in cs), app,
+                     workers=2, servers=2, checkpoint_dir=ckpt, checkpoint_every="0.2s",
+                     checkpoint_policy="priority", checkpoint_fraction=0.25)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])  # no pause, nothing changed
     records = [c for c in res.stats["master"]["checkpoints"] if c["ok"]]
     assert records and records[0]["kind"] == "full"
-    running = storage.running_checkpoint(str(tmp_path))
+    running = storage.running_checkpoint(ckpt)
     assert running is not None
     base, manifest, partials = running
     assert "partial_of" not in manifest
-    assert partials, records  # the driver ran until there was one
-    fs, _ = storage.filesystem(str(tmp_path))
+    assert partials, records  # stopped at the first partial round, long before the next full base (8 periods)
+    fs, _ = storage.filesystem(ckpt)
     for path, files in partials:
         rows = [r for name in files for r in storage.read_shards(fs, f"{path}/{name}")]
         assert len(rows) == math.ceil(0.25 * 16)  # the table has 16 rows, all touched
@@ -788,19 +793,19 @@ def test_tables_say_what_distance_ranks_their_rows() -> None:
         store.scores("priority", 0)
 
 
-def test_a_failing_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: Path) -> None:
-    app = testapps.migrating_app(tasks=2000, executors=4, move_prob=0.0, distance=testapps.failing_distance)
-    res = litz.run(app, workers=2, servers=2, checkpoint_dir=str(tmp_path), checkpoint_every="0.2s",
-                   checkpoint_policy="priority", checkpoint_fraction=0.25)
+def test_a_failing_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0, distance=testapps.failing_distance)
+    ckpt = str(tmp_path / "ckpt")
+    res = _run_until(tmp_path, monkeypatch, lambda cs: any(not c["ok"] for c in cs), app,
+                     workers=2, servers=2, checkpoint_dir=ckpt, checkpoint_every="0.2s",
+                     checkpoint_policy="priority", checkpoint_fraction=0.25)
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
     records = res.stats["master"]["checkpoints"]
     assert records[0]["ok"] and records[0]["kind"] == "full"  # the base needs no distance
     failed = [c for c in records if not c["ok"]]
-    if not failed:
-        pytest.skip("the job ended before a partial round (machine too slow)")
-    assert all(c["kind"] == "partial" for c in failed)
+    assert failed and all(c["kind"] == "partial" for c in failed), records
     assert "table 's': distance function failed: RuntimeError: no distance today" in failed[0]["errors"][0]
-    base, _, partials = storage.running_checkpoint(str(tmp_path))  # type: ignore[misc]
+    base, _, partials = storage.running_checkpoint(ckpt)  # type: ignore[misc]
     assert base == records[0]["path"] and partials == []
 
 
