@@ -44,59 +44,77 @@ class AppliedOnce:
     """Which rows an update that may come twice has already changed here (no sockets).
 
     A server that forwards part of an update (its shard moved on) answers the worker only after
-    the new owner did. Should it die in between, the worker never learns that the forwarded part
-    landed, and sends the whole update again, to the shards' owners now (SCAR partial recovery,
-    ``on_server_lost``), as does a live server whose forward went to the one that died. So
-    forwarded and resent updates name the update they belong to, ``origin = [worker, rid, low]``
-    (the rid the worker gave it, and the lowest rid it still holds unanswered, any of which it
-    may still send again), and the owner remembers, per origin, the keys it applied, by table
-    and shard: a key already applied under that origin is not applied again. Updates sent once,
-    straight to the owner, carry no origin and cost nothing here. What is remembered travels
-    with a shard that migrates, and is forgotten once the worker no longer holds the update.
+    the new owner did. Should it die in between, the worker never learns that any of it landed,
+    and sends the whole update again, to the shards' owners now (SCAR partial recovery,
+    ``on_server_lost``), as does a live server whose forward went to the one that died. The same
+    holds for a server that dies with its answer unsent after a shard it updated left for another
+    server. So every update names the update it belongs to: the server takes ``(sender, rid)`` of
+    one sent straight to it, and forwarded and resent ones carry ``origin = [sender, rid, low]``
+    (the rid the sender gave it, and the lowest rid it still holds unanswered, any of which it may
+    still send again). Each server remembers, per origin, the keys it applied: a key already
+    applied under that origin is not applied again. What is remembered travels with a shard that
+    migrates, and is forgotten once the sender no longer holds the update, which is at its next
+    message in the common case.
+
+    Recording keeps a reference to the update's list of keys (no copy, no look at a key): every
+    update is recorded, and a big one has tens of thousands. Only the rare paths look at them: an
+    update that came again (``fresh``) and a migrating shard (``extract``).
     """
 
     def __init__(self, num_shards: int) -> None:
         self.num_shards = num_shards
-        # (worker, rid) -> (table, shard) -> keys applied here under that origin
-        self.applied: dict[tuple[str, int], dict[tuple[str, int], set[Hashable]]] = {}
+        # (sender, rid) -> table -> the lists of keys applied here under that origin
+        self.applied: dict[tuple[str, int], dict[str, list[list[Hashable]]]] = {}
 
-    def prune(self, worker: str, low: int) -> None:
-        """``worker`` holds no update below rid ``low`` any more: none of them can come again."""
+    def prune(self, sender: str, low: int) -> None:
+        """``sender`` holds no update below rid ``low`` any more: none of them can come again."""
         if not self.applied:  # (every update asks)
             return
-        for origin in [o for o in self.applied if o[0] == worker and o[1] < low]:
+        for origin in [o for o in self.applied if o[0] == sender and o[1] < low]:
             del self.applied[origin]
 
     def fresh(self, origin: tuple[str, int], table: str, keys: list[Hashable]) -> list[int] | None:
         """Positions of ``keys`` not yet applied here under ``origin`` (None: all of them)."""
-        seen = self.applied.get(origin)
-        if seen is None:
+        seen = self.applied.get(origin, {}).get(table)
+        if not seen:
             return None
-        n = self.num_shards
-        keep = [j for j, key in enumerate(keys) if key not in seen.get((table, shard_of(key, n)), ())]
+        done = set().union(*seen)
+        keep = [j for j, key in enumerate(keys) if key not in done]
         return None if len(keep) == len(keys) else keep
 
     def record(self, origin: tuple[str, int], table: str, keys: list[Hashable]) -> None:
-        if not keys:
-            return
-        seen, n = self.applied.setdefault(origin, {}), self.num_shards
-        for key in keys:
-            seen.setdefault((table, shard_of(key, n)), set()).add(key)
+        """``keys`` (a list nobody changes afterwards) were applied under ``origin``."""
+        if keys:
+            self.applied.setdefault(origin, {}).setdefault(table, []).append(keys)
 
     def extract(self, shards: Collection[int]) -> list[list[Any]]:
-        """Remove what is remembered of ``shards`` (leaving): ``[worker, rid, table, shard, keys]`` each."""
+        """Remove what is remembered of ``shards`` (leaving): ``[sender, rid, table, shard, keys]`` each."""
         out: list[list[Any]] = []
-        for (worker, rid), seen in list(self.applied.items()):
-            for table, shard in [ts for ts in seen if ts[1] in shards]:
-                out.append([worker, rid, table, shard, list(seen.pop((table, shard)))])
-            if not seen:
-                del self.applied[(worker, rid)]
+        n = self.num_shards
+        for (sender, rid), by_table in list(self.applied.items()):
+            for table, lists in list(by_table.items()):
+                leaving: dict[int, list[Hashable]] = {}
+                staying: list[Hashable] = []
+                for keys in lists:
+                    for key in keys:
+                        shard = shard_of(key, n)
+                        if shard in shards:
+                            leaving.setdefault(shard, []).append(key)
+                        else:
+                            staying.append(key)
+                out.extend([sender, rid, table, shard, keys] for shard, keys in leaving.items())
+                if staying:
+                    by_table[table] = [staying]
+                else:
+                    del by_table[table]
+            if not by_table:
+                del self.applied[(sender, rid)]
         return out
 
     def install(self, entries: list[list[Any]]) -> None:
         """Take what came with migrated shards (``extract``)."""
-        for worker, rid, table, shard, keys in entries:
-            self.applied.setdefault((worker, int(rid)), {}).setdefault((table, int(shard)), set()).update(keys)
+        for sender, rid, table, _shard, keys in entries:
+            self.record((sender, int(rid)), table, list(keys))
 
     def clear(self) -> None:
         self.applied.clear()
@@ -507,12 +525,13 @@ class ServerNode(Node):
     def _serve(self, msg: Message, kind: str) -> None:
         store = self._store()
         items = msg["items"]
-        origin = msg.get("origin")  # a forwarded or resent update: it may come twice (AppliedOnce)
+        origin = msg.get("origin")  # a forwarded or resent update: it names its first sending (AppliedOnce)
         once = None if origin is None else (str(origin[0]), int(origin[1]))
         if once is not None:
             store.once.prune(once[0], int(origin[2]))
-        elif kind == "update":  # straight from the worker: its forwarded parts name it
+        elif kind == "update":  # straight from its sender: it is this origin, which its forwarded parts name
             origin = [msg.sender, msg["rid"], msg.get("low", msg["rid"])]
+            once = (msg.sender, int(msg["rid"]))
             store.once.prune(msg.sender, origin[2])
         pend = _Pending(msg.sender, msg["rid"], kind, len(items), origin)
         subs: dict[str, list[tuple[int, list[int], list[Any]]]] = {}
@@ -527,6 +546,8 @@ class ServerNode(Node):
                         raise TableError(f"table {table.name!r}: deltas must be an array")
                     deltas = table.check_delta(deltas, n=len(keys), what="update")
                     if once is not None and (keep := store.once.fresh(once, table.name, keys)) is not None:
+                        if not keep:  # all applied already: an application's combiner need not take 0 rows
+                            continue
                         keys, deltas = [keys[j] for j in keep], deltas[keep]
                 local, remote = store.split(keys)
                 if kind == "get":

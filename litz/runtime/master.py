@@ -1022,19 +1022,29 @@ class Master:
         """Send a read (``out``) or an update (``deltas``) to the owners of the keys and wait.
 
         If an owner dies meanwhile and is recovered (SCAR), its part is sent again to the new
-        owners of its shards; the other parts are not repeated.
+        owners of its shards; the other parts are not repeated. A part of an update sent again
+        names the update it was first sent in (``origin``, as a worker's do): the dead owner may
+        have forwarded some of it, applied by now, and the new owners skip those
+        (``AppliedOnce``). Nothing else of the driver's is in flight meanwhile, so the lowest
+        request it may still send again is that one.
         """
         assert self.state is not None
         what = f"{'reading' if deltas is None else 'updating'} table {table.name!r}"
         pending = list(range(len(keys)))
+        first: dict[int, int] = {}  # key position -> the request its update was first sent in
         while pending:
-            groups: dict[str, list[int]] = {}
+            groups: dict[tuple[str, int | None], list[int]] = {}
             for i in pending:
-                groups.setdefault(self.state.shard_map[shard_of(keys[i], self.num_shards)], []).append(i)
+                owner = self.state.shard_map[shard_of(keys[i], self.num_shards)]
+                groups.setdefault((owner, first.get(i)), []).append(i)
             sent: dict[int, tuple[str, list[int]]] = {}
-            for srv, idx in groups.items():
+            for (srv, again), idx in groups.items():
                 item = [table.name, [keys[i] for i in idx]] + ([] if deltas is None else [deltas[idx]])
-                sent[self._request(srv, "get" if deltas is None else "update", items=[item])] = (srv, idx)
+                extra = {} if again is None else {"origin": [self.endpoint.ident, again, again]}
+                rid = self._request(srv, "get" if deltas is None else "update", items=[item], **extra)
+                sent[rid] = (srv, idx)
+                if deltas is not None:
+                    first.update((i, rid) for i in idx if i not in first)
 
             def settled(sent: dict[int, tuple[str, list[int]]] = sent) -> bool:
                 return all(r in self._replies or (srv in self.lost and self._restoring is None)
