@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import re
 import sys
 import traceback
 from importlib.machinery import SourceFileLoader
@@ -226,6 +227,10 @@ def _launch_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: A value that starts like a negative number (``-5s``, ``-0.5``, ``-.5``), not like an option name.
+_NEGATIVE = re.compile(r"-\.?\d")
+
+
 def _split_launch_args(argv: list[str]) -> tuple[str, argparse.Namespace, list[str]] | str:
     """``(APP.py, litz options, app options)`` of ``litz launch`` arguments, or what is wrong.
 
@@ -234,11 +239,14 @@ def _split_launch_args(argv: list[str]) -> tuple[str, argparse.Namespace, list[s
     parser = _launch_parser()
     takes_value = {name for action in parser._actions for name in action.option_strings if action.nargs != 0}
     known = {name for action in parser._actions for name in action.option_strings}
-    # a value that starts with "-" (``--checkpoint-every -5s``) is the option's value, not an option of
-    # its own: argparse would say "expected one argument", and Litz's own check says what is wrong
+    # a negative number (``--checkpoint-every -5s``) is the option's value, not an option of its own:
+    # argparse would say "expected one argument", and Litz's own check says what is wrong. Nothing
+    # that looks like an option name is taken for a value (``--job --epochs 3`` lacks the job's
+    # name), nor anything after ``--`` (the application's, untouched)
     argv = list(argv)
-    for i in range(len(argv) - 2, -1, -1):
-        if argv[i] in takes_value and argv[i + 1].startswith("-") and argv[i + 1].split("=")[0] not in known:
+    end = argv.index("--") if "--" in argv else len(argv)
+    for i in range(end - 2, -1, -1):
+        if argv[i] in takes_value and _NEGATIVE.match(argv[i + 1]) and argv[i + 1].split("=")[0] not in known:
             argv[i:i + 2] = [f"{argv[i]}={argv[i + 1]}"]
     candidates, i = [], 0
     while i < len(argv):  # arguments that are neither options nor the values of Litz's options

@@ -103,3 +103,7 @@ def test_a_litz_option_value_that_starts_with_a_dash_is_its_value() -> None:
     assert (path, opts.checkpoint_every, app_argv) == ("app.py", "-5s", ["--seed", "-1"])
     with pytest.raises(SystemExit):
         _split_launch_args(["--job", "--workers", "2", "app.py"])
+    with pytest.raises(SystemExit):  # an app's option name is not taken for a missing value either
+        _split_launch_args(["app.py", "--job", "--epochs", "3"])
+    parsed = _split_launch_args(["app.py", "--", "--job", "-x"])  # after --, all of it the app's, untouched
+    assert not isinstance(parsed, str) and parsed[1].job is None and parsed[2] == ["--", "--job", "-x"]
