@@ -190,6 +190,85 @@ def test_a_job_keeps_only_the_newest_full_checkpoints(tmp_path: Path, monkeypatc
         litz.run(app, checkpoint_keep=3)
 
 
+def test_recoveries_go_back_only_to_checkpoints_of_their_own_run(tmp_path: Path) -> None:
+    """A checkpoint directory may hold checkpoints of another timeline: the run that went on after
+    the checkpoint this one resumed from (``--resume`` of an older one, or ``--resume auto`` past a
+    damaged newer one), the rounds a rollback abandoned, another job before. A recovery goes back
+    to the newest checkpoint this run wrote, else to the one it resumed from or rolled back to:
+    before, it took the directory's newest, so a full recovery put the whole job, and a partial one
+    the lost rows, at a point of another run. Pruning counts this run's full checkpoints only."""
+    loc = str(tmp_path)
+    fs, root = storage.filesystem(loc)
+
+    def made(partial_of: str | None = None, version: int = 0) -> str:
+        path = storage.new_checkpoint_dir(fs, root)
+        manifest = {"format": storage.FORMAT, "partial_of": partial_of, "shards_files": []} if partial_of else \
+            {**_full_manifest(version=version), "format": storage.FORMAT}
+        storage.write_manifest(fs, path, manifest)
+        return path
+
+    old0 = made(version=1)
+    made(partial_of=old0)
+    old2 = made(version=3)  # the other run went on (or this one is damaged: --resume auto skipped it)
+    made(partial_of=old2)
+    assert storage.find_checkpoint(loc)[1] == old2  # what recoveries took before
+    fresh = CheckpointCoordinator(loc)  # a new job in that directory: nothing of its own yet
+    with pytest.raises(storage.NoCheckpoint):
+        fresh.last_full()
+    assert fresh.running("shards") is None
+    ck = CheckpointCoordinator(loc)
+    anchor = (loc, old0, storage.read_manifest(fs, old0))
+    ck.anchored(anchor)
+    assert ck.last_full() == anchor and ck.running("shards") == (*anchor, [])
+    mine = storage.new_checkpoint_dir(fs, root)  # this run's first round: no manifest yet
+    ck.made_dir(mine)
+    assert ck.last_full() == anchor
+    storage.write_manifest(fs, mine, {**_full_manifest(version=5), "format": storage.FORMAT})
+    assert ck.last_full()[:2] == (loc, mine)
+    assert storage.prune_checkpoints(fs, root, keep=2, since=ck.own_from) == []  # one of this run's
+    partial = made(partial_of=mine)
+    location, base, _, partials = ck.running("shards")  # type: ignore[misc]
+    assert (location, base, [p for p, _ in partials]) == (loc, mine, [partial])
+    ck.rolled_back((loc, mine, storage.read_manifest(fs, mine)))  # the partial one is of the abandoned timeline
+    assert ck.running("shards")[1:] == (mine, storage.read_manifest(fs, mine), [])  # type: ignore[index]
+    after = storage.new_checkpoint_dir(fs, root)
+    ck.made_dir(after)
+    storage.write_manifest(fs, after, {**_full_manifest(version=6), "format": storage.FORMAT})
+    assert ck.last_full()[1] == after
+    older = [p for _, p in storage.checkpoint_dirs(fs, root)][:-1]
+    assert storage.prune_checkpoints(fs, root, keep=1, since=ck.own_from) == older
+
+
+def test_a_job_resumed_from_an_older_checkpoint_rolls_back_to_it_not_to_a_newer_one(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """A job resumed from the older of two full checkpoints in its checkpoint directory loses a
+    server before it wrote a checkpoint of its own: the full recovery goes back to the checkpoint
+    the job resumed from (before, to the directory's newest, the first run's later state), and the
+    job ends with exact sums."""
+    ckpt = str(tmp_path / "ckpt")
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    first = _run_until(tmp_path, monkeypatch, lambda cs: sum(c["ok"] and c["kind"] == "full" for c in cs) >= 2,
+                       app, workers=2, servers=2, checkpoint_dir=ckpt, checkpoint_every="0.2s")
+    older = [c["path"] for c in first.stats["master"]["checkpoints"] if c["ok"]][0]
+    stop = tmp_path / "stop2"
+    app.config.update(stop_file=str(stop))
+    job = f"resumed-{time.time_ns()}"
+    t, out = run_in_thread(app, job=job, workers=2, servers=2, checkpoint_dir=ckpt, checkpoint_every="60s",
+                           resume=older, recovery="full")
+    try:
+        st = wait_running(job)
+        victim = next(p for p in st["processes"] if p["id"] == "s1")
+        os.kill(victim["pid"], signal.SIGKILL)
+        st = status_when(job, lambda s: s["master"].get("recoveries"), timeout=60)
+    finally:
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("traceback")
+    [rec] = out["res"].stats["master"]["recoveries"]
+    assert rec["strategy"] == "full" and rec["restored_from"].rstrip("/").endswith(older.rsplit("/", 1)[-1]), rec
+    np.testing.assert_array_equal(out["res"].value["final"], out["res"].value["truth"])
+
+
 def test_storage_that_does_not_answer_is_an_error_never_an_older_checkpoint_or_none(tmp_path: Path,
                                                                                   monkeypatch) -> None:
     """A manifest the store fails to read (the network, a dead NFS server) is not a damaged one:

@@ -311,6 +311,16 @@ class CheckpointCoordinator:
         self._base: dict[str, Any] | None = None
         self._partials_since_base = 0
         self.last_dir: str | None = None  # the checkpoint directory created last
+        # The checkpoints a recovery may go back to: those of the directories numbered from
+        # ``own_from`` on (the first one this run created since it started, or since its last
+        # rollback), else ``anchor``, ``(location, path, manifest)`` of the full checkpoint it
+        # resumed from or rolled back to. The directory may hold others, newer ones among them,
+        # of another timeline: a run that went on after the checkpoint this one resumed from (or
+        # after one it skipped as damaged), the rounds of a timeline a rollback abandoned, or
+        # another job that used the directory before. Restoring from those would put rows, or
+        # the whole job, at a point this run never reached.
+        self.anchor: tuple[str, str, dict[str, Any]] | None = None
+        self.own_from: int | None = None
 
     def due(self, iteration: int | None) -> bool:
         """Whether the policy asks for a checkpoint now (none while one is in progress)."""
@@ -354,11 +364,57 @@ class CheckpointCoordinator:
             return False
         return self._partials_since_base < math.ceil(REBASE_PERIODS / self.fraction)
 
-    def rolled_back(self) -> None:
-        """The job went back to its last full checkpoint: the next round is a full one, due a
-        whole period from now."""
+    def rolled_back(self, anchor: tuple[str, str, dict[str, Any]] | None = None) -> None:
+        """The job went back to its last full checkpoint, ``anchor`` (None: to its beginning):
+        the next round is a full one, due a whole period from now, and what the abandoned
+        timeline wrote after ``anchor`` is never gone back to."""
         self._base, self._partials_since_base = None, 0
         self._last_time = time.monotonic()
+        self.anchored(anchor)
+
+    def anchored(self, anchor: tuple[str, str, dict[str, Any]] | None) -> None:
+        """This run's timeline starts at ``anchor`` (a resumed or rolled-back-to full checkpoint,
+        as ``(location, path, manifest)``; None: at the beginning)."""
+        self.anchor, self.own_from = anchor, None
+
+    def made_dir(self, path: str) -> None:
+        """The current round created directory ``path``: it and those numbered after it are this
+        run's (a number is never reused)."""
+        from litz.ft import storage
+
+        if self.own_from is None and storage.checkpoint_seq(path) >= 0:
+            self.own_from = storage.checkpoint_seq(path)
+
+    def last_full(self) -> tuple[str, str, dict[str, Any]]:
+        """``(location, path, manifest)`` of the full checkpoint a full recovery goes back to: the
+        newest complete one this run wrote, else its anchor. Raises ``NoCheckpoint`` if there is
+        neither, ``CheckpointError`` if the storage does not answer."""
+        from litz.ft import storage
+
+        if self.own_from is not None:
+            try:
+                _, path, manifest = storage.find_checkpoint(self.location, self.own_from)
+                return self.location, path, manifest
+            except storage.NoCheckpoint:
+                pass
+        if self.anchor is not None:
+            return self.anchor
+        raise storage.NoCheckpoint(f"no complete checkpoint of this run in {self.location} yet")
+
+    def running(self, kind: str) -> tuple[str, str, dict[str, Any], list[tuple[str, list[str]]]] | None:
+        """What a partial recovery restores ``kind`` (``shards`` or ``executors``) from: ``(location,
+        base path, base manifest, [(partial path, its files)])`` of the newest complete full
+        checkpoint this run wrote and the partial ones after it, else its anchor alone; None if
+        neither. ``CheckpointError`` if the storage does not answer."""
+        from litz.ft import storage
+
+        if self.own_from is not None:
+            found = storage.running_checkpoint(self.location, kind, self.own_from)
+            if found is not None:
+                return (self.location, *found)
+        if self.anchor is not None:
+            return (*self.anchor, [])
+        return None
 
     def begin(self, reason: str, iteration: int | None = None, kind: str = "full") -> CheckpointRound | None:
         """Start a round, ``full`` (consistent, everything) or ``partial`` (a fraction of the rows,
@@ -380,6 +436,7 @@ class CheckpointCoordinator:
         r = self.round
         assert r is not None and r.dir_path is None
         r.dir_path = path
+        self.made_dir(path)
         if r.phase != "preparing":
             return False
         r.enter("pausing")

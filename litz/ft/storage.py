@@ -315,16 +315,19 @@ def read_manifest(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
     return manifest
 
 
-def _newest_first(fs: pafs.FileSystem, root: str,
-                  dirs: list[tuple[int, str]] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+def _newest_first(fs: pafs.FileSystem, root: str, dirs: list[tuple[int, str]] | None = None,
+                  since: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """The complete checkpoints under ``root`` (among ``dirs``, its listing, when the caller has it
     already) with their manifests, newest first, read as they
     are asked for: a caller stops at the newest full one, so a job with hundreds of partial
     checkpoints behind it reads only those since (each read is a request on a network store). A
     damaged manifest is skipped with a warning: the checkpoints before it are as good as they
     were. Storage that does not answer raises: skipping what it failed to read would pass an
-    older checkpoint, or none, for the newest."""
-    for _, p in reversed(checkpoint_dirs(fs, root) if dirs is None else dirs):
+    older checkpoint, or none, for the newest. ``since``: only directories numbered from it on
+    (those of a job's own run, ``CheckpointCoordinator.own_from``)."""
+    for seq, p in reversed(checkpoint_dirs(fs, root) if dirs is None else dirs):
+        if since is not None and seq < since:
+            break
         if has_manifest(fs, p):
             try:
                 manifest = read_manifest(fs, p)
@@ -334,18 +337,19 @@ def _newest_first(fs: pafs.FileSystem, root: str,
             yield p, manifest
 
 
-def running_checkpoint(location: str, kind: str = "shards"
+def running_checkpoint(location: str, kind: str = "shards", since: int | None = None
                        ) -> tuple[str, dict[str, Any], list[tuple[str, list[str]]]] | None:
     """The newest complete full checkpoint and the complete partial ones taken after it, oldest
     first, as ``(base path, base manifest, [(partial path, its files)])``; None if none. The
     files are those of ``kind``: ``shards`` (table rows) or ``executors`` (rows of executor state).
+    ``since``: among the directories numbered from it on only.
 
     Restoring a row means: its value in the base, overwritten by each partial that saved it.
     """
     key = "shards_files" if kind == "shards" else "executor_rows_files"
     fs, root = filesystem(location)
     newer: list[tuple[str, dict[str, Any]]] = []  # partial checkpoints newer than the base, newest first
-    for path, manifest in _newest_first(fs, root):
+    for path, manifest in _newest_first(fs, root, since=since):
         if not manifest.get("partial_of"):
             name = path.rsplit("/", 1)[-1]  # the master names the base by the path it created, the listing by its own
             partials = [(p, m.get(key, [])) for p, m in reversed(newer)
@@ -355,7 +359,8 @@ def running_checkpoint(location: str, kind: str = "shards"
     return None
 
 
-def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 100) -> list[str]:
+def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 100,
+                      since: int | None = None) -> list[str]:
     """Remove the ``ckpt-*`` directories older than the newest ``keep`` complete full checkpoints
     under ``root`` (``--checkpoint-keep``): older full ones, partial ones built on them, and
     directories of rounds that failed. Nothing at or after the oldest one kept is touched: the
@@ -363,11 +368,12 @@ def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 10
     being written. At most ``limit`` directories per call, so that a first call on a directory of
     thousands does not hold the round that made it; the rest go with later rounds. Each
     directory loses its manifest first: one half removed is never taken for a checkpoint. Returns
-    the directories removed."""
+    the directories removed. ``since``: the full checkpoints counted are those numbered from it
+    on (the job's own run: a newer full one of another timeline does not count as kept)."""
     dirs = checkpoint_dirs(fs, root)  # listed once (a request on a network store)
     fulls = 0
     cutoff = None
-    for path, manifest in _newest_first(fs, root, dirs):
+    for path, manifest in _newest_first(fs, root, dirs, since):
         if not manifest.get("partial_of"):
             fulls += 1
             if fulls == keep:
@@ -424,19 +430,22 @@ def has_complete_checkpoint(location: str) -> bool:
     return _newest_complete(fs, path) is not None
 
 
-def _newest_complete(fs: pafs.FileSystem, path: str) -> tuple[str, dict[str, Any]] | None:
-    """``path`` itself if it holds a manifest, else its newest complete full ``ckpt-*``, else None;
-    with its manifest (read once: a job with partial checkpoints has hundreds)."""
+def _newest_complete(fs: pafs.FileSystem, path: str, since: int | None = None) -> tuple[str, dict[str, Any]] | None:
+    """``path`` itself if it holds a manifest, else its newest complete full ``ckpt-*`` (numbered
+    ``since`` or later), else None; with its manifest (read once: a job with partial checkpoints
+    has hundreds)."""
     if has_manifest(fs, path):
         return path, read_manifest(fs, path)
-    return next(((p, manifest) for p, manifest in _newest_first(fs, path) if not manifest.get("partial_of")), None)
+    return next(((p, manifest) for p, manifest in _newest_first(fs, path, since=since)
+                 if not manifest.get("partial_of")), None)
 
 
-def find_checkpoint(location: str) -> tuple[pafs.FileSystem, str, dict[str, Any]]:
+def find_checkpoint(location: str, since: int | None = None) -> tuple[pafs.FileSystem, str, dict[str, Any]]:
     """The checkpoint to resume from: ``location`` itself if it holds a manifest, else the newest
-    complete full ``ckpt-*`` under it. Directories without a manifest are skipped, never used."""
+    complete full ``ckpt-*`` under it (numbered ``since`` or later). Directories without a
+    manifest are skipped, never used."""
     fs, path = filesystem(location)
-    found = _newest_complete(fs, path)
+    found = _newest_complete(fs, path, since)
     if found is None:
         raise NoCheckpoint(f"no complete checkpoint in {location} (a checkpoint is complete once its "
                               f"{MANIFEST} is written)")

@@ -628,6 +628,8 @@ class Master:
             float(self.options.get("checkpoint_fraction", 1.0)),
             float(self.options.get("checkpoint_timeout", DEFAULT_TIMEOUT)),
             self.options.get("checkpoint_keep")) if ckpt_dir else None
+        if self.checkpoints is not None and resume is not None:  # recoveries go back no further, nor elsewhere
+            self.checkpoints.anchored((resume.location, resume.path, resume.manifest))
         self._ckpt_commands: list[str] = []  # `litz checkpoint` / `litz stop` ids waiting for a full round
         # `litz stop`: {"id", "checkpoint": wanted, "path": the checkpoint it waits for (once written)}
         self._stop: dict[str, Any] | None = None
@@ -1288,14 +1290,14 @@ class Master:
                 return
             [running], rec.read = rec.read, None
             if running is not None:
-                path, manifest, partials = running
-                where = {**self._where(self.checkpoints.location, path, manifest, kind), "partials": partials}
+                location, path, manifest, partials = running
+                where = {**self._where(location, path, manifest, kind), "partials": partials}
             else:
                 log.error("no complete checkpoint yet: the %s of %s start afresh", kind, ", ".join(rec.losts))
         fresh = [p for p in rec.losts if p not in rec.planned]
         rec.assign = st.plan_takeover(fresh, rec.role, rec.assign, avoid=self.elastic.retiring())
         rec.planned.extend(fresh)
-        rec.source = storage.display(self.checkpoints.location, where["path"]) if where else None
+        rec.source = storage.display(where["location"], where["path"]) if where else None
         rec.partials = [path for path, _ in where["partials"]] if where else []
         rec.where, rec.resend = where, {}
         self._restore_round += 1
@@ -1313,11 +1315,11 @@ class Master:
 
         assert self.checkpoints is not None
         rec.reading = True
-        location, kind = self.checkpoints.location, "shards" if rec.role == "server" else "executors"
+        ck, kind = self.checkpoints, "shards" if rec.role == "server" else "executors"
 
         def read() -> tuple[Any, Exception | None]:
             try:
-                return storage.running_checkpoint(location, kind), None
+                return ck.running(kind), None  # this run's, never another timeline's
             except storage.CheckpointError as exc:  # judged on the loop: asked again, or the job stops
                 return None, exc
 
@@ -1593,9 +1595,9 @@ class Master:
             deadline, said = time.monotonic() + ck.timeout, False
             progress.step = "reading"
 
-            def read(location: str = ck.location) -> tuple[str, dict[str, Any], dict[str, Any]]:
-                _, path, manifest = storage.find_checkpoint(location)
-                return path, manifest, self._read_driver_file(location, path, manifest, self.driver)
+            def read() -> tuple[str, str, dict[str, Any], dict[str, Any]]:
+                location, path, manifest = ck.last_full()  # this run's, never another timeline's
+                return location, path, manifest, self._read_driver_file(location, path, manifest, self.driver)
 
             def stop(exc: Exception) -> LitzError:
                 return LitzError(f"the full recovery cannot use the job's last checkpoint, so the job stops rather "
@@ -1603,10 +1605,10 @@ class Master:
 
             while True:  # a store that fails to answer is asked again until --checkpoint-timeout
                 try:  # off the loop: a store that hangs must not stop the master answering meanwhile
-                    path, manifest, saved = self._off_loop(read, "the checkpoint storage to answer",
-                                                           max(STORE_RETRY, deadline - time.monotonic()), on_msg)
-                    where = {"location": ck.location, "path": path, "manifest": manifest}
-                    progress.source, progress.store_error = storage.display(ck.location, path), None
+                    location, path, manifest, saved = self._off_loop(
+                        read, "the checkpoint storage to answer", max(STORE_RETRY, deadline - time.monotonic()), on_msg)
+                    where = {"location": location, "path": path, "manifest": manifest}
+                    progress.source, progress.store_error = storage.display(location, path), None
                 except storage.NoCheckpoint:
                     log.error("no complete checkpoint yet: the job starts again from the beginning")
                 except WaitTimeout as exc:  # the read hangs
@@ -1624,7 +1626,7 @@ class Master:
                                STORE_RETRY + 1, on_msg)
                     continue
                 break
-            ck.rolled_back()
+            ck.rolled_back((where["location"], where["path"], where["manifest"]) if where else None)
         progress.step = "reloading"
 
         def restore(kind: str) -> dict[str, Any]:
@@ -2120,13 +2122,14 @@ class Master:
         # --checkpoint-keep: a full round, once written, removes what the newest ones supersede; not
         # while a recovery restores from the checkpoints (a rollback or restore waits for the round)
         keep = ck.keep if r.kind == "full" and self._restoring is None else None
+        since = ck.own_from  # this run's full checkpoints are those counted as kept
 
         def write() -> None:
             fs, root = storage.filesystem(location)
             storage.write_manifest(fs, path, manifest)
             if keep is not None:
                 try:  # the checkpoint exists: a failure to clean up is said, and fails nothing
-                    removed = storage.prune_checkpoints(fs, root, keep)
+                    removed = storage.prune_checkpoints(fs, root, keep, since=since)
                 except storage.CheckpointError as exc:
                     log.warning("%s; it is tried again after the next full checkpoint", exc)
                 else:
