@@ -464,6 +464,35 @@ def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
     assert not left.exists() and all(d.is_dir() for d in live)
 
 
+def test_the_orphan_sweep_reads_and_removes_only_this_users_etcd_directories(tmp_path: Path) -> None:
+    """The sweep's parent (``/dev/shm``) is writable by every user. Another user's entries are
+    neither read nor removed: an ``owner.pid`` that is a FIFO blocked the sweep, and so every local
+    job's start, for ever; a link to ``/dev/zero`` would have filled the memory. A directory of
+    this user's whose owner is dead still goes."""
+    import threading
+
+    from litz.runtime.etcd_server import remove_orphaned_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a pid that no longer exists
+    fifo, link, theirs, gone = (tmp_path / f"litz-etcd-{n}" for n in ("fifo", "link", "theirs", "gone"))
+    for d in (fifo, link, theirs, gone):
+        d.mkdir()
+    os.mkfifo(fifo / "owner.pid")
+    (link / "owner.pid").symlink_to("/dev/zero")
+    (theirs / "owner.pid").write_text(f"{dead}\n")
+    (gone / "owner.pid").write_text(f"{dead}\n")
+    if os.geteuid() == 0:  # as root (CI): an entry another user made
+        os.chown(theirs, 65534, 65534)
+    result: list[list[str]] = []
+    sweep = threading.Thread(target=lambda: result.append(remove_orphaned_dirs(str(tmp_path))), daemon=True)
+    sweep.start()
+    sweep.join(10)
+    assert result, "the sweep blocked on a FIFO"
+    expected = [str(gone)] if os.geteuid() == 0 else sorted([str(gone), str(theirs)])
+    assert sorted(result[0]) == expected and fifo.is_dir() and link.is_dir()
+
+
 def test_local_etcd_data_goes_to_memory_when_it_fits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A throw-away etcd needs no disk, and fsyncs on a busy one delay lease renewals: its data goes
     to /dev/shm when that has a gigabyte free, else to the temporary directory; an explicit

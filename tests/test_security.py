@@ -301,6 +301,32 @@ def _as_nobody_connect(path: str) -> int:
     return subprocess.run([sys.executable, "-c", code, path], timeout=30).returncode
 
 
+def test_an_agent_takes_only_spawn_requests_of_ids_the_master_makes(caplog: pytest.LogCaptureFixture) -> None:
+    """Spawn requests reach a host's agent through etcd, which anyone who can reach a shared etcd
+    may write. An id names the new process's log file: ``/home/x/app`` or ``../x`` made the agent
+    truncate or create files elsewhere as the job's user, and a list of thousands forked thousands
+    of processes. Such a request is refused whole, with a warning; the master's are taken."""
+    import shutil
+
+    from litz.runtime.launcher import MAX_SPAWN, LocalCluster
+
+    cluster = LocalCluster("spawn-check", workers=1, servers=1)
+    started: list[tuple[str, str]] = []
+    cluster._spawn = lambda module, ident, numba=False: started.append((module, ident))  # type: ignore[method-assign]
+    try:
+        for bad in ({"workers": ["/tmp/victim"]}, {"workers": ["../escaped"]}, {"servers": ["w1"]},
+                    {"workers": "w1"}, ["w1"], {"workers": [1]},
+                    {"workers": [f"w{i}" for i in range(MAX_SPAWN + 1)]}):
+            with caplog.at_level("WARNING"):
+                cluster.handle_spawn(bad)
+        assert started == []
+        assert caplog.text.count("ignored a spawn request") == 7, caplog.text
+        cluster.handle_spawn({"workers": ["w3"], "servers": ["s2"], "numba": False, "command": 4})
+        assert [ident for _, ident in started] == ["w3", "s2"]
+    finally:
+        shutil.rmtree(cluster.rundir, ignore_errors=True)
+
+
 def test_a_local_job_without_etcd_listens_on_no_tcp_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its etcd, workers and servers all use Unix sockets in directories only their user enters."""
     monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))

@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -213,6 +214,29 @@ def data_parent() -> str:
     return tempfile.gettempdir()
 
 
+def _owner_pid(path: str) -> int | None:
+    """The pid in ``path/owner.pid`` if ``path`` is a directory of this user's holding that file as
+    a regular file, else None. The parent (``/dev/shm``) is writable by every user: another one's
+    entry is never read (a FIFO there blocked the read for ever, so no job could start; a link to
+    ``/dev/zero`` would fill the memory), nor removed."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        fd = os.open(os.path.join(path, _OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            return None
+        return int(os.read(fd, 32).decode().strip())
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def remove_orphaned_dirs(parent: str | None = None) -> list[str]:
     """Delete the data directories of local etcds whose owning process is gone; the paths removed.
 
@@ -229,11 +253,8 @@ def remove_orphaned_dirs(parent: str | None = None) -> list[str]:
         return removed
     for name in names:
         path = os.path.join(parent, name)
-        try:
-            owner = int(Path(path, _OWNER_FILE).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if owner != os.getpid() and not pid_alive(owner):
+        owner = _owner_pid(path)
+        if owner is not None and owner != os.getpid() and not pid_alive(owner):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:

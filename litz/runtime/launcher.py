@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -47,6 +48,30 @@ LAUNCHER_KEY = "launcher"  # on a shared etcd, the job's name: held under its la
 
 def new_job_name() -> str:
     return f"litz-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+#: The most processes one spawn request may ask an agent for (a scale-out adds a few at a time).
+MAX_SPAWN = 256
+_SPAWN_IDS = {"workers": re.compile(r"w[0-9]{1,9}"), "servers": re.compile(r"s[0-9]{1,9}")}
+
+
+def _spawn_problem(request: Any) -> str | None:
+    """What is wrong with a spawn request from etcd (``{"workers": [ids], "servers": [ids], ...}``),
+    or None."""
+    if not isinstance(request, dict):
+        return f"not a JSON object: {str(request)[:200]!r}"
+    total = 0
+    for kind, pattern in _SPAWN_IDS.items():
+        ids = request.get(kind, [])
+        if not isinstance(ids, list):
+            return f"{kind} is not a list: {str(ids)[:200]!r}"
+        bad = [i for i in ids if not (isinstance(i, str) and pattern.fullmatch(i))]
+        if bad:
+            return f"{kind} ids must look like {pattern.pattern}, got {str(bad[:5])[:200]}"
+        total += len(ids)
+    if total > MAX_SPAWN:
+        return f"{total} processes at once (at most {MAX_SPAWN})"
+    return None
 
 
 class LocalCluster:
@@ -287,10 +312,19 @@ class LocalCluster:
                     self.exit_requested = True
         self.check_children()
 
-    def handle_spawn(self, request: dict[str, Any]) -> None:
+    def handle_spawn(self, request: Any) -> None:
         """Start the processes the master asked this agent for (each id once). ``numba``: the master's
         application uses Numba, which a joined host's agent, without the application, cannot know:
-        the spawner initialises it once for them (litz.runtime.spawner)."""
+        the spawner initialises it once for them (litz.runtime.spawner).
+
+        The request comes through etcd, which anyone who can reach a shared etcd may write: only
+        ids as the master makes them (``w12``, ``s3``; an id names the process's log file, and
+        ``/home/x/app`` or ``../x`` would have truncated files elsewhere) and at most
+        ``MAX_SPAWN`` at once are taken; anything else is refused with a warning."""
+        problem = _spawn_problem(request)
+        if problem is not None:
+            log.warning("agent of job %s: ignored a spawn request: %s", self.job, problem)
+            return
         for kind, module in (("workers", "litz.runtime.worker"), ("servers", "litz.ps.server")):
             for ident in request.get(kind, []):
                 if ident not in self.children:
