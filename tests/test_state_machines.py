@@ -53,6 +53,41 @@ def test_malformed_messages_are_rejected_with_a_reason(frames: list[bytes], reas
         protocol.decode(frames)
 
 
+class _MakesADirectory:
+    """Unpickled, it makes a directory: a stand-in for code a message could carry."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        import os
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("layout", ["fixstr", "str8", "array16"])
+def test_a_message_of_an_unknown_type_is_refused_before_any_field_is_unpickled(tmp_path, layout: str) -> None:
+    """Fields may hold pickles (task arguments, states): a message no process ever takes is refused
+    from its header's first bytes, and nothing in it runs. Before, its fields were decoded, pickles
+    included, and only then was the type looked up. A header laid out otherwise than ``encode``
+    makes it (here as a msgpack array16) is refused as malformed, also without running anything."""
+    import cloudpickle
+
+    path = tmp_path / "ran"
+    payload = msgpack.ExtType(protocol._EXT_PICKLE, cloudpickle.dumps(_MakesADirectory(str(path))))
+    if layout == "fixstr":
+        header = msgpack.packb(["no_such_type", {"x": payload}])
+    elif layout == "str8":
+        header = msgpack.packb(["n" * 40, {"x": payload}])  # a name of 32 bytes or more: str8
+    else:
+        header = b"\xdc\x00\x02" + msgpack.packb("update") + msgpack.packb({"rid": 1, "items": payload})
+    with pytest.raises(ProtocolError, match="unknown message type|not laid out as Litz encodes one"):
+        protocol.decode([header])
+    assert not path.exists()
+    ok = msgpack.packb(["update", {"rid": 1, "items": [payload]}])  # a declared type: decoded as before
+    protocol.decode([ok])
+    assert path.exists()
+
+
 def test_encoding_checks_declared_fields() -> None:
     with pytest.raises(ProtocolError, match="unknown message type"):
         protocol.encode("no_such_message")

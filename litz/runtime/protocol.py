@@ -295,11 +295,39 @@ def _buffer(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
+def _declared_type(header: Any) -> None:
+    """Refuse a header that does not name a declared message type, reading only its first bytes:
+    fields may hold pickles, and none may be unpickled for a message no process ever takes.
+    ``encode`` makes ``[type, fields]``, a msgpack array of two (0x92) whose first item is a short
+    string; anything else is malformed, and is decoded only to say how, with nothing unpickled."""
+    raw = memoryview(header)
+    if len(raw) >= 2 and raw[0] == 0x92 and (0xA0 <= raw[1] <= 0xBF or raw[1] == 0xD9):
+        start, size = (2, raw[1] & 0x1F) if raw[1] != 0xD9 else (3, raw[2] if len(raw) > 2 else 0)
+        try:
+            name: Any = bytes(raw[start:start + size]).decode()
+        except UnicodeDecodeError:
+            name = bytes(raw[start:start + size])
+        if name not in MESSAGES:
+            raise ProtocolError(f"unknown message type {name!r}")
+        return
+    try:
+        decoded = msgpack.unpackb(raw, ext_hook=lambda code, data: None, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for garbage input
+        raise ProtocolError(f"undecodable header ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(decoded, list) and len(decoded) == 2 and isinstance(decoded[1], dict)):
+        raise ProtocolError("header is not [type, fields]")
+    if isinstance(decoded[0], str) and decoded[0] in MESSAGES:
+        raise ProtocolError(f"header of a {decoded[0]!r} message is not laid out as Litz encodes one")
+    raise ProtocolError(f"unknown message type {decoded[0]!r}")
+
+
 def decode(frames: list[Any], sender: str = "") -> Message:
-    """Decode and validate frames (zmq Frames or bytes) into a Message; raise ProtocolError if bad."""
+    """Decode and validate frames (zmq Frames or bytes) into a Message; raise ProtocolError if bad.
+    The type is checked before any field is decoded (``_declared_type``)."""
     if not frames:
         raise ProtocolError("empty message")
     buffers = [_buffer(f) for f in frames]
+    _declared_type(buffers[0])
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code == _EXT_ARRAY:
