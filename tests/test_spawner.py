@@ -65,6 +65,14 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (init reaps orphans' corpses in its time)."""
+    try:
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1][:3]
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def _started_cluster(name: str, etcd_url: str, workers: int) -> tuple[str, LocalCluster]:
     """A started cluster of ``workers`` workers and a server, with no master, forked by this process's
     zygote; the caller stops it."""
@@ -150,7 +158,8 @@ def test_a_lost_zygote_takes_its_children_and_later_processes_start_afresh(etcd)
     try:
         assert cluster._spawner is not None
         dead = cluster._spawner.process.pid
-        os.kill(dead, signal.SIGKILL)
+        pids = {ident: child.pid for ident, child in cluster.children.items()}
+        os.kill(dead, signal.SIGKILL)  # (right after the forks: a child may not have run a line yet)
         deadline = time.monotonic() + 10
         lost: set[str] = set()
         while lost != {"s0", "w0"}:
@@ -160,6 +169,9 @@ def test_a_lost_zygote_takes_its_children_and_later_processes_start_afresh(etcd)
             except ProcessLost as exc:
                 assert "exited with code -9" in str(exc)
                 lost.add(exc.ident)
+            time.sleep(0.02)
+        while alive := [i for i, pid in pids.items() if _running(pid)]:  # none outlives it (one did: see
+            assert time.monotonic() < deadline, f"{alive} outlived the zygote"  # spawner._child's zygote)
             time.sleep(0.02)
         cluster.handle_spawn({"workers": ["w1"]})
         assert cluster._spawner is None

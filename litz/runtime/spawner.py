@@ -400,8 +400,11 @@ def _set_command_line(argv: list[str]) -> None:
     ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
 
 
-def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
-    """In the forked child: become ``python -m module args``. Never returns."""
+def _child(request: dict[str, Any], fds: list[int], closing: list[int], zygote: int) -> None:
+    """In the forked child: become ``python -m module args``. Never returns. ``zygote``: its pid,
+    read before the fork (``os.getppid()`` here would be init's, 1, if the zygote had died since,
+    and the child then took init for the parent it must die with: a ``kill -9`` of the zygote
+    right after a fork left a worker running without a job)."""
     code = 70
     try:
         signal.set_wakeup_fd(-1)
@@ -415,7 +418,7 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
             if fd > 2:
                 os.close(fd)
         env = dict(request["env"])
-        env["LITZ_PARENT_PID"] = str(os.getppid())  # die_with_parent: with the zygote, which dies with the launcher
+        env["LITZ_PARENT_PID"] = str(zygote)  # die_with_parent: with the zygote, which dies with the launcher
         os.environ.clear()
         os.environ.update(env)
         with contextlib.suppress(OSError):
@@ -496,6 +499,7 @@ def serve(fd: int, numba: bool = False) -> int:
                 raise ValueError(f"a malformed request: {what!r} with {len(fds)} descriptors")
             if request.get("numba") is True:
                 _warm_numba()
+            zygote = os.getpid()
             pid = os.fork()
         except (ValueError, OSError) as exc:
             for f in fds:
@@ -504,7 +508,7 @@ def serve(fd: int, numba: bool = False) -> int:
             _send(sock, {"kind": "reply", "seq": seq, "error": f"{type(exc).__name__}: {exc}"})
             continue
         if pid == 0:
-            _child(request, fds, [sock.fileno(), wake_r, wake_w])
+            _child(request, fds, [sock.fileno(), wake_r, wake_w], zygote)
         for f in fds:
             os.close(f)
         children.add(pid)
