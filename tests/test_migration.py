@@ -107,6 +107,9 @@ def test_an_update_forwarded_by_a_server_that_dies_before_answering_is_not_appli
             w0._send_updates({"t": ([0 if ident == zero else 1], [deltas[0]])})
             deliver("update", ident)
             assert all(rid > first for _, rid in nodes[ident].store.once.applied), nodes[ident].store.once.applied
+        assert nodes[owner].store.once.applied  # w0's last update, until a later one or w0's loss
+        nodes[owner].dispatch(Message("fence", {"ident": "w0"}, sender="master"))  # w0 declared lost
+        assert not nodes[owner].store.once.applied
     finally:
         for node in nodes.values():
             node.endpoint.close()

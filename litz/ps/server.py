@@ -73,6 +73,11 @@ class AppliedOnce:
         for origin in [o for o in self.applied if o[0] == sender and o[1] < low]:
             del self.applied[origin]
 
+    def forget(self, sender: str) -> None:
+        """``sender`` is gone for good (declared lost): none of its updates can come again."""
+        for origin in [o for o in self.applied if o[0] == sender]:
+            del self.applied[origin]
+
     def fresh(self, origin: tuple[str, int], table: str, keys: list[Hashable]) -> list[int] | None:
         """Positions of ``keys`` not yet applied here under ``origin`` (None: all of them)."""
         seen = self.applied.get(origin, {}).get(table)
@@ -514,6 +519,13 @@ class ServerNode(Node):
         if self.store is None:
             raise LitzError("server not initialised yet")
         return self.store
+
+    def on_fence(self, msg: Message) -> None:
+        """A process declared lost sends nothing again: what is remembered of its updates goes
+        (``AppliedOnce``; it is pruned only by the sender's own later messages)."""
+        super().on_fence(msg)
+        if msg.sender == self.master and self.store is not None:
+            self.store.once.forget(str(msg["ident"]))
 
     # -- requests ------------------------------------------------------------------------------
     def on_get(self, msg: Message) -> None:
