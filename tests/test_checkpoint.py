@@ -314,6 +314,13 @@ def test_an_unusable_checkpoint_directory_is_refused_before_the_job_starts(tmp_p
                      checkpoint_dir=str(where))
         assert time.monotonic() - started < 2.0
     storage.prepare_root(str(tmp_path / "new" / "ckpt"))  # a missing one is made
+    public = tmp_path / "public"  # writable by every user: anyone could plant a checkpoint's pickles
+    public.mkdir()
+    public.chmod(0o1777)
+    for kw in ({"checkpoint_dir": str(public)}, {"resume": str(public)},
+               {"checkpoint_dir": str(public), "resume": "auto"}):
+        with pytest.raises(storage.CheckpointError, match="writable by every user .mode 1777.*chmod o-w"):
+            litz.run(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), workers=1, servers=1, **kw)
     assert (tmp_path / "new" / "ckpt").is_dir() and list((tmp_path / "new" / "ckpt").iterdir()) == []
     fs, _ = storage.filesystem(str(tmp_path))
     with pytest.raises(storage.CheckpointError, match="cannot create checkpoint directory .*afile/ckpt-000001"):

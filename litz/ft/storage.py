@@ -203,6 +203,25 @@ def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
 
 
+def refuse_public(location: str) -> None:
+    """Refuse a local checkpoint directory that every user may write (``o+w``, sticky or not): its
+    checkpoints hold pickles (the driver's state, executors' states) that ``--resume`` and a full
+    recovery load, so anyone could plant a newer checkpoint, or replace a file, and have the job
+    run their code. A missing directory is made later with this user's umask. Network stores
+    (S3) have their own access control."""
+    fs, root = filesystem(location)
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    try:
+        mode = os.stat(root).st_mode
+    except OSError:
+        return
+    if mode & 0o002:
+        raise CheckpointError(f"checkpoint directory {location} is writable by every user (mode {mode & 0o7777:o}): "
+                              f"its checkpoints hold pickles that --resume loads, so anyone could make the job run "
+                              f"their code; use a directory of yours, or chmod o-w {location}")
+
+
 def prepare_root(location: str) -> None:
     """Make the checkpoint root ``location`` if it is missing and check that a file can be written
     there, so that a job given an unusable one (a file, a read-only or full filesystem) is refused
@@ -212,6 +231,7 @@ def prepare_root(location: str) -> None:
         if fs.get_file_info(root).type == pafs.FileType.File:
             raise CheckpointError(f"checkpoint directory {location} is a file")
         fs.create_dir(root, recursive=True)
+        refuse_public(location)
         probe = f"{root}/.litz-write-test-{os.getpid()}"
         with fs.open_output_stream(probe) as f:
             f.write(b"litz")

@@ -430,6 +430,10 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                           f"{num_shards} at most)")
     driver = app.driver()
     resumed: Resume | None = None
+    if resume:  # pickles are loaded from there: not from a directory everyone may write
+        from litz.ft import storage
+
+        storage.refuse_public(checkpoint_dir if resume == "auto" and checkpoint_dir else resume)
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
         if not checkpoint_dir:
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
