@@ -172,6 +172,12 @@ def test_disabled_cache_fetches_every_time() -> None:
     assert [tok for tok, _ in c.fill("t", 1, np.zeros(1), 0)] == ["a"]  # each reply serves one request
     assert [tok for tok, _ in c.fill("t", 1, np.ones(1), 0)] == ["b"]
     assert c.lookup("t", 1, 0) is None
+    # replies in another order than their fetches (one forwarded by a shard's old owner, one straight
+    # from the new): each serves its own requester. Before, the version-7 reply woke the version-3
+    # task, and the version-3 reply then found no task to wake and raised: the other task hung
+    assert c.request("t", 2, 3, "v3") and c.request("t", 2, 7, "v7")
+    assert [tok for tok, _ in c.fill("t", 2, np.ones(1), 7)] == ["v7"]
+    assert [tok for tok, _ in c.fill("t", 2, np.zeros(1), 3)] == ["v3"]
 
 
 def test_cache_fail_wakes_all_waiters() -> None:

@@ -90,10 +90,15 @@ class ProcessCache:
         if self.enabled:
             woken = [(tok, value) for v, tok in waiting if v <= version]
             rest = [(v, tok) for v, tok in waiting if v > version]
-        else:  # every request sent its own fetch: a reply serves its own requester only (FIFO)
-            first = next(i for i, (v, _) in enumerate(waiting) if v <= version)
-            woken = [(waiting[first][1], value)]
-            rest = waiting[:first] + waiting[first + 1:]
+        else:  # every request sent its own fetch, tagged with its task's version: a reply serves one
+            # requester of exactly its version (replies may come in another order than their fetches
+            # went, one forwarded by a shard's old owner, one straight from the new: taking the first
+            # waiter of any older version, a newer reply left an older one nobody to wake, and raised)
+            own = [i for i, (v, _) in enumerate(waiting) if v == version]
+            if not own:
+                return []
+            woken = [(waiting[own[0]][1], value)]
+            rest = waiting[:own[0]] + waiting[own[0] + 1:]
         if rest:
             self._waiters[ck] = rest
         else:
