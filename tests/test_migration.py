@@ -178,6 +178,44 @@ def test_the_drivers_update_sent_again_after_its_server_died_is_not_applied_twic
             node.endpoint.close()
 
 
+def test_a_server_says_rolled_back_only_once_what_it_forwarded_has_landed() -> None:
+    """Without sockets: the driver writes key 1 through s0, which forwards it to s1 (shard 1 moved
+    there), and a full rollback begins. s0 answers the rollback only once s1 has acknowledged the
+    forward, so the update lands before the servers reload, not on the reloaded rows. Before, the
+    master waited for the workers only, and the forward could reach s1 after its reload."""
+    from litz.ps.server import ServerNode, ShardStore
+    from litz.ps.tables import table_index
+    from litz.runtime.protocol import Message, decode
+
+    tables = [litz.Table("t", (2,))]
+    s0, s1 = (ServerNode(f"s{i}", "job", "127.0.0.1:1") for i in range(2))
+    nodes = {"s0": s0, "s1": s1}
+    sent = wire_without_sockets(nodes.values())
+
+    def deliver(kind: str, to: str) -> None:
+        k = next(k for k, (_, peer, kind_, _) in enumerate(sent) if kind_ == kind and peer == to)
+        who, _, _, frames = sent.pop(k)
+        nodes[to].dispatch(decode(frames, sender=who))
+
+    try:
+        for srv, shards in ((s0, [0, 1]), (s1, [])):
+            srv.store = ShardStore(table_index(tables), shards, 2, keeps_saved=False)
+        s0.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
+        deliver("shard_data", "s1")
+        s0.dispatch(Message("update", {"rid": 7, "items": [["t", [1], np.ones((1, 2))]]}, sender="master"))
+        for node in (s0, s1):
+            node.dispatch(Message("rollback", {"lost": [], "round": 1, "abandoned": 1}, sender="master"))
+        said = [(who, to) for who, to, kind, _ in sent if kind == "rolled_back"]
+        assert said == [("s1", "master")]  # s0's forward to s1 is still on its way
+        deliver("update", "s1")
+        deliver("update_ack", "s0")
+        assert [(who, to) for who, to, kind, _ in sent if kind == "rolled_back"] == [("s1", "master"), ("s0", "master")]
+        np.testing.assert_array_equal(s1.store.get("t", [1]), np.ones((1, 2)))  # landed before any reload
+    finally:
+        for node in nodes.values():
+            node.endpoint.close()
+
+
 def test_straggler_relief_moves_executors_off_a_slow_worker_until_the_rounds_even_out(etcd) -> None:
     """w0 runs its tasks 4 times slower than w1 (8 against 2 ms: a busy host). With straggler
     relief on, executors move from w0 to w1 until the time for one task of each executor is within

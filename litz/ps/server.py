@@ -493,6 +493,7 @@ class ServerNode(Node):
         self._left: dict[tuple[str, Hashable], np.ndarray] = {}
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self._abandoned_to: set[str] = set()  # dead servers of a rollback under way: forward nothing there
+        self._rollback_from: tuple[str, int] | None = None  # (master, round) owed "rolled_back" (on_rollback)
         self.forwarded = 0
         self.shards_out = 0
         self.shards_in = 0
@@ -634,6 +635,7 @@ class ServerNode(Node):
         if not pend.outstanding:
             self._reply(pend)
         self._answer_routes()
+        self._answer_rollback()
 
     def on_get_reply(self, msg: Message) -> None:
         self._sub_done(msg["rid"], msg["values"], msg["errors"], msg.get("moved") or {})
@@ -777,15 +779,28 @@ class ServerNode(Node):
         abandoned and every shard reloads from the checkpoint."""
         self._abandoned_to |= set(msg["lost"])
         self.restore_gen += 1  # a partial recovery's read under way is abandoned with its timeline
+        self._rollback_from = (msg.sender, int(msg["round"]))
         for rid, (pend, parts, dest, _) in list(self._subs.items()):
             if dest in self._abandoned_to:  # an update is dropped with its timeline; a read fails
                 self._sub_done(rid, None, [ROLLED_BACK if pend.kind == "get" else None] * len(parts), {})
+        self._answer_rollback()
+
+    def _answer_rollback(self) -> None:
+        """Say "rolled back" once nothing this server forwarded to a live server is unanswered: an
+        update it forwarded (the driver's, say, for a shard that had moved on) must land before
+        the servers reload, or it lands on the reloaded rows, from the abandoned timeline (the
+        master used to wait for the workers only, whose own updates are acknowledged first)."""
+        if self._rollback_from is not None and not self._subs:
+            master, round_ = self._rollback_from
+            self._rollback_from = None
+            self.endpoint.send(master, "rolled_back", round=round_)
 
     def on_reload_shards(self, msg: Message) -> None:
         """Full recovery: every worker has stopped and its updates have landed; start the new
         timeline from the checkpoint."""
         self._subs.clear()
         self._abandoned_to.clear()  # (no update of the abandoned timeline is still on its way)
+        self._rollback_from = None
         self._scored.clear()
         self._scored_in.clear()
         self._left.clear()

@@ -1534,7 +1534,7 @@ class Master:
                 leftover = []
                 self._deferred = [m for m in self._deferred if m.type != "done"]
                 waiting.clear()  # answers still owed by the dead are never coming
-                waiting.update(st.workers)
+                waiting.update(st.workers + st.servers)  # servers: once what they forwarded landed
                 self._restore_round += 1
                 # servers first: workers may wait for their acks. A scale-in's processes that are
                 # empty but not gone abandon the timeline too: a server answers what it forwarded to
@@ -1542,7 +1542,8 @@ class Master:
                 for p in st.servers + self._leaving() + st.workers:
                     self.endpoint.send(p, "rollback", lost=lost_servers, round=self._restore_round,
                                        abandoned=st.last_mid)
-                self._wait(lambda: not waiting, "workers to abandon their tasks", 60.0, on_msg)
+                self._wait(lambda: not waiting, "workers to abandon their tasks and servers their forwards", 60.0,
+                           on_msg)
                 saved, where = self._reload(st, lost_servers, waiting, on_msg)
             except _Rollback as again:
                 losses.append(again)
