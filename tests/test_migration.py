@@ -178,6 +178,26 @@ def test_the_drivers_update_sent_again_after_its_server_died_is_not_applied_twic
             node.endpoint.close()
 
 
+def test_a_task_dispatched_after_a_driver_write_has_a_newer_version_than_any_before_it() -> None:
+    """A worker's cache serves a row to a task of version v if a task of version >= v fetched it.
+    A driver that writes a row and then dispatches (in ``recovered``, ``resumed`` or a failure
+    handler, where no completion advanced the version) must not have its new task served a copy
+    fetched by a task dispatched before the write: the write advances the version."""
+    from litz.runtime.master import Master, MasterState
+
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    m = Master(app, "j", None, workers=1, servers=1, num_executors=2)  # type: ignore[arg-type]
+    try:
+        st = m.state = MasterState(2, ["w0"], ["s0"])
+        m._sync = lambda *args: None  # type: ignore[method-assign]  # (the servers' part: tested above)
+        before = st.dispatch(0, "before")
+        m.write(m.tables["s"], [1], np.ones((1, 3)))
+        after = st.dispatch(1, "after")
+        assert st.inflight[after].version > st.inflight[before].version
+    finally:
+        m.endpoint.close()
+
+
 def test_a_server_says_rolled_back_only_once_what_it_forwarded_has_landed() -> None:
     """Without sockets: the driver writes key 1 through s0, which forwards it to s1 (shard 1 moved
     there), and a full rollback begins. s0 answers the rollback only once s1 has acknowledged the

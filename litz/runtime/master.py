@@ -1017,8 +1017,13 @@ class Master:
         return out
 
     def write(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
-        """Apply updates from the driver and wait until the servers acknowledge them."""
+        """Apply updates from the driver and wait until the servers acknowledge them. The version
+        then advances, as after a completion: a task dispatched after the write must not be served
+        a row that a worker's cache holds for a task dispatched before it (DESIGN.md §2's rule,
+        with the driver's write in the place of a task's)."""
         self._sync(table, keys, deltas, None)
+        if self.state is not None:
+            self.state.version += 1
 
     def _sync(self, table: Table, keys: list[Hashable], deltas: np.ndarray | None, out: np.ndarray | None) -> None:
         """Send a read (``out``) or an update (``deltas``) to the owners of the keys and wait.
