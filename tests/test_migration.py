@@ -46,6 +46,31 @@ def test_hundreds_of_shard_and_executor_migrations_lose_and_double_no_update(etc
         assert sorted(seqs) == list(range(len(seqs)))
 
 
+def _shard_1_moved(servers: int, *others: object) -> tuple[dict, list, object]:
+    """Socketless servers ``s0`` .. (and ``others``, wired too) for table ``t`` of rows of 2 in 2
+    shards: s0 held both, and shard 1 has moved to s1. Returns ``(nodes, sent, deliver)``;
+    ``deliver(kind, to)`` hands ``to`` the first such message not yet delivered. The caller closes
+    the nodes' endpoints."""
+    from litz.ps.server import ServerNode, ShardStore
+    from litz.ps.tables import table_index
+    from litz.runtime.protocol import Message, decode
+
+    tables = [litz.Table("t", (2,))]
+    nodes = {n.ident: n for n in (*(ServerNode(f"s{i}", "job", "127.0.0.1:1") for i in range(servers)), *others)}
+    sent = wire_without_sockets(nodes.values())
+
+    def deliver(kind: str, to: str) -> None:
+        k = next(k for k, (_, peer, kind_, _) in enumerate(sent) if kind_ == kind and peer == to)
+        who, _, _, frames = sent.pop(k)
+        nodes[to].dispatch(decode(frames, sender=who))
+
+    for i in range(servers):
+        nodes[f"s{i}"].store = ShardStore(table_index(tables), [0, 1] if i == 0 else [], 2, keeps_saved=False)
+    nodes["s0"].dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
+    deliver("shard_data", "s1")
+    return nodes, sent, deliver
+
+
 @pytest.mark.parametrize("moved_on", ["nothing", "forwarded part", "local part"])
 def test_an_update_forwarded_by_a_server_that_dies_before_answering_is_not_applied_twice(moved_on: str) -> None:
     """Without sockets: w0 updates keys 0-3 through s0, which applies 0 and 2 and forwards 1 and
@@ -57,28 +82,14 @@ def test_an_update_forwarded_by_a_server_that_dies_before_answering_is_not_appli
     s2 must skip 0 and 2: what s0 remembers of the update it got straight from w0 travels too
     (before, s0 remembered only forwarded and resent updates, and s2 applied 0 and 2 twice). The
     update is answered, and a later one, whose ``low`` is past it, lets the owners forget it."""
-    from litz.ps.server import ServerNode, ShardStore
     from litz.ps.tables import table_index
-    from litz.runtime.protocol import Message, decode
+    from litz.runtime.protocol import Message
     from litz.runtime.worker import Worker
 
+    nodes, sent, deliver = _shard_1_moved(3, Worker("w0", "job", "127.0.0.1:1"))
+    s0, s1, s2, w0 = (nodes[i] for i in ("s0", "s1", "s2", "w0"))
     tables = [litz.Table("t", (2,))]
-    s0, s1, s2 = (ServerNode(f"s{i}", "job", "127.0.0.1:1") for i in range(3))
-    w0 = Worker("w0", "job", "127.0.0.1:1")
-    nodes = {n.ident: n for n in (s0, s1, s2, w0)}
-    sent = wire_without_sockets(nodes.values())
-
-    def deliver(kind: str, to: str) -> None:
-        """The first message of this kind to ``to`` not yet delivered."""
-        k = next(k for k, (_, peer, kind_, _) in enumerate(sent) if kind_ == kind and peer == to)
-        who, _, _, frames = sent.pop(k)
-        nodes[to].dispatch(decode(frames, sender=who))
-
     try:
-        for srv, shards in ((s0, [0, 1]), (s1, []), (s2, [])):
-            srv.store = ShardStore(table_index(tables), shards, 2, keeps_saved=False)
-        s0.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
-        deliver("shard_data", "s1")
         w0.tables, w0.num_shards, w0.shard_map = table_index(tables), 2, ["s0", "s0"]
         deltas = np.arange(1.0, 9.0).reshape(4, 2)
         w0._send_updates({"t": ([0, 1, 2, 3], list(deltas))})
@@ -203,25 +214,11 @@ def test_a_server_says_rolled_back_only_once_what_it_forwarded_has_landed() -> N
     there), and a full rollback begins. s0 answers the rollback only once s1 has acknowledged the
     forward, so the update lands before the servers reload, not on the reloaded rows. Before, the
     master waited for the workers only, and the forward could reach s1 after its reload."""
-    from litz.ps.server import ServerNode, ShardStore
-    from litz.ps.tables import table_index
-    from litz.runtime.protocol import Message, decode
+    from litz.runtime.protocol import Message
 
-    tables = [litz.Table("t", (2,))]
-    s0, s1 = (ServerNode(f"s{i}", "job", "127.0.0.1:1") for i in range(2))
-    nodes = {"s0": s0, "s1": s1}
-    sent = wire_without_sockets(nodes.values())
-
-    def deliver(kind: str, to: str) -> None:
-        k = next(k for k, (_, peer, kind_, _) in enumerate(sent) if kind_ == kind and peer == to)
-        who, _, _, frames = sent.pop(k)
-        nodes[to].dispatch(decode(frames, sender=who))
-
+    nodes, sent, deliver = _shard_1_moved(2)
+    s0, s1 = nodes["s0"], nodes["s1"]
     try:
-        for srv, shards in ((s0, [0, 1]), (s1, [])):
-            srv.store = ShardStore(table_index(tables), shards, 2, keeps_saved=False)
-        s0.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
-        deliver("shard_data", "s1")
         s0.dispatch(Message("update", {"rid": 7, "items": [["t", [1], np.ones((1, 2))]]}, sender="master"))
         for node in (s0, s1):
             node.dispatch(Message("rollback", {"lost": [], "round": 1, "abandoned": 1}, sender="master"))
