@@ -665,11 +665,12 @@ def test_a_rollback_answers_what_a_server_forwarded_to_a_lost_server() -> None:
         srv.dispatch(Message("update", {"rid": 5, "items": [["t", [0, 1], one]]}, sender="w0"))
         assert [(p, k) for p, k, _ in sent] == [("s1", "update")]  # key 1 forwarded; no ack yet
         srv.dispatch(Message("rollback", {"lost": ["s1"], "round": 1}, sender="master"))
-        assert sent[-1] == ("w0", "update_ack", {"rid": 5, "errors": [None], "moved": {1: "s1"}})
+        assert sent[1:] == [("w0", "update_ack", {"rid": 5, "errors": [None], "moved": {1: "s1"}}),
+                            ("master", "rolled_back", {"round": 1})]  # nothing forwarded is unanswered
         srv.dispatch(Message("update", {"rid": 6, "items": [["t", [3], one[:1]]]}, sender="w0"))
         srv.dispatch(Message("get", {"rid": 7, "items": [["t", [0, 3]]]}, sender="w0"))
-        assert [(p, k) for p, k, _ in sent[2:]] == [("w0", "update_ack"), ("w0", "get_reply")]  # none to s1
-        assert sent[2][2]["errors"] == [None] and "rolls back" in sent[3][2]["errors"][0]
+        assert [(p, k) for p, k, _ in sent[3:]] == [("w0", "update_ack"), ("w0", "get_reply")]  # none to s1
+        assert sent[3][2]["errors"] == [None] and "rolls back" in sent[4][2]["errors"][0]
         np.testing.assert_array_equal(srv.store.get("t", [0]), one[:1])  # the local part landed
     finally:
         srv.endpoint.close()
