@@ -269,6 +269,59 @@ def test_a_job_resumed_from_an_older_checkpoint_rolls_back_to_it_not_to_a_newer_
     np.testing.assert_array_equal(out["res"].value["final"], out["res"].value["truth"])
 
 
+def test_a_full_round_takes_its_snapshot_only_once_a_partial_recovery_has_restored_everything(tmp_path: Path) -> None:
+    """Without sockets: a full round pauses (a long task still runs on w2), w1 dies and its
+    executor 2 is restored on a survivor from the running checkpoint, and w2's task ends. The
+    snapshot waits for the restore: taken before, the survivor copied only what it hosted
+    before, and the checkpoint, complete to every check, held no state for executor 2 (a resume
+    from it failed; a lost server's rows would have come back as initial values)."""
+    from litz.runtime.master import Master, MasterState
+    from litz.runtime.protocol import Message
+
+    class Idle(litz.Driver):
+        def dispatch_initial_tasks(self) -> None:
+            pass
+
+        def handle_task_completion(self, result: litz.TaskResult) -> None:
+            pass
+
+    app = testapps.migrating_app(tasks=10, executors=4, move_prob=0.0)
+    m = Master(app, "j", None, workers=3, servers=1, num_executors=4,  # type: ignore[arg-type]
+               options={"checkpoint_dir": str(tmp_path), "recovery": "partial"})
+    sent: list[tuple[str, str, dict]] = []
+    m.endpoint.send = lambda peer, kind, **f: sent.append((peer, kind, f))  # type: ignore[method-assign]
+    st = m.state = MasterState(4, ["w0", "w1", "w2"], ["s0"])  # executors 0, 1 on w0; 2 on w1; 3 on w2
+    driver = Idle()
+    driver._bind(m, 4, app.config)
+    m.driver = driver
+
+    def until(cond, what: str) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline, what
+            m._background_done()
+            m._running_read()
+            time.sleep(0.01)
+
+    try:
+        long_task = st.dispatch(3, {"seq": 0, "seed": 0})
+        st.take_outbox()
+        assert m.checkpoint("test")
+        until(lambda: m.checkpoints.round.phase == "pausing", "the round's directory")
+        m._recover("w1", "worker")
+        until(lambda: any(kind == "restore_executors" for _, kind, _ in sent), "the restore plan")
+        [(dest, fields)] = [(peer, f) for peer, kind, f in sent if kind == "restore_executors"]
+        m._on_done(driver, Message("done", {"completed": [[long_task, None]], "failed": []}, sender="w2"))
+        m._checkpoint_tick()
+        assert not [peer for peer, kind, _ in sent if kind == "checkpoint"]  # the restore is not done
+        m._restored(dest, fields["round"])
+        m._checkpoint_tick()
+        assert sorted(peer for peer, kind, _ in sent if kind == "checkpoint") == ["s0", "w0", "w2"]
+        assert st.placement[2] == dest  # what the snapshot copies includes executor 2
+    finally:
+        m.endpoint.close()
+
+
 def test_storage_that_does_not_answer_is_an_error_never_an_older_checkpoint_or_none(tmp_path: Path,
                                                                                   monkeypatch) -> None:
     """A manifest the store fails to read (the network, a dead NFS server) is not a damaged one:

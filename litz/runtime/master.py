@@ -1814,8 +1814,12 @@ class Master:
                     self.endpoint.send(ident, "ckpt_scores", cid=r.cid, policy=ck.policy)
                 self._make_checkpoint_dir(r)
         r = ck.round
+        # not while a partial recovery restores a lost process's executors or shards on the
+        # survivors: they would copy only what they hosted before, and the checkpoint, complete to
+        # every check, would hold no state for those (a resume then failed, or rows came back as
+        # initial values)
         if r is None or r.phase != "pausing" or r.dir_path is None or not st.quiescent() \
-                or self.elastic.op is not None:
+                or self.elastic.op is not None or self._restoring is not None or self._waiting_losses:
             return
         from litz.ft import storage  # pyarrow: imported by the first checkpoint, not at start
 
