@@ -430,10 +430,11 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                           f"{num_shards} at most)")
     driver = app.driver()
     resumed: Resume | None = None
-    if resume:  # pickles are loaded from there: not from a directory everyone may write
+    # a resume loads pickles from there: never from a directory every user may write
+    if (where := checkpoint_dir if resume == "auto" else resume):
         from litz.ft import storage
 
-        storage.refuse_public(checkpoint_dir if resume == "auto" and checkpoint_dir else resume)
+        storage.refuse_public(where)
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
         if not checkpoint_dir:
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
