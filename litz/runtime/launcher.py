@@ -430,11 +430,6 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                           f"{num_shards} at most)")
     driver = app.driver()
     resumed: Resume | None = None
-    # a resume loads pickles from there: never from a directory every user may write
-    if (where := checkpoint_dir if resume == "auto" else resume):
-        from litz.ft import storage
-
-        storage.refuse_public(where)
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
         if not checkpoint_dir:
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")

@@ -515,8 +515,10 @@ class Resume:
 
     @classmethod
     def find(cls, location: str, app: App, num_executors: int | None, num_shards: int) -> Resume:
-        """The newest complete checkpoint at ``location``, checked against the job being started."""
+        """The newest complete checkpoint at ``location``, checked against the job being started
+        (not in a directory every user may write: its pickles are loaded)."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
+        storage.refuse_public(location)
         _, path, manifest = storage.find_checkpoint(location)
         return cls._checked(location, path, manifest, app, num_executors, num_shards)
 
@@ -531,6 +533,7 @@ class Resume:
         would not be any better), or only damaged ones, raise."""
         from litz.ft import storage
 
+        storage.refuse_public(location)  # (as find)
         damaged: list[str] = []
         for fs, path, manifest in storage.full_checkpoints(location):
             resume = cls._checked(location, path, manifest, app, num_executors, num_shards)
