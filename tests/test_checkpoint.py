@@ -239,6 +239,50 @@ def test_recoveries_go_back_only_to_checkpoints_of_their_own_run(tmp_path: Path)
     assert storage.prune_checkpoints(fs, root, keep=1, since=ck.own_from) == older
 
 
+def test_resume_auto_goes_on_from_the_run_recorded_in_the_directory(tmp_path: Path, caplog) -> None:
+    """Without sockets: ``TIMELINE.json``, written as a run starts or rolls back, names what that
+    run goes on from; ``--resume auto`` takes the run's own checkpoints (numbered after every
+    directory there then), else that one, wherever it is, never a newer one of another timeline
+    (before: the directory's newest). Without a record, or with a damaged one, every checkpoint
+    there, newest first, as before; a recorded checkpoint that is gone is named."""
+    from litz.runtime.master import Resume
+
+    loc, other = str(tmp_path / "d"), str(tmp_path / "o")
+
+    def made(where: str, version: int) -> str:
+        fs, root = storage.filesystem(where)
+        path = storage.new_checkpoint_dir(fs, root)
+        storage.write_manifest(fs, path, {**_full_manifest(version=version), "format": storage.FORMAT})
+        return path
+
+    def chosen() -> list[tuple[str, str, bool]]:
+        return [(where, path, manifest is None) for where, _, path, manifest in Resume._timeline(loc)]
+
+    a0, a1 = made(loc, 1), made(loc, 2)
+    assert storage.read_timeline(loc) is None
+    assert chosen() == [(loc, a1, False), (loc, a0, False)]
+    storage.write_timeline(loc, (loc, a0))  # a run resumed from a0, a1 there
+    assert storage.read_timeline(loc) == (storage.checkpoint_seq(a1), (loc, a0))
+    assert chosen() == [(loc, a0, True)]
+    a2 = made(loc, 3)  # that run's own
+    assert chosen() == [(loc, a2, False), (loc, a0, True)]
+    o0 = made(other, 4)
+    storage.write_timeline(loc, (other, o0))  # a run resumed from another directory
+    assert chosen() == [(other, o0, True)]
+    storage.write_timeline(loc, None)  # a fresh run
+    assert chosen() == []
+    Path(loc, storage.TIMELINE).write_text('{"format": 1, "after"')
+    assert chosen() == [(loc, a2, False), (loc, a1, False), (loc, a0, False)]
+    assert any(f"{storage.TIMELINE} is damaged" in r.getMessage() for r in caplog.records)
+    fs, _ = storage.filesystem(other)
+    fs.delete_dir_contents(o0)
+    storage.write_timeline(loc, (other, o0))
+    app = testapps.migrating_app(tasks=10, executors=4, move_prob=0.0)
+    with pytest.raises(storage.DamagedCheckpoint, match=f"the checkpoint the last run in {loc} went on from, {o0}, "
+                                                        f"has no {storage.MANIFEST} any more"):
+        Resume.newest_usable(loc, app, None, 64, app.driver())
+
+
 def test_a_job_resumed_from_an_older_checkpoint_rolls_back_to_it_not_to_a_newer_one(tmp_path: Path,
                                                                                    monkeypatch) -> None:
     """A job resumed from the older of two full checkpoints in its checkpoint directory loses a
@@ -267,6 +311,12 @@ def test_a_job_resumed_from_an_older_checkpoint_rolls_back_to_it_not_to_a_newer_
     [rec] = out["res"].stats["master"]["recoveries"]
     assert rec["strategy"] == "full" and rec["restored_from"].rstrip("/").endswith(older.rsplit("/", 1)[-1]), rec
     np.testing.assert_array_equal(out["res"].value["final"], out["res"].value["truth"])
+    # and a restart with --resume auto goes on from that run too, not from the first run's newer ones
+    # (its own TIMELINE.json record; before, it took the directory's newest)
+    from litz.runtime.master import Resume
+
+    chosen = Resume.newest_usable(ckpt, app, None, 64, app.driver())
+    assert chosen is not None and chosen.path.rstrip("/").endswith(older.rsplit("/", 1)[-1]), chosen.path
 
 
 def test_a_full_round_takes_its_snapshot_only_once_a_partial_recovery_has_restored_everything(tmp_path: Path) -> None:
@@ -1149,6 +1199,13 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint(tmp_path: Path, caplog
     assert sum(len(s) for s in res["done_seq"]) == 800
 
     shards.write_bytes(whole)  # without sockets from here: which checkpoint is chosen
+    # the newer one whole again is still not taken: the run that went on from the older one left
+    # that in the directory's TIMELINE.json (before, --resume auto took the newest)
+    chosen = Resume.newest_usable(ckpt, app, None, 64, app.driver())
+    assert chosen is not None and chosen.path == good
+    Path(root, storage.TIMELINE).unlink()  # a directory without that record (before session 44): the newest
+    chosen = Resume.newest_usable(ckpt, app, None, 64, app.driver())
+    assert chosen is not None and chosen.path == newer
     pkl = Path(newer, "driver.pkl")
     pkl.write_bytes(pkl.read_bytes()[:20])
     chosen = Resume.newest_usable(ckpt, app, None, 64, app.driver())

@@ -16,6 +16,7 @@ A round, driven by the master:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -27,6 +28,8 @@ import numpy as np
 
 from litz.api import StateRows
 from litz.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("full", "priority", "round-robin", "random")
 # seconds a round may wait for one of its steps (its directory, the scores, snapshots and parts of the
@@ -376,6 +379,19 @@ class CheckpointCoordinator:
         """This run's timeline starts at ``anchor`` (a resumed or rolled-back-to full checkpoint,
         as ``(location, path, manifest)``; None: at the beginning)."""
         self.anchor, self.own_from = anchor, None
+
+    def record_timeline(self) -> None:
+        """Write down where this run's timeline starts (``anchor``, and the directories it will
+        create) in the checkpoint directory, for a later ``--resume auto`` (``storage.write_timeline``);
+        called as the run starts and after a rollback. Storage that fails is named in a warning:
+        the job goes on, and such a restart would take the directory's newest checkpoint."""
+        from litz.ft import storage
+
+        try:
+            storage.write_timeline(self.location, self.anchor[:2] if self.anchor else None)
+        except storage.CheckpointError as exc:
+            log.warning("%s: a restart with --resume auto may take a checkpoint of another run in %s",
+                        exc, self.location)
 
     def made_dir(self, path: str) -> None:
         """The current round created directory ``path``: it and those numbered after it are this

@@ -31,6 +31,9 @@ from litz.api import StateRows
 from litz.errors import LitzError
 
 MANIFEST = "MANIFEST.json"
+#: In a checkpoint root: which of its checkpoints the run that last started (or rolled back) there
+#: goes on from, for ``--resume auto`` (:func:`write_timeline`).
+TIMELINE = "TIMELINE.json"
 FORMAT = 1
 _CKPT = re.compile(r"^ckpt-(\d{6,})$")
 log = logging.getLogger(__name__)
@@ -298,11 +301,58 @@ def remove_if_empty(fs: pafs.FileSystem, path: str) -> bool:
     return True
 
 
+def _write_json(fs: pafs.FileSystem, path: str, body: dict[str, Any]) -> None:
+    """Write ``body`` under a temporary name, then move it into place: a reader sees it whole or not."""
+    write_bytes(fs, f"{path}.tmp", json.dumps({"format": FORMAT, **body}, indent=1).encode())
+    fs.move(f"{path}.tmp", path)
+
+
 def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> None:
-    """Write the manifest under a temporary name, then move it into place: the checkpoint exists."""
-    tmp = f"{path}/{MANIFEST}.tmp"
-    write_bytes(fs, tmp, json.dumps({"format": FORMAT, **manifest}, indent=1).encode())
-    fs.move(tmp, f"{path}/{MANIFEST}")
+    """Write the manifest last, whole (:func:`_write_json`): then the checkpoint exists."""
+    _write_json(fs, f"{path}/{MANIFEST}", manifest)
+
+
+def write_timeline(location: str, anchor: tuple[str, str] | None) -> None:
+    """Record in the checkpoint root ``location`` which checkpoints the run starting now (or rolling
+    back now) goes on from: ``anchor``, ``(location, path)`` of the full checkpoint it resumed
+    from or rolled back to (None: from the beginning), and the ones it will write, numbered after
+    every directory there now. ``--resume auto`` then continues that run, as its own recoveries
+    would (``CheckpointCoordinator.anchor``/``own_from``), rather than take the directory's newest,
+    which may be of another timeline: a run that went on after an older checkpoint resumed with
+    ``--resume``, or past a damaged newer one, or a round a rollback abandoned (its manifest may
+    land after the rollback), or an earlier job's."""
+    fs, root = filesystem(location)
+    dirs = checkpoint_dirs(fs, root)
+    body = {"after": dirs[-1][0] if dirs else -1,
+            "anchor": {"location": anchor[0], "path": anchor[1]} if anchor else None}
+    try:
+        _write_json(fs, f"{root}/{TIMELINE}", body)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {root}/{TIMELINE}: {exc}") from exc
+
+
+def read_timeline(location: str) -> tuple[int, tuple[str, str] | None] | None:
+    """What :func:`write_timeline` recorded at ``location``: ``(after, anchor)``; None where there is
+    no record (a directory of checkpoints from before session 44, or none) or a damaged one, said
+    in a warning (the directory's newest is taken then, as before). Storage that does not answer
+    raises."""
+    fs, root = filesystem(location)
+    where = f"{root}/{TIMELINE}"
+    try:
+        if fs.get_file_info(where).type != pafs.FileType.File:
+            return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint storage at {where}: {exc}") from exc
+    try:
+        body = json.loads(read_bytes(fs, where))
+        after, anchor = body["after"], body["anchor"]
+        if body.get("format") != FORMAT or not isinstance(after, int) or not (
+                anchor is None or isinstance(anchor["location"], str) and isinstance(anchor["path"], str)):
+            raise ValueError("unexpected fields")
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("%s is damaged (%s): the newest checkpoint there is taken", where, exc)
+        return None
+    return after, (anchor["location"], anchor["path"]) if anchor else None
 
 
 #: What a manifest must hold to be used: a full checkpoint's (resume, full recovery) and a
@@ -415,11 +465,12 @@ def prune_checkpoints(fs: pafs.FileSystem, root: str, keep: int, limit: int = 10
     return removed
 
 
-def full_checkpoints(location: str) -> Iterator[tuple[pafs.FileSystem, str, dict[str, Any]]]:
-    """The complete full checkpoints at ``location`` (a checkpoint directory: its ``ckpt-*``),
-    newest first, with their manifests, read as they are asked for (``_newest_first``)."""
+def full_checkpoints(location: str, since: int | None = None) -> Iterator[tuple[pafs.FileSystem, str, dict[str, Any]]]:
+    """The complete full checkpoints at ``location`` (a checkpoint directory: its ``ckpt-*``,
+    numbered ``since`` or later), newest first, with their manifests, read as they are asked for
+    (``_newest_first``)."""
     fs, root = filesystem(location)
-    for path, manifest in _newest_first(fs, root):
+    for path, manifest in _newest_first(fs, root, since=since):
         if not manifest.get("partial_of"):
             yield fs, path, manifest
 

@@ -22,7 +22,7 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -525,19 +525,28 @@ class Resume:
     @classmethod
     def newest_usable(cls, location: str, app: App, num_executors: int | None, num_shards: int,
                       driver: Driver) -> Resume | None:
-        """``--resume auto``: the newest complete full checkpoint at ``location`` whose files are
-        all there and whole and whose driver state loads (read into ``driver``); None if there is
-        none. A damaged one is skipped with a warning that names what is wrong: the checkpoints
-        before it are as good as they were, and a restart loop must not stop on one bad file.
-        Storage that does not answer, a checkpoint of another shape than this job (an older one
-        would not be any better), or only damaged ones, raise."""
+        """``--resume auto``: the newest complete full checkpoint of the run that last ran with
+        ``location`` as its checkpoint directory (one it wrote, else the one it resumed from or
+        rolled back to: ``storage.write_timeline``; the directory's newest where that run left no
+        record) whose files are all there and whole and whose driver state loads (read into
+        ``driver``); None if there is none. A damaged one is skipped with a warning that names
+        what is wrong: the checkpoints before it are as good as they were, and a restart loop
+        must not stop on one bad file. Storage that does not answer, a checkpoint of another
+        shape than this job (an older one would not be any better), or only damaged ones, raise."""
         from litz.ft import storage
 
         storage.refuse_public(location)  # (as find)
         damaged: list[str] = []
-        for fs, path, manifest in storage.full_checkpoints(location):
-            resume = cls._checked(location, path, manifest, app, num_executors, num_shards)
+        for where, fs, path, manifest in cls._timeline(location):
             try:
+                if manifest is None:  # the anchor: read here, where its damage is skipped as the others'
+                    if not storage.has_manifest(fs, path):
+                        raise storage.DamagedCheckpoint(f"the checkpoint the last run in {location} went on from, "
+                                                        f"{path}, has no {storage.MANIFEST} any more")
+                    manifest = storage.read_manifest(fs, path)
+                    if manifest.get("partial_of"):
+                        raise storage.DamagedCheckpoint(f"{path} is a partial checkpoint, not a full one")
+                resume = cls._checked(where, path, manifest, app, num_executors, num_shards)
                 storage.verify_files(fs, path, manifest)
                 resume.read_driver(driver)
             except storage.DamagedCheckpoint as exc:
@@ -549,6 +558,22 @@ class Resume:
             raise storage.DamagedCheckpoint(f"no usable checkpoint in {location}: {'; '.join(damaged)} (remove "
                                             "them, or choose another --checkpoint-dir, to start from scratch)")
         return None
+
+    @staticmethod
+    def _timeline(location: str) -> Iterator[tuple[str, Any, str, dict[str, Any] | None]]:
+        """The full checkpoints ``--resume auto`` may take at ``location``, newest first, as
+        ``(location, filesystem, path, manifest)``: those the last run there wrote, then the one it
+        went on from (its manifest None: not read yet). Every complete one if it left no record."""
+        from litz.ft import storage
+
+        record = storage.read_timeline(location)
+        after, anchor = record if record is not None else (-1, None)
+        for fs, path, manifest in storage.full_checkpoints(location, since=after + 1):
+            yield location, fs, path, manifest
+        if anchor is not None:
+            where, path = anchor
+            storage.refuse_public(where)
+            yield where, storage.filesystem(where)[0], path, None
 
     @classmethod
     def _checked(cls, location: str, path: str, manifest: dict[str, Any], app: App, num_executors: int | None,
@@ -1636,6 +1661,10 @@ class Master:
                     continue
                 break
             ck.rolled_back((where["location"], where["path"], where["manifest"]) if where else None)
+            try:  # off the loop as the read; a store that hangs here costs a restart's choice, not the job
+                self._off_loop(ck.record_timeline, "the checkpoint storage to answer", ck.timeout, on_msg)
+            except WaitTimeout as exc:
+                log.warning("%s: a restart with --resume auto may take a checkpoint of the abandoned timeline", exc)
         progress.step = "reloading"
 
         def restore(kind: str) -> dict[str, Any]:
@@ -2425,6 +2454,8 @@ class Master:
             self.publish_status("starting")
             workers, servers = self._wait_for_processes()
             self._initialise(workers, servers)
+            if self.checkpoints is not None:  # before its first checkpoint: a restart goes on from this run
+                self.checkpoints.record_timeline()
             self.driver = driver
             driver._bind(self, self.num_executors, self.app.config)
             if self.recovery == "full":
