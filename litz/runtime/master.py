@@ -1060,13 +1060,18 @@ class Master:
         owners of its shards; the other parts are not repeated. A part of an update sent again
         names the update it was first sent in (``origin``, as a worker's do): the dead owner may
         have forwarded some of it, applied by now, and the new owners skip those
-        (``AppliedOnce``). Nothing else of the driver's is in flight meanwhile, so the lowest
-        request it may still send again is that one.
+        (``AppliedOnce``). Every request of the call may be sent again until the call returns, so
+        each, first sends included, names the call's first request as the lowest the driver may
+        still send again (``low``): a server prunes what it remembers below that. Before, a first
+        send's own rid was taken for it, and a part sent straight to a server dropped what that
+        server remembered of another part of the same write, forwarded to it by a server that
+        then died: resent, that part was applied twice.
         """
         assert self.state is not None
         what = f"{'reading' if deltas is None else 'updating'} table {table.name!r}"
         pending = list(range(len(keys)))
         first: dict[int, int] = {}  # key position -> the request its update was first sent in
+        low = self._rid + 1  # this call's first request
         while pending:
             groups: dict[tuple[str, int | None], list[int]] = {}
             for i in pending:
@@ -1075,7 +1080,8 @@ class Master:
             sent: dict[int, tuple[str, list[int]]] = {}
             for (srv, again), idx in groups.items():
                 item = [table.name, [keys[i] for i in idx]] + ([] if deltas is None else [deltas[idx]])
-                extra = {} if again is None else {"origin": [self.endpoint.ident, again, again]}
+                extra = ({} if deltas is None else {"low": low}) if again is None else \
+                    {"origin": [self.endpoint.ident, again, low]}
                 rid = self._request(srv, "get" if deltas is None else "update", items=[item], **extra)
                 sent[rid] = (srv, idx)
                 if deltas is not None:

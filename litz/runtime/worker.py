@@ -124,8 +124,9 @@ class Worker(Node):
         self._idle_runners: list[greenlet.greenlet] = []  # parked in _runner, ready for a task
         self.current: Task | None = None
         self._rid = 0
-        # fetches to send: server -> table -> [(key, version)]
-        self._to_fetch: dict[str, dict[str, list[tuple[Hashable, int]]]] = {}
+        # fetches to send: table -> [(key, version)], routed only as they are sent (``_send_fetches``):
+        # servers may leave or die in between, and a fetch addressed before then would go to them
+        self._to_fetch: dict[str, list[tuple[Hashable, int]]] = {}
         self._fetching: dict[int, list[tuple[str, list[Hashable], list[int]]]] = {}
         self._sent_to: dict[int, str] = {}  # request id -> server, until answered
         self._update_items: dict[int, list[Any]] = {}  # update rid -> its items, until answered
@@ -773,11 +774,18 @@ class Worker(Node):
 
     def _queue_fetches(self, name: str, keys: list[Hashable], version: int) -> None:
         """Fetch these keys of table ``name`` at ``version`` with the next ``_send_fetches``."""
-        for key, server in zip(keys, self._owners(keys), strict=True):
-            self._to_fetch.setdefault(server, {}).setdefault(name, []).append((key, version))
+        self._to_fetch.setdefault(name, []).extend((key, version) for key in keys)
 
     def _send_fetches(self) -> None:
-        for server, by_table in self._to_fetch.items():
+        """Send the queued fetches, each to its key's owner by the shard map as it is now (a server
+        that left, or died, after a fetch was queued is never sent one: its answer would never come,
+        and a ``routes_ack`` has promised it nothing more)."""
+        by_server: dict[str, dict[str, list[tuple[Hashable, int]]]] = {}
+        for name, keyver in self._to_fetch.items():
+            for kv, server in zip(keyver, self._owners([k for k, _ in keyver]), strict=True):
+                by_server.setdefault(server, {}).setdefault(name, []).append(kv)
+        self._to_fetch.clear()
+        for server, by_table in by_server.items():
             self._rid += 1
             record = []
             items = []
@@ -791,7 +799,6 @@ class Worker(Node):
             self._fetching[self._rid] = record
             self._sent_to[self._rid] = server
             self.endpoint.send(server, "get", rid=self._rid, items=items)
-        self._to_fetch.clear()
 
     def _learn_moves(self, msg: Message) -> None:
         """A server forwarded part of our request: send the next ones straight to the new owner.
@@ -934,8 +941,7 @@ class Worker(Node):
             del self._sent_to[rid]
             if rid in self._fetching:
                 for name, keys, versions in self._fetching.pop(rid):
-                    for key, version, owner in zip(keys, versions, self._owners(keys), strict=True):
-                        self._to_fetch.setdefault(owner, {}).setdefault(name, []).append((key, version))
+                    self._to_fetch.setdefault(name, []).extend(zip(keys, versions, strict=True))
             elif rid in self._update_items:
                 orig = self._replaces.pop(rid, rid)
                 new = self._send_update_groups(self._by_owner(self._update_items[rid]), again=orig)
