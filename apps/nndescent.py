@@ -137,6 +137,7 @@ class KeepKNearest(litz.Combiner):
     """
 
     name = "keep-k-nearest"
+    atomic = True  # ``_check`` raises before any list is merged
 
     def __init__(self, k: int) -> None:
         self.k = int(k)

@@ -35,6 +35,9 @@ class TaskError(LitzError):
             f"run_task failed on executor {executor_id} (worker {worker}) with args {args!r}:\n{traceback}"
         )
 
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:  # whole after pickling (a process pool's caller)
+        return type(self), (self.executor_id, self.args_, self.traceback, self.worker)
+
 
 class ProcessLost(LitzError):
     """A worker or server process of the job died or lost its etcd lease (``ident``: which)."""
@@ -42,6 +45,9 @@ class ProcessLost(LitzError):
     def __init__(self, message: str, ident: str | None = None) -> None:
         super().__init__(message)
         self.ident = ident
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), (str(self), self.ident)
 
 
 class JobStopped(LitzError):
@@ -55,5 +61,9 @@ class JobStopped(LitzError):
     def __init__(self, job: str, checkpoint: str | None = None, how: str = "litz stop") -> None:
         self.job = job
         self.checkpoint = checkpoint
+        self.how = how
         where = f"; its last checkpoint is {checkpoint} (resume with --resume {checkpoint})" if checkpoint else ""
         super().__init__(f"job {job} was stopped on request ({how}){where}")
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), (self.job, self.checkpoint, self.how)

@@ -302,6 +302,45 @@ def test_a_fetch_queued_before_its_server_left_goes_to_the_new_owner(news: str) 
         w.endpoint.close()
 
 
+def test_a_task_whose_arguments_do_not_load_fails_alone_and_a_reply_only_counts_from_whom_was_asked() -> None:
+    """Without sockets. A worker gets two tasks in one message, the second's arguments a pickle that
+    does not load there: that task fails, naming why, and the first runs (before, the whole message
+    was dropped as malformed and the driver waited for ever). The master files a reply only from
+    the process it asked, of the type it asked for (before, any process's reply to a request id
+    was taken: a forged read, or a crash collecting statistics)."""
+    from litz.runtime.master import Master
+    from litz.runtime.protocol import Message, decode, pack_object
+    from litz.runtime.worker import Worker
+    from tests.testapps import _LoadsNowhere
+
+    w = Worker("w0", "job", "127.0.0.1:1")
+    wire_without_sockets([w])
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    m = Master(app, "j", None, workers=1, servers=1, num_executors=2)  # type: ignore[arg-type]
+    try:
+        w.tables, w.num_shards, w.shard_map = {}, 1, ["s0"]
+        w.app, w.num_executors = {"executor": _Hinting, "config": {}}, 1
+        w.dispatch(Message("executor_state", {"mid": 1, "source": "w9",
+                                              "executors": [[0, pack_object({}), None, [], None, []]]}, sender="w9"))
+        w.dispatch(decode(encode("tasks", tasks=[[1, 0, 5, "fine"], [2, 0, 5, [_LoadsNowhere()]]]), sender="master"))
+        w._run_runnable()
+        records = {item[0]: (kind, item[1]) for _, kind, item, _ in w._waiting_ack}
+        assert records[1] == ("completed", 0)
+        assert records[2][0] == "failed" and "its arguments do not load on worker w0: ValueError" in records[2][1]
+
+        m.endpoint.send = lambda peer, kind, **fields: None  # type: ignore[method-assign]
+        rid = m._request("s0", "stats_request")
+        for forged in (Message("stats", {"rid": rid, "stats": {"x": 1}}, sender="w0"),  # not asked
+                       Message("get_reply", {"rid": rid, "values": [], "errors": []}, sender="s0")):  # not that
+            m._handle_aside(forged)
+            assert rid not in m._replies
+        m._handle_aside(Message("stats", {"rid": rid, "stats": {"x": 2}}, sender="s0"))
+        assert m._replies[rid]["stats"] == {"x": 2}
+    finally:
+        w.endpoint.close()
+        m.endpoint.close()
+
+
 def test_a_task_dispatched_after_a_driver_write_has_a_newer_version_than_any_before_it() -> None:
     """A worker's cache serves a row to a task of version v if a task of version >= v fetched it.
     A driver that writes a row and then dispatches (in ``recovered``, ``resumed`` or a failure

@@ -261,6 +261,65 @@ def test_unsendable_result_fails_only_its_task(etcd) -> None:
     assert eid == 1 and "cannot be sent to the driver" in reason
 
 
+def test_bad_values_fail_only_their_own_task_naming_it(etcd) -> None:
+    """Each of these failed more than its task before: a result that does not load on the master
+    dropped the whole ``done`` message (every completion in it: the job waited for ever); an object
+    array travelled as raw pointers (the same) and a structured one lost its fields; one key's
+    initializer raising failed the task reading a good key fetched with it, and the error named
+    that task; a string key that is not valid text killed the worker as it flushed its updates."""
+    res = litz.run(testapps.bad_values_app(), workers=1, servers=1, etcd=etcd.url)
+    out = res.value["by_executor"]
+    assert "fetch of table 't' key 5 failed" in out[0] and "no row 5" in out[0], out[0]
+    assert "does not load on the master" in out[1] and "ValueError" in out[1], out[1]
+    objects, records = out[2]
+    assert objects.dtype == object and objects.tolist() == [{"a": 1}, None]
+    assert records.dtype.names == ("i", "x") and records.tolist() == [(1, 2.5)]
+    assert out[3] == 7.0  # fetched with key 5, whose failure is not its own
+    assert "TableError" in out[4] and "is not valid Unicode text" in out[4], out[4]
+    assert res.tasks_completed == 2 and res.total("tasks_failed", "worker") == 2  # (1's failed on the master)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_executors": 0}, "App.num_executors must be a positive int (None: 4 per worker), got 0"),
+    ({"num_executors": 2.5}, "App.num_executors must be a positive int (None: 4 per worker), got 2.5"),
+    ({"driver": object}, "App.driver must be a subclass of litz.Driver, got <class 'object'>"),
+    ({"executor": testapps.CountingDriver}, "App.executor must be a subclass of litz.Executor"),
+])
+def test_an_app_no_job_can_run_is_refused_before_anything_starts(change: dict, message: str) -> None:
+    """Before, ``App(num_executors=0)`` silently ran with the default, and the others failed once the
+    processes had started, with an AttributeError or a TypeError naming nothing of the app."""
+    import dataclasses
+
+    app = dataclasses.replace(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), **change)
+    with pytest.raises(litz.ConfigError, match=re.escape(message)):
+        litz.run(app)
+
+
+def test_a_progress_that_raises_or_is_not_text_is_shown_not_fatal() -> None:
+    """``Driver.progress`` only feeds ``litz status``: before, one that raised (an attribute not set
+    yet) or returned a NumPy float ended the job."""
+    from litz.runtime.master import Master
+
+    class Early(litz.Driver):
+        def progress(self) -> str:
+            return f"loss {self.loss:.3f}"
+
+    class Numeric(litz.Driver):
+        def progress(self) -> str:
+            return np.float32(0.5)  # type: ignore[return-value]
+
+    m = Master(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), "j", None,  # type: ignore[arg-type]
+               workers=1, servers=1, num_executors=2)
+    try:
+        m.driver = Early()
+        assert m._status("running")["progress"] == "progress() raised AttributeError: 'Early' object has no " \
+                                                   "attribute 'loss'"
+        m.driver = Numeric()
+        assert m._status("running")["progress"] == "0.5"
+    finally:
+        m.endpoint.close()
+
+
 @pytest.mark.parametrize("sizes, message", [
     ({"workers": 0}, "at least one worker and one server (got 0 and 1)"),
     ({"servers": 0}, "at least one worker and one server (got 2 and 0)"),

@@ -95,6 +95,48 @@ def test_encoding_checks_declared_fields() -> None:
         protocol.encode("get", rid=1)
 
 
+def test_every_python_value_travels_or_fails_alone() -> None:
+    """Object and structured arrays are pickled (a raw frame of pointers did not load anywhere, and
+    a structured array lost its fields); any ``str`` travels, lone surrogates too; a pickled value
+    that does not load here becomes an ``Undecodable`` in ``tasks`` and ``done`` messages, whose
+    receiver fails that one task, and makes any other message malformed. Before, each of these
+    dropped the whole message (every task or completion in it)."""
+    import cloudpickle
+
+    objects = np.array([{"a": 1}, None], dtype=object)
+    records = np.array([(1, 2.5)], dtype=[("i", "i4"), ("x", "f8")])
+    msg = protocol.decode(protocol.encode("done", completed=[[1, objects], [2, records], [3, "x\udcff"]], failed=[]))
+    (_, o), (_, r), (_, t) = msg["completed"]
+    assert o.tolist() == [{"a": 1}, None] and r.dtype.names == ("i", "x") and t == "x\udcff"
+
+    class LoadsNowhere:
+        def __reduce__(self) -> tuple:
+            return int, ("n/a",)
+
+    frames = protocol.encode("done", completed=[[1, 5], [2, [LoadsNowhere()]]], failed=[])
+    msg = protocol.decode(frames)
+    assert msg["completed"][0] == [1, 5] and "ValueError" in msg.undecodable[0]
+    bad = protocol.undecodable_in(msg["completed"][1][1])
+    assert isinstance(bad, protocol.Undecodable) and "invalid literal" in bad.error
+    assert protocol.undecodable_in({"k": (1, [2, {"v": bad}])}) is bad and protocol.undecodable_in([1, "a"]) is None
+    with pytest.raises(ProtocolError, match="a pickled value of a 'stats' message does not load here"):
+        protocol.decode(protocol.encode("stats", rid=1, stats={"x": LoadsNowhere()}))
+    assert cloudpickle.loads(cloudpickle.dumps(bad)).error == bad.error  # forwarded on, still itself
+
+
+def test_litz_errors_survive_pickling() -> None:
+    """A job run in a process pool hands its exception back pickled: ``TaskError`` did not load,
+    ``JobStopped`` came back with a garbled message, ``ProcessLost`` without its ``ident``."""
+    import pickle
+
+    from litz.errors import JobStopped, ProcessLost, TaskError
+
+    for exc in (TaskError(3, {"a": 1}, "Traceback ...", "w1"), ProcessLost("s1 died", "s1"),
+                JobStopped("j", "/ckpt/ckpt-000002", "SIGTERM")):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and str(back) == str(exc) and vars(back) == vars(exc)
+
+
 # -- tables ---------------------------------------------------------------------------------------
 
 
@@ -298,6 +340,30 @@ def test_shard_store_refuses_bad_items_and_keeps_the_rest() -> None:
     assert store.handle_update([["s", [8, 8, "k", "k"], np.array([[1.0, 2.0], [3.0, 4.0], [1.0, 1.0], [2.0, 2.0]])]]) \
         == [None]
     assert store.handle_get([["s", [8, "k"]]])[0][0].tolist() == [[4.0, 6.0], [3.0, 3.0]]
+
+
+def test_an_update_item_is_applied_whole_or_not_at_all_whatever_its_combiner() -> None:
+    """A custom combiner that raises part-way through an item (row 2 of 4 here) leaves every row
+    as it was; before, rows 0 and 1 kept the update while the sender was told it was refused.
+    Bad keys and ragged deltas are ``TableError``s naming the table."""
+
+    def refuse_big(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if b[0] > 2:
+            raise ValueError("too big")
+        return a + b
+
+    tables = table_index([Table("c", (1,), "float64", combiner=Combiner.of(refuse_big)), Table("t", (2,))])
+    store = ShardStore(tables, shards=[0], num_shards=1)
+    [error] = store.handle_update([["c", [0, 1, 2, 3, 1], np.array([[1.0], [2.0], [3.0], [1.0], [1.0]])]])
+    assert "ValueError: too big" in error
+    assert store.get("c", [0, 1, 2, 3]).ravel().tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert store.handle_update([["c", [1, 1], np.array([[1.0], [2.0]])]]) == [None]  # twice: both land
+    assert store.get("c", [1]).ravel().tolist() == [3.0]
+    lone = "x\udcff"  # a lone surrogate (os.fsdecode's for a byte that is not UTF-8)
+    with pytest.raises(TableError, match=re.escape(f"table 't': key {lone!r} is not valid Unicode text")):
+        tables["t"].check_key(lone)
+    with pytest.raises(TableError, match=re.escape("table 't': update is not an array of shape (2, 2)")):
+        tables["t"].check_delta([[1.0, 2.0], [3.0]], n=2)
 
 
 # -- master bookkeeping ---------------------------------------------------------------------------

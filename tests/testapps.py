@@ -253,12 +253,14 @@ class CountingDriver(litz.Driver):
     def dispatch_initial_tasks(self) -> None:
         self.left = self.num_executors
         self.values: list[object] = []
+        self.results: list[litz.TaskResult] = []
         self.failures: list[litz.TaskFailure] = []
         for e in range(self.num_executors):
             self.dispatch_task(e, {"n": e, "crash": e == self.config["crash_on"]})
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
         self.values.append(result.value)
+        self.results.append(result)
         self._done()
 
     def handle_task_failure(self, failure: litz.TaskFailure) -> None:
@@ -268,8 +270,46 @@ class CountingDriver(litz.Driver):
     def _done(self) -> None:
         self.left -= 1
         if self.left == 0:
-            self.finish({"values": sorted(self.values), "failures": [(f.executor_id, f.traceback)
-                                                                      for f in self.failures]})
+            self.finish({"values": sorted(self.values, key=repr), "failures": [(f.executor_id, f.traceback)
+                                                                                for f in self.failures],
+                         "by_executor": {**{r.executor_id: r.value for r in self.results},
+                                         **{f.executor_id: f.traceback for f in self.failures}}})
+
+
+def _no_row_5(key: object, shape: tuple[int, ...], dtype: object) -> np.ndarray:
+    if key == 5:
+        raise ValueError("no row 5")
+    return np.full(shape, 7.0, dtype)
+
+
+class _LoadsNowhere:
+    """Pickles, but does not load (as a class importable only where it was made)."""
+
+    def __reduce__(self) -> tuple:
+        return int, ("n/a",)
+
+
+class BadValuesExecutor(litz.Executor):
+    """Each executor's task does one thing the job must survive, reporting only that task:
+    0 reads a row whose initializer raises (in one fetch with 3's good row), 1 returns a value
+    that does not load on the master, 2 returns object and structured arrays, 3 reads a good
+    row, 4 updates a key that is not valid text."""
+
+    def run_task(self, args: object) -> object:
+        e = self.executor_id
+        if e in (0, 3):
+            return float(self.ps.get("t", 5 if e == 0 else 6)[0])
+        if e == 1:
+            return _LoadsNowhere()
+        if e == 2:
+            return np.array([{"a": 1}, None], dtype=object), np.array([(1, 2.5)], dtype=[("i", "i4"), ("x", "f8")])
+        self.ps.update("s", "bad-\udcff", np.ones(1))
+        return None
+
+
+def bad_values_app() -> litz.App:
+    return litz.App(CountingDriver, BadValuesExecutor, num_executors=5, config={"crash_on": -1},
+                    tables=[litz.Table("t", (1,), init=_no_row_5), litz.Table("s", (1,))])
 
 
 class SlowDriver(litz.Driver):

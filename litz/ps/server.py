@@ -410,7 +410,14 @@ class ShardStore:
 
     def update_checked(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
         """``update`` of keys and deltas already checked by the table."""
-        table.comb.apply_many(self._stored(table, keys), deltas)  # raises before anything is applied
+        rows = self._stored(table, keys)
+        if table.comb.atomic:  # raises before anything is applied, or applies everything
+            table.comb.apply_many(rows, deltas)
+        else:  # one that may raise part-way works on copies (a key listed twice: one copy), then they land
+            copies = {id(row): row.copy() for row in rows}
+            table.comb.apply_many([copies[id(row)] for row in rows], deltas)
+            for row in rows:
+                row[...] = copies[id(row)]
         self.updates += len(keys)
 
     def handle_get(self, items: list[Any]) -> tuple[list[Any], list[Any]]:

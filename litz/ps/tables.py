@@ -33,6 +33,12 @@ class Combiner:
     """
 
     name = "custom"
+    #: Whether ``apply_many`` either raises before it changes any row or applies every one. A
+    #: server applies an update of a combiner that is not so to copies of the rows first, so that
+    #: one raising part-way through leaves the table as it was (an item is applied whole or not
+    #: at all). The built-ins are (the table checked their inputs); a combiner whose ``apply_many``
+    #: checks everything before it writes may say so and save the copies.
+    atomic = False
 
     def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -88,6 +94,8 @@ class _FunctionCombiner(Combiner):
 
 
 class _Ufunc(Combiner):
+    atomic = True
+
     def __init__(self, name: str, ufunc: np.ufunc) -> None:
         self.name = name
         self.ufunc = ufunc
@@ -99,6 +107,7 @@ class _Ufunc(Combiner):
 
 class _Assign(Combiner):
     name = "assign"
+    atomic = True
 
     def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
         acc[...] = upd
@@ -261,6 +270,10 @@ class Table:
                 raise TableError(f"table {self.name!r}: key {key} out of range [0, {self.num_rows})")
             return key
         if isinstance(key, str) and self.num_rows is None:
+            try:  # a lone surrogate cannot be hashed to its shard (nor travel): refused here, named
+                key.encode()
+            except UnicodeEncodeError as exc:
+                raise TableError(f"table {self.name!r}: key {key!r} is not valid Unicode text ({exc.reason})") from None
             return key
         raise TableError(f"table {self.name!r}: bad key {key!r} of type {type(key).__name__} "
                          f"({'ints in range' if self.num_rows is not None else 'ints or strings'} expected)")
@@ -297,8 +310,11 @@ class Table:
         if delta is None:  # np.asarray(None) is a 0-d object array: "shape ()" would say nothing useful
             raise TableError(f"table {self.name!r}: {what} is None, expected an array of shape "
                              f"{self.shape if n is None else (n, *self.shape)}")
-        arr = np.asarray(delta)
         expected = self.shape if n is None else (n, *self.shape)
+        try:
+            arr = np.asarray(delta)
+        except (ValueError, TypeError) as exc:  # ragged rows, say
+            raise TableError(f"table {self.name!r}: {what} is not an array of shape {expected}: {exc}") from None
         if arr.shape != expected:
             raise TableError(f"table {self.name!r}: {what} has shape {arr.shape}, expected {expected}")
         if not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):

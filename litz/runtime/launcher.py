@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from litz.api import App, JobResult
+from litz.api import App, Driver, Executor, JobResult
 from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProcessLost
 from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator
-from litz.ps.tables import table_index
+from litz.ps.tables import is_int, table_index
 from litz.runtime import jobs, security, spawner, stragglers
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
@@ -380,6 +380,18 @@ class LocalCluster:
             shutil.rmtree(self.rundir, ignore_errors=True)
 
 
+def _check_app(app: App) -> None:
+    """Refuse, before anything starts, an ``App`` whose classes or executor count are not what a
+    job needs (they failed after the processes had started, with an AttributeError or a
+    TypeError naming nothing of the app; ``num_executors=0`` silently meant the default)."""
+    for what, cls, base in (("driver", app.driver, Driver), ("executor", app.executor, Executor)):
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ConfigError(f"App.{what} must be a subclass of litz.{base.__name__}, got {cls!r}")
+    n = app.num_executors
+    if n is not None and (not is_int(n) or n < 1):
+        raise ConfigError(f"App.num_executors must be a positive int (None: 4 per worker), got {n!r}")
+
+
 def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | None = None,
         job: str | None = None, etcd: str | None = None, options: dict[str, Any] | None = None,
         startup_timeout: float = 60.0, secret_file: str | os.PathLike[str] | None = None,
@@ -417,8 +429,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     """
     job = jobs.check_name(job or new_job_name())
     table_index(app.tables)  # tables declared twice, or not tables at all, are refused before anything starts
-    if num_executors is not None and num_executors < 1:  # 0 would silently mean the default
-        raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors}")
+    _check_app(app)
+    if num_executors is not None and (not is_int(num_executors) or num_executors < 1):  # 0: not the default
+        raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors!r}")
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
     try:  # a bad straggler setting is refused before anything starts

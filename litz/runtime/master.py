@@ -31,7 +31,7 @@ import numpy as np
 import zmq
 
 from litz.api import App, Driver, JobResult, ParameterServer, Recovery, TaskFailure, TaskResult
-from litz.errors import JobStopped, LitzError, ProcessLost, TableError
+from litz.errors import ConfigError, JobStopped, LitzError, ProcessLost, TableError
 from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator, CheckpointRound, select_top
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
@@ -39,7 +39,7 @@ from litz.runtime import spawner, stragglers
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership
 from litz.runtime.node import PROCS, kill_job_process, proc_key
-from litz.runtime.protocol import Message, snapshot
+from litz.runtime.protocol import Message, snapshot, undecodable_in
 from litz.runtime.transport import Endpoint, host_name
 
 log = logging.getLogger(__name__)
@@ -446,6 +446,8 @@ def _gave_up(timeout: float) -> str:
 #: Seconds between a recovery's attempts to read the running checkpoint from a store that failed to
 #: answer (until ``--checkpoint-timeout`` from the loss, or from the full recovery's reload).
 STORE_RETRY = 1.0
+#: The reply to each request the master makes (``Master._request``).
+_REPLY_TO = {"get": "get_reply", "update": "update_ack", "stats_request": "stats"}
 
 
 def _next_try(deadline: float) -> float:
@@ -614,6 +616,7 @@ class Master:
     """Runs one job's driver over registered worker and server processes."""
 
     _rolling_back: _RollingBack | None = None  # the full recovery in progress (for litz status)
+    _progress_failed = False  # the driver's progress() raised once (said once in the log)
 
     def __init__(self, app: App, job: str, membership: Membership, *, workers: int, servers: int,
                  num_executors: int, options: dict[str, Any] | None = None,
@@ -636,6 +639,7 @@ class Master:
         self.procs: dict[str, dict[str, Any]] = {}
         self._rid = 0
         self._replies: dict[int, Message] = {}
+        self._asked: dict[int, tuple[str, str]] = {}  # request id -> (whom, the reply's type), until answered
         self._deferred: list[Message] = []
         self._byes: dict[str, dict[str, Any]] = {}
         self._unresponsive: set[str] = set()  # never answered the initialisation: not waited for again
@@ -773,6 +777,18 @@ class Master:
         if final and not etcd_away:
             concurrent.futures.wait([put], timeout=max(0.0, deadline - time.monotonic()))
 
+    def _progress(self, driver: Driver) -> str:
+        """``driver.progress()`` as text. It only feeds ``litz status``: one that raises (an attribute
+        not set yet) or returns another type (a NumPy float) must not end the job, as it did."""
+        try:
+            text = driver.progress()
+        except Exception as exc:
+            if not self._progress_failed:
+                log.warning("the driver's progress() raised (litz status shows the error):", exc_info=True)
+                self._progress_failed = True
+            return f"progress() raised {type(exc).__name__}: {exc}"
+        return text if isinstance(text, str) else str(text)
+
     def _status(self, phase: str) -> dict[str, Any]:
         """The job's status as ``litz status`` shows it."""
         st = self.state
@@ -783,7 +799,7 @@ class Master:
                           executors={w: st.executors_of(w) for w in st.workers},
                           shards={s: st.shards_of(s) for s in st.servers})
         if self.driver is not None:
-            status["progress"] = self.driver.progress()
+            status["progress"] = self._progress(self.driver)
         status["scaling"] = self.elastic.op is not None
         status["scale_history"] = self.elastic.history[-5:]
         if self.recoveries:
@@ -909,6 +925,12 @@ class Master:
         if msg.sender in self.lost:  # received before it was declared lost: it no longer counts
             return
         if msg.type in ("get_reply", "update_ack", "stats") or (msg.type == "error" and "rid" in msg.fields):
+            asked = self._asked.get(msg["rid"])  # only the one asked answers, and once, with what was asked
+            if asked is None or asked[0] != msg.sender or msg.type not in (asked[1], "error"):
+                log.warning("%s sent a %s for request %r, which it was not asked: dropped", msg.sender, msg.type,
+                            msg["rid"])
+                return
+            del self._asked[msg["rid"]]
             self._replies[msg["rid"]] = msg
         elif msg.type == "bye":
             self._byes[msg.sender] = msg["stats"]
@@ -999,8 +1021,12 @@ class Master:
 
     def _initialise(self, workers: list[str], servers: list[str]) -> None:
         state = self.state = MasterState(self.num_executors, workers, servers, self.num_shards)
-        tables_blob = cloudpickle.dumps(list(self.tables.values()))
-        app_blob = cloudpickle.dumps({"executor": self.app.executor, "config": self.app.config})
+        try:  # (pickled once, here: a big config is not pickled twice to check it before the start)
+            tables_blob = cloudpickle.dumps(list(self.tables.values()))
+            app_blob = cloudpickle.dumps({"executor": self.app.executor, "config": self.app.config})
+        except Exception as exc:
+            raise ConfigError(f"the application cannot be sent to the workers (its executor class, config or "
+                              f"tables do not pickle): {type(exc).__name__}: {exc}") from exc
         self._init_blobs = (app_blob, tables_blob)
         restore = self._restore_fields()
         for srv in servers:
@@ -1035,6 +1061,7 @@ class Master:
     # -- the driver's synchronous PS access -----------------------------------------------------
     def _request(self, server: str, type_name: str, **fields: Any) -> int:
         self._rid += 1
+        self._asked[self._rid] = (server, _REPLY_TO[type_name])
         self.endpoint.send(server, type_name, rid=self._rid, **fields)
         return self._rid
 
@@ -1094,6 +1121,7 @@ class Master:
             self._wait(settled, what, 60.0, self._handle_aside)
             pending = []
             for rid, (_, idx) in sent.items():
+                self._asked.pop(rid, None)  # (its server died: never answered)
                 reply = self._replies.pop(rid, None)
                 if reply is None:  # its server died: send this part again to the new owners
                     pending.extend(idx)
@@ -1127,6 +1155,7 @@ class Master:
             log.warning("statistics leave out %s, still running tasks abandoned when the job ended", ", ".join(missing))
         out = {}
         for p, rid in rids.items():
+            self._asked.pop(rid, None)
             reply = self._replies.pop(rid, None)
             if reply is None:
                 continue
@@ -2417,6 +2446,12 @@ class Master:
                 return
             if task_id not in self.state.inflight:  # (it failed, or came twice, in this very message)
                 log.warning("%s reported task %d again; dropped", msg.sender, task_id)
+                continue
+            if msg.undecodable and (bad := undecodable_in(value)) is not None:  # that task fails, no other
+                rec = self.state.fail(task_id)
+                driver.handle_task_failure(TaskFailure(rec.executor_id, rec.args, f"its result, sent by "
+                                                       f"{msg.sender}, does not load on the master: {bad.error}",
+                                                       task_id, msg.sender))
                 continue
             rec = self.state.complete(task_id)
             driver.handle_task_completion(TaskResult(rec.executor_id, rec.args, value, task_id, rec.version))

@@ -7,13 +7,17 @@ without a copy. Nothing on the hot path is pickled; only values that are neither
 types nor arrays (rare: a user's odd task argument) fall back to cloudpickle.
 
 ``decode`` validates the type and the fields, so a malformed or unknown message raises
-``ProtocolError`` with a reason, which receivers log and drop; they never die of it.
+``ProtocolError`` with a reason, which receivers log and drop; they never die of it. A pickled
+value that does not load where it arrives (its class is not importable there, say) would drop
+the whole message that way, and with it every task or completion it carried: in the messages
+that carry a user's task arguments and results (``TOLERANT``) it becomes an :class:`Undecodable`
+instead, which the receiver reports as that one task's failure.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -25,6 +29,9 @@ from litz.errors import ProtocolError
 _EXT_ARRAY = 1
 _EXT_PICKLE = 2
 _EXT_TUPLE = 3
+#: Any Python ``str`` travels as it is, lone surrogates included (``os.fsdecode`` makes those of
+#: file names that are not UTF-8): strict UTF-8 raised in the sender, naming nothing.
+_TEXT_ERRORS = "surrogatepass"
 
 # A field's expected kind: a tuple of accepted Python types ("any" accepts anything).
 _KINDS: dict[str, tuple[type, ...]] = {
@@ -53,11 +60,13 @@ class MessageType:
 
 @dataclass
 class Message:
-    """A decoded message: its type name, its fields, and the id of the peer that sent it."""
+    """A decoded message: its type name, its fields, and the id of the peer that sent it
+    (``undecodable``: why values in it did not load, each now an :class:`Undecodable`)."""
 
     type: str
     fields: dict[str, Any]
     sender: str = ""
+    undecodable: list[str] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]
@@ -257,6 +266,36 @@ def snapshot(value: Any, *, pickle: bool = True) -> Any:
     return _Pickled(cloudpickle.dumps(value)) if pickle else copy.deepcopy(value)
 
 
+class Undecodable:
+    """Stands for a pickled value that did not load where it arrived (``error`` says why), in a
+    message of the ``TOLERANT`` types: the receiver fails that task, naming it, instead of the
+    whole message being dropped (a job that then waits for ever)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"<undecodable value: {self.error}>"
+
+
+#: Message types whose undecodable values are handed over as :class:`Undecodable` (a user's task
+#: arguments and results travel in them); in any other, one makes the message malformed.
+TOLERANT = frozenset({"tasks", "done"})
+
+
+def undecodable_in(value: Any) -> Undecodable | None:
+    """The first :class:`Undecodable` in ``value`` (through lists, tuples and dicts), else None."""
+    if isinstance(value, Undecodable):
+        return value
+    if isinstance(value, (list, tuple)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    else:
+        return None
+    return next((u for u in map(undecodable_in, items) if u is not None), None)
+
+
 class _Packer:
     """Collects the array frames of one message while msgpack walks its fields."""
 
@@ -264,6 +303,10 @@ class _Packer:
         self.frames: list[Any] = []
 
     def default(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray) and (obj.dtype.hasobject or obj.dtype.fields is not None):
+            # pointers (object arrays) mean nothing in another process, and a raw frame would drop
+            # a structured array's fields: both are pickled, as any other odd value
+            return msgpack.ExtType(_EXT_PICKLE, cloudpickle.dumps(obj))
         if isinstance(obj, np.ndarray):
             arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
             self.frames.append(arr)
@@ -272,7 +315,8 @@ class _Packer:
         if isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, tuple):
-            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default))
+            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default,
+                                                             unicode_errors=_TEXT_ERRORS))
         if isinstance(obj, _Pickled):
             return msgpack.ExtType(_EXT_PICKLE, obj.data)
         return msgpack.ExtType(_EXT_PICKLE, cloudpickle.dumps(obj))
@@ -287,7 +331,8 @@ def encode(type_name: str, **fields: Any) -> list[Any]:
     if missing:
         raise ProtocolError(f"message {type_name!r} lacks field(s) {missing}")
     packer = _Packer()
-    header = msgpack.packb([type_name, fields], default=packer.default, strict_types=True)
+    header = msgpack.packb([type_name, fields], default=packer.default, strict_types=True,
+                           unicode_errors=_TEXT_ERRORS)
     return [header, *packer.frames]
 
 
@@ -311,7 +356,8 @@ def _declared_type(header: Any) -> None:
             raise ProtocolError(f"unknown message type {name!r}")
         return
     try:
-        decoded = msgpack.unpackb(raw, ext_hook=lambda code, data: None, strict_map_key=False)
+        decoded = msgpack.unpackb(raw, ext_hook=lambda code, data: None, strict_map_key=False,
+                                  unicode_errors=_TEXT_ERRORS)
     except Exception as exc:  # msgpack raises several types for garbage input
         raise ProtocolError(f"undecodable header ({type(exc).__name__}: {exc})") from None
     if not (isinstance(decoded, list) and len(decoded) == 2 and isinstance(decoded[1], dict)):
@@ -328,6 +374,7 @@ def decode(frames: list[Any], sender: str = "") -> Message:
         raise ProtocolError("empty message")
     buffers = [_buffer(f) for f in frames]
     _declared_type(buffers[0])
+    problems: list[str] = []
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code == _EXT_ARRAY:
@@ -337,13 +384,19 @@ def decode(frames: list[Any], sender: str = "") -> Message:
             arr = np.frombuffer(buffers[idx], dtype=np.dtype(dtype))
             return arr.reshape(shape)
         if code == _EXT_TUPLE:
-            return tuple(msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False))
+            return tuple(msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False,
+                                         unicode_errors=_TEXT_ERRORS))
         if code == _EXT_PICKLE:
-            return cloudpickle.loads(data)
+            try:
+                return cloudpickle.loads(data)
+            except Exception as exc:  # kept apart: which message may carry one is decided below
+                problems.append(f"{type(exc).__name__}: {exc}")
+                return Undecodable(problems[-1])
         raise ProtocolError(f"unknown extension type {code}")
 
     try:
-        decoded = msgpack.unpackb(buffers[0], ext_hook=ext_hook, strict_map_key=False)
+        decoded = msgpack.unpackb(buffers[0], ext_hook=ext_hook, strict_map_key=False,
+                                  unicode_errors=_TEXT_ERRORS)
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several types for garbage input
@@ -354,6 +407,8 @@ def decode(frames: list[Any], sender: str = "") -> Message:
     mtype = MESSAGES.get(type_name) if isinstance(type_name, str) else None
     if mtype is None:
         raise ProtocolError(f"unknown message type {type_name!r}")
+    if problems and type_name not in TOLERANT:
+        raise ProtocolError(f"a pickled value of a {type_name!r} message does not load here ({problems[0]})")
     for name, kind in mtype.fields.items():
         key = name.rstrip("?")
         if key not in fields:
@@ -364,4 +419,4 @@ def decode(frames: list[Any], sender: str = "") -> Message:
             raise ProtocolError(
                 f"message {type_name!r} field {key!r} should be {kind}, got {type(fields[key]).__name__}"
             )
-    return Message(type_name, fields, sender)
+    return Message(type_name, fields, sender, problems)

@@ -32,7 +32,7 @@ from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
 from litz.runtime.node import Node, exit_process, main, proc_key
-from litz.runtime.protocol import Message, pack_object, snapshot, unpack_object
+from litz.runtime.protocol import Message, pack_object, snapshot, undecodable_in, unpack_object
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,10 @@ class Worker(Node):
         # fetches to send: table -> [(key, version)], routed only as they are sent (``_send_fetches``):
         # servers may leave or die in between, and a fetch addressed before then would go to them
         self._to_fetch: dict[str, list[tuple[Hashable, int]]] = {}
+        # keys to fetch each in an item of its own: those of an item that failed as a whole (one
+        # key's initializer raising fails its item), so that only the tasks waiting for a key
+        # that fails are failed, and by that key
+        self._fetch_alone: list[tuple[str, Hashable, int]] = []
         self._fetching: dict[int, list[tuple[str, list[Hashable], list[int]]]] = {}
         self._sent_to: dict[int, str] = {}  # request id -> server, until answered
         self._update_items: dict[int, list[Any]] = {}  # update rid -> its items, until answered
@@ -301,6 +305,7 @@ class Worker(Node):
         self.cache = ProcessCache(enabled=bool(self.options["cache"]))
         self.log.discard()
         self._to_fetch.clear()
+        self._fetch_alone.clear()
         self._fetching.clear()  # late replies are recognised as unknown and ignored
         self._waiting_flush.clear()
         self._waiting_ack.clear()
@@ -531,6 +536,10 @@ class Worker(Node):
     def on_tasks(self, msg: Message) -> None:
         for item in msg["tasks"]:
             task_id, eid, version, args = item
+            if msg.undecodable and (bad := undecodable_in(args)) is not None:  # this task fails, no other
+                self._record("failed", [task_id, f"its arguments do not load on worker {self.ident}: {bad.error}"],
+                             eid)
+                continue
             slot = self.slots.get(eid)
             if slot is None and eid in self.moved_to:  # a late task for an executor that left: forward it
                 self.tasks_forwarded += 1
@@ -785,10 +794,15 @@ class Worker(Node):
             for kv, server in zip(keyver, self._owners([k for k, _ in keyver]), strict=True):
                 by_server.setdefault(server, {}).setdefault(name, []).append(kv)
         self._to_fetch.clear()
+        alone: dict[str, list[tuple[str, Hashable, int]]] = {}
+        for entry, server in zip(self._fetch_alone, self._owners([k for _, k, _ in self._fetch_alone]), strict=True):
+            alone.setdefault(server, []).append(entry)
+            by_server.setdefault(server, {})
+        self._fetch_alone.clear()
         for server, by_table in by_server.items():
             self._rid += 1
-            record = []
-            items = []
+            record = [(name, [key], [version]) for name, key, version in alone.get(server, ())]
+            items = [[name, [key]] for name, key, _ in alone.get(server, ())]
             for name, keyver in by_table.items():
                 step = self._rows_per_frame(name)
                 for lo in range(0, len(keyver), step):
@@ -836,13 +850,28 @@ class Worker(Node):
             self._route_acks.remove(entry)
             self.endpoint.send(entry[0], "routes_ack", rid=entry[1])
 
+    def _from_asked(self, msg: Message) -> bool:
+        """Whether a reply comes from the server its request went to (an unknown request is said
+        by its handler); any other sender's is dropped, said in the log."""
+        asked = self._sent_to.get(msg["rid"])
+        if asked is not None and asked != msg.sender:
+            log.warning("%s: %s sent a %s for request %r, which went to %s: dropped", self.ident, msg.sender,
+                        msg.type, msg["rid"], asked)
+            return False
+        return True
+
     def on_get_reply(self, msg: Message) -> None:
+        if not self._from_asked(msg):
+            return
         self._learn_moves(msg)
         record = self._fetching.pop(msg["rid"], None)
         if record is None:
             log.warning("%s: get_reply for unknown request %r", self.ident, msg["rid"])
             return
         for (name, keys, versions), values, error in zip(record, msg["values"], msg["errors"], strict=True):
+            if error is not None and len(keys) > 1:  # perhaps one key's failure: each is asked again alone
+                self._fetch_alone.extend((name, key, version) for key, version in zip(keys, versions, strict=True))
+                continue
             for j, key in enumerate(keys):
                 if error is not None:
                     for wait in self.cache.fail(name, key):
@@ -856,6 +885,8 @@ class Worker(Node):
                     wait.pending.discard(key)
                     if not wait.pending:
                         self._resume(wait)
+        if self._fetch_alone:
+            self._send_fetches()
 
     def _resume(self, wait: _Wait) -> None:
         """Make a blocked task runnable again (once, however many keys fail)."""
@@ -964,6 +995,8 @@ class Worker(Node):
         self._release()
 
     def on_update_ack(self, msg: Message) -> None:
+        if not self._from_asked(msg):
+            return
         self._learn_moves(msg)
         self._acked(msg["rid"])
         for err in msg["errors"]:
