@@ -683,7 +683,7 @@ class LDADriver(litz.Driver):
         if not cfg["quiet"]:
             for k in np.argsort(-totals, kind="stable"):
                 print(f"topic {k:3d} ({totals[k] / cfg['num_tokens']:6.2%}): {' '.join(top[k])}")
-            print(f"log-likelihood per token {self.loglik:.3f}", flush=True)
+        print(f"log-likelihood per token {self.loglik:.3f}", flush=True)  # the result line, --quiet or not
         result: dict[str, Any] = {
             "loglik": self.loglik, "history": self.history, "topics": top,
             "sampling_seconds": self.sampling_seconds, "devices": sorted(self.devices),
@@ -745,7 +745,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--collect", action="store_true",
                    help="return the final assignments and tables in the job's result (for tests)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (the result line is printed)")
     return p
 
 
@@ -770,6 +770,10 @@ def make_app(argv: list[str]) -> litz.App:
     corpus = load_corpus(config)
     if corpus.num_tokens == 0:
         raise litz.ConfigError(f"corpus {args.corpus!r} has no tokens left (try a lower --min-count)")
+    try:  # a document too long for its counts to share an int32 with a topic: refused now, not by a worker
+        lk.doc_offsets(np.diff(corpus.doc_ptr), args.topics)
+    except ValueError as exc:
+        raise litz.ConfigError(str(exc)) from None
     max_word_count = int(np.bincount(corpus.words).max())
     config.update(num_words=corpus.num_words, num_tokens=corpus.num_tokens, max_word_count=max_word_count,
                   count_dtype="int16" if max_word_count <= np.iinfo(np.int16).max else "int32",

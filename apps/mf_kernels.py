@@ -240,7 +240,8 @@ def solve_rows(indptr: np.ndarray, cols: np.ndarray, vals: np.ndarray, F: np.nda
         out = np.empty((len(indptr) - 1, F.shape[1]))
     _check_rows("out", out, F.shape[1])
     if _solve_rows(indptr, cols, vals, F, float(l2), out):
-        raise FloatingPointError("a normal-equation matrix is not positive definite (l2 must be > 0)")
+        raise FloatingPointError(f"a normal-equation matrix is not positive definite with l2 = {float(l2)!r}: "
+                                 "l2 must be > 0, and large enough for the factors' scale (1e-6 is)")
     return out
 
 

@@ -998,7 +998,7 @@ class NNDDriver(litz.Driver):
                   f"{out['seconds']:.2f} s, candidates sent {self.phase.stats['candidates_sent']} of "
                   f"{self.phase.stats['candidates_proposed']}"
                   + ("" if devices == ["cpu"] else f", join distances on {' and '.join(devices)}"), flush=True)
-            print(f"recall {r:.3f}", flush=True)
+        print(f"recall {r:.3f}", flush=True)  # the result line, --quiet or not
         self.finish(out)
 
     def progress(self) -> str:
@@ -1049,7 +1049,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0, help="seed of the initial lists and the sampling")
     p.add_argument("--data-seed", type=seed, default=0, help="blobs: seed of the data")
     p.add_argument("--return-graph", action="store_true", help="litz.run returns the graph too (for tests)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (the result line is printed)")
     return p
 
 

@@ -401,9 +401,28 @@ def test_a_points_file_that_is_not_a_matrix_of_reals_is_refused_naming_it(tmp_pa
     for name, array, why in (
             ("complex.npy", np.ones((50, 3), complex), "real-valued points expected, got dtype complex128"),  # (its
             # imaginary part was dropped in silence)
-            ("empty.npy", np.ones((100, 0)), r"a 2-d matrix of points expected, got shape \(100, 0\)")):
+            ("empty.npy", np.ones((100, 0)), r"a 2-d matrix of points expected, got shape \(100, 0\)"),
+            # (a NaN or an infinity made the kNN graph's random projections loop for ever: the job hung)
+            ("nan.npy", np.r_[np.ones((3, 2)), [[np.nan, 0.0]]], "point 3 has a coordinate that is NaN or infinite"),
+            ("inf.npy", np.r_[[[0.0, -np.inf]], np.ones((3, 2))], "point 0 has a coordinate that is NaN or infinite")):
         np.save(tmp_path / name, array)
         cases[tmp_path / name] = why
     for path, why in cases.items():
         with pytest.raises(litz.ConfigError, match=f"{path}: {why}"):
             hd.make_app(["--data", str(path), "--reference", "none"])
+
+
+def test_points_too_large_or_small_for_float32_distances_are_scaled_and_cluster_as_given(tmp_path: Path) -> None:
+    """Coordinates of 1e20 made every squared distance overflow in float32 (all points noise), and
+    of 1e-25 vanish (all distances tie). They are scaled by a power of two, which keeps every
+    distance's order and ratios: the labels are those of the data at a usual scale."""
+    x = separated_blobs(600, 3, 0).astype(np.float64)
+    want = hd.cluster_graph(*exact_graph(x, 15), min_samples=10, min_cluster_size=40)
+    assert want.max() == 2
+    for scale in (1e20, 1e-25):
+        np.save(tmp_path / "far.npy", x * scale)
+        points, _ = hd.load_points(hd.make_app(["--data", str(tmp_path / "far.npy"), "--reference", "none"]).config)
+        assert points.dtype == np.float32 and 2.0 ** -hd.SCALE_BITS < np.abs(points).max() < 2.0 ** hd.SCALE_BITS
+        np.testing.assert_array_equal(hd.cluster_graph(*exact_graph(points, 15), min_samples=10,
+                                                       min_cluster_size=40), want)
+        hd._load.cache_clear()  # (one file name, two contents)

@@ -463,6 +463,9 @@ def test_vocabulary_layout_balances_chunks_and_inverts() -> None:
     (["--topics", "0"], "--topics must be a positive integer, got 0"),
     (["--beta", "inf"], "--beta must be a positive number, got inf"),  # ran to a log-likelihood of nan
     (["--alpha", "nan"], "--alpha must be a positive number, got nan"),
+    # (checked once the corpus is loaded; before, every worker failed to load its documents)
+    (["--corpus", "synthetic", "--topics", "70000", "--synthetic-docs", "1", "--synthetic-doc-len", "20000"],
+     "a document of 20000 tokens is too long for 70000 topics"),
 ])
 def test_bad_options_are_refused_before_the_corpus_loads(argv: list[str], message: str) -> None:
     """Before, --blocks -1 failed every worker's load_input with an IndexError and a synthetic corpus

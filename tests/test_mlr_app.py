@@ -96,3 +96,25 @@ def test_bad_options_are_refused_before_the_job_starts(argv: list[str], message:
     traceback, a negative learning rate trained to 6% accuracy, a rank of 900 failed the workers."""
     with pytest.raises(litz.ConfigError, match=re.escape(message)):
         mlr.make_app(argv)
+
+
+def test_rows_per_task_sets_the_clocks_from_the_rows_there_are() -> None:
+    """``--rows-per-task`` makes ``--tasks-per-epoch`` irrelevant (its default of 20 refused 16 training
+    rows), and counts only the training rows there are (100,000 asked for: 1,000 tasks of 60 rows)."""
+    for rows, per_task, clocks in (("16", "2", 1), ("100000", "100", 75), ("60000", "100", 75)):
+        app = mlr.make_app(["--train-rows", rows, "--rows-per-task", per_task, "--epochs", "1"])
+        driver = app.driver()
+        driver._bind(None, 8, app.config)  # type: ignore[arg-type]
+        driver.dispatch_task = lambda *a, **k: None  # type: ignore[method-assign]
+        driver.dispatch_initial_tasks()
+        assert driver.T == clocks, (rows, driver.T)
+
+
+def test_quiet_leaves_out_progress_but_not_the_result_line(capsys) -> None:
+    """``--quiet`` dropped the ``test accuracy`` line too (every app's result line): now only progress."""
+    app = mlr.make_app(["--quiet", "--epochs", "1"])
+    driver = app.driver()
+    driver._bind(None, 8, app.config)  # type: ignore[arg-type]
+    driver.test_accuracy, driver.history, driver._start, driver.devices = 0.875, [], time.perf_counter(), set()
+    driver.result()
+    assert capsys.readouterr().out == "test accuracy 0.8750\n"
