@@ -110,7 +110,9 @@ def _merge_tagged(acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
     return acc
 
 
-TAGGED_SUM = litz.Combiner.of(_merge_tagged, "tagged-sum")
+#: ``atomic``: elementwise NumPy on rows the table checked, it cannot fail part-way (servers skip
+#: the copies that would undo that: 4x the cost of a server's update in a microbenchmark).
+TAGGED_SUM = litz.Combiner.of(_merge_tagged, "tagged-sum", atomic=True)
 
 
 def load_ratings(config: dict[str, Any]) -> RatingsSplit:

@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 
+def _rebuilt(cls: type[LitzError], args: tuple[object, ...], state: dict[str, object]) -> LitzError:
+    """An unpickled error: its message and attributes as they were, its ``__init__`` not run again."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
 class LitzError(Exception):
     """Base class of every error Litz raises on purpose."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickling calls ``cls(*self.args)`` by default, which fails or garbles the message for a
+        # subclass whose ``__init__`` takes other arguments (TaskError, JobStopped, ...): a job run
+        # in a process pool handed its caller a BrokenProcessPool instead of its error.
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class ConfigError(LitzError):
@@ -35,9 +49,6 @@ class TaskError(LitzError):
             f"run_task failed on executor {executor_id} (worker {worker}) with args {args!r}:\n{traceback}"
         )
 
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:  # whole after pickling (a process pool's caller)
-        return type(self), (self.executor_id, self.args_, self.traceback, self.worker)
-
 
 class ProcessLost(LitzError):
     """A worker or server process of the job died or lost its etcd lease (``ident``: which)."""
@@ -45,9 +56,6 @@ class ProcessLost(LitzError):
     def __init__(self, message: str, ident: str | None = None) -> None:
         super().__init__(message)
         self.ident = ident
-
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (str(self), self.ident)
 
 
 class JobStopped(LitzError):
@@ -61,9 +69,5 @@ class JobStopped(LitzError):
     def __init__(self, job: str, checkpoint: str | None = None, how: str = "litz stop") -> None:
         self.job = job
         self.checkpoint = checkpoint
-        self.how = how
         where = f"; its last checkpoint is {checkpoint} (resume with --resume {checkpoint})" if checkpoint else ""
         super().__init__(f"job {job} was stopped on request ({how}){where}")
-
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return type(self), (self.job, self.checkpoint, self.how)

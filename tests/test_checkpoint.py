@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -239,7 +240,7 @@ def test_recoveries_go_back_only_to_checkpoints_of_their_own_run(tmp_path: Path)
     assert storage.prune_checkpoints(fs, root, keep=1, since=ck.own_from) == older
 
 
-def test_resume_auto_goes_on_from_the_run_recorded_in_the_directory(tmp_path: Path, caplog) -> None:
+def test_resume_auto_goes_on_from_the_run_recorded_in_the_directory(tmp_path: Path, caplog, monkeypatch) -> None:
     """Without sockets: ``TIMELINE.json``, written as a run starts or rolls back, names what that
     run goes on from; ``--resume auto`` takes the run's own checkpoints (numbered after every
     directory there then), else that one, wherever it is, never a newer one of another timeline
@@ -267,8 +268,13 @@ def test_resume_auto_goes_on_from_the_run_recorded_in_the_directory(tmp_path: Pa
     a2 = made(loc, 3)  # that run's own
     assert chosen() == [(loc, a2, False), (loc, a0, True)]
     o0 = made(other, 4)
-    storage.write_timeline(loc, (other, o0))  # a run resumed from another directory
-    assert chosen() == [(other, o0, True)]
+    storage.write_timeline(loc, (other, o0))  # a run resumed from another directory: named as --resume takes it
+    assert chosen() == [(o0, o0, True)]
+    monkeypatch.chdir(other)  # given relative, recorded absolute (a restart may start elsewhere; its mode is checked)
+    storage.write_timeline(loc, (".", o0))
+    assert json.loads(Path(loc, storage.TIMELINE).read_text())["anchor"] == {"location": o0}
+    storage.write_timeline(loc, (loc, a0))  # one of this directory's, by its name (read with the reader's credentials)
+    assert json.loads(Path(loc, storage.TIMELINE).read_text())["anchor"] == {"name": Path(a0).name}
     storage.write_timeline(loc, None)  # a fresh run
     assert chosen() == []
     Path(loc, storage.TIMELINE).write_text('{"format": 1, "after"')

@@ -327,6 +327,7 @@ def test_a_task_whose_arguments_do_not_load_fails_alone_and_a_reply_only_counts_
         records = {item[0]: (kind, item[1]) for _, kind, item, _ in w._waiting_ack}
         assert records[1] == ("completed", 0)
         assert records[2][0] == "failed" and "its arguments do not load on worker w0: ValueError" in records[2][1]
+        assert (w.tasks_run, w.tasks_failed) == (1, 1)
 
         m.endpoint.send = lambda peer, kind, **fields: None  # type: ignore[method-assign]
         rid = m._request("s0", "stats_request")

@@ -125,14 +125,18 @@ def test_every_python_value_travels_or_fails_alone() -> None:
 
 
 def test_litz_errors_survive_pickling() -> None:
-    """A job run in a process pool hands its exception back pickled: ``TaskError`` did not load,
-    ``JobStopped`` came back with a garbled message, ``ProcessLost`` without its ``ident``."""
+    """A job run in a process pool hands its exception back pickled: ``TaskError``, ``StartupTimeout``
+    and ``KeyHeld`` did not load, ``JobStopped`` came back with a garbled message, ``ProcessLost``
+    without its ``ident`` (``LitzError.__reduce__`` rebuilds any subclass without its ``__init__``)."""
     import pickle
 
     from litz.errors import JobStopped, ProcessLost, TaskError
+    from litz.runtime.master import StartupTimeout
+    from litz.runtime.membership import KeyHeld
 
     for exc in (TaskError(3, {"a": 1}, "Traceback ...", "w1"), ProcessLost("s1 died", "s1"),
-                JobStopped("j", "/ckpt/ckpt-000002", "SIGTERM")):
+                JobStopped("j", "/ckpt/ckpt-000002", "SIGTERM"), StartupTimeout("w1 never answered", ["w1"]),
+                KeyHeld("agents/h1", {"pid": 7})):
         back = pickle.loads(pickle.dumps(exc))
         assert type(back) is type(exc) and str(back) == str(exc) and vars(back) == vars(exc)
 

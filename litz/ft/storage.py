@@ -312,6 +312,14 @@ def write_manifest(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> 
     _write_json(fs, f"{path}/{MANIFEST}", manifest)
 
 
+def _store(location: str) -> tuple[str, ...]:
+    """Which store ``location`` is on, credentials left out: the scheme, host and query of a URI."""
+    if "://" not in location:
+        return ("local",)
+    parts = urllib.parse.urlsplit(location)
+    return parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.query
+
+
 def write_timeline(location: str, anchor: tuple[str, str] | None) -> None:
     """Record in the checkpoint root ``location`` which checkpoints the run starting now (or rolling
     back now) goes on from: ``anchor``, ``(location, path)`` of the full checkpoint it resumed
@@ -320,22 +328,31 @@ def write_timeline(location: str, anchor: tuple[str, str] | None) -> None:
     would (``CheckpointCoordinator.anchor``/``own_from``), rather than take the directory's newest,
     which may be of another timeline: a run that went on after an older checkpoint resumed with
     ``--resume``, or past a damaged newer one, or a round a rollback abandoned (its manifest may
-    land after the rollback), or an earlier job's."""
+    land after the rollback), or an earlier job's.
+
+    An anchor in this directory is recorded by its name, read back through ``location`` (with
+    the credentials the reader gives); one elsewhere as what ``--resume`` would take for it
+    (:func:`display`: absolute, credentials left out, as in logs)."""
     fs, root = filesystem(location)
     dirs = checkpoint_dirs(fs, root)
-    body = {"after": dirs[-1][0] if dirs else -1,
-            "anchor": {"location": anchor[0], "path": anchor[1]} if anchor else None}
+    recorded: dict[str, str] | None = None
+    if anchor is not None:
+        where, path = anchor
+        if _store(where) == _store(location) and path.rsplit("/", 1)[0] == root.rstrip("/"):
+            recorded = {"name": path.rsplit("/", 1)[-1]}
+        else:
+            recorded = {"location": display(where, path)}
     try:
-        _write_json(fs, f"{root}/{TIMELINE}", body)
+        _write_json(fs, f"{root}/{TIMELINE}", {"after": dirs[-1][0] if dirs else -1, "anchor": recorded})
     except OSError as exc:
         raise CheckpointError(f"cannot write {root}/{TIMELINE}: {exc}") from exc
 
 
 def read_timeline(location: str) -> tuple[int, tuple[str, str] | None] | None:
-    """What :func:`write_timeline` recorded at ``location``: ``(after, anchor)``; None where there is
-    no record (a directory of checkpoints from before session 44, or none) or a damaged one, said
-    in a warning (the directory's newest is taken then, as before). Storage that does not answer
-    raises."""
+    """What :func:`write_timeline` recorded at ``location``: ``(after, anchor)``, the anchor as
+    ``(location, path)``; None where there is no record (a directory of checkpoints from before
+    session 44, or none) or a damaged one, said in a warning (the directory's newest is taken
+    then, as before). Storage that does not answer raises."""
     fs, root = filesystem(location)
     where = f"{root}/{TIMELINE}"
     try:
@@ -347,12 +364,17 @@ def read_timeline(location: str) -> tuple[int, tuple[str, str] | None] | None:
         body = json.loads(read_bytes(fs, where))
         after, anchor = body["after"], body["anchor"]
         if body.get("format") != FORMAT or not isinstance(after, int) or not (
-                anchor is None or isinstance(anchor["location"], str) and isinstance(anchor["path"], str)):
+                anchor is None or isinstance(anchor.get("name"), str) and _CKPT.match(anchor["name"])
+                or isinstance(anchor.get("location"), str)):
             raise ValueError("unexpected fields")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("%s is damaged (%s): the newest checkpoint there is taken", where, exc)
         return None
-    return after, (anchor["location"], anchor["path"]) if anchor else None
+    if anchor is None:
+        return after, None
+    if "name" in anchor:
+        return after, (location, f"{root}/{anchor['name']}")
+    return after, (anchor["location"], filesystem(anchor["location"])[1])
 
 
 #: What a manifest must hold to be used: a full checkpoint's (resume, full recovery) and a

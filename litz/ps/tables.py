@@ -70,15 +70,19 @@ class Combiner:
         """
 
     @staticmethod
-    def of(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str = "custom") -> Combiner:
-        """A combiner from an associative function ``fn(a, b) -> combined`` (used to merge and to apply)."""
-        return _FunctionCombiner(fn, name)
+    def of(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str = "custom", *,
+           atomic: bool = False) -> Combiner:
+        """A combiner from an associative function ``fn(a, b) -> combined`` (used to merge and to
+        apply). ``atomic``: ``fn`` cannot raise on rows of the table's shape and dtype (see
+        :attr:`atomic`; servers then skip the copies that undo a failure part-way)."""
+        return _FunctionCombiner(fn, name, atomic)
 
 
 class _FunctionCombiner(Combiner):
-    def __init__(self, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str) -> None:
+    def __init__(self, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], name: str, atomic: bool = False) -> None:
         self.fn = fn
         self.name = name
+        self.atomic = atomic
 
     def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
         out = self.fn(acc, upd)

@@ -537,6 +537,7 @@ class Worker(Node):
         for item in msg["tasks"]:
             task_id, eid, version, args = item
             if msg.undecodable and (bad := undecodable_in(args)) is not None:  # this task fails, no other
+                self.tasks_failed += 1
                 self._record("failed", [task_id, f"its arguments do not load on worker {self.ident}: {bad.error}"],
                              eid)
                 continue
