@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from litz.errors import TableError, TaskError
+from litz.errors import LitzError, TableError, TaskError
 from litz.ps.tables import Table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -256,9 +256,25 @@ class Driver:
         return self._master.state.version
 
     def dispatch_task(self, executor_id: int, args: Any = None) -> int:
-        """Queue a micro-task for one executor; returns its task id."""
+        """Queue a micro-task for one executor; returns its task id. Refused once the driver has
+        called ``finish``: the job's result is fixed, and the task would run after it (it did)."""
         assert self._master is not None, "dispatch_task called before the job started"
+        if self._finished:
+            raise LitzError(f"dispatch_task({executor_id}, ...) after finish(): the job is over")
         return self._master.dispatch(executor_id, args)
+
+    def retry(self, failure: TaskFailure) -> int:
+        """Dispatch a failed task again, with its arguments, to its executor (from
+        ``handle_task_failure``); returns the new task id. Use this rather than ``dispatch_task``:
+        a helper that keeps books by task id (``SSPDriver``, ``BlockRotationDriver``) carries the
+        task's place over to the new id (with ``dispatch_task`` its completion was unknown to them:
+        a KeyError ended the job). The updates the failed run made before it raised stay applied."""
+        new = self.dispatch_task(failure.executor_id, failure.args)
+        self._retried(failure.task_id, new)
+        return new
+
+    def _retried(self, old: int, new: int) -> None:
+        """Task ``old`` failed and goes again as ``new`` (:meth:`retry`); helpers move their books."""
 
     def finish(self, result: Any = None) -> None:
         """End the job: ``litz.run`` returns ``result`` (tasks still in flight are abandoned)."""

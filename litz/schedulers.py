@@ -1,8 +1,9 @@
 """Scheduling helpers built only on the public API: stale-synchronous and block-rotation drivers.
 
-``SSPDriver``: iteration ``i`` of every executor is dispatched once iteration ``i - s - 1``
-has fully completed (``s = 0`` is bulk-synchronous). Executors run their tasks in order,
-so iterations complete in order.
+``SSPDriver``: iteration ``i`` of every executor is dispatched once iterations up to ``i - s - 1``
+have fully completed (``s = 0`` is bulk-synchronous). Executors run their tasks in order, so
+iterations complete in order, but for a failed task sent again (``Driver.retry``): the
+iterations after it wait for it.
 
 ``BlockRotation``: model scheduling (as LDA uses). ``B >= E`` parameter blocks rotate over
 ``E`` executors; in round ``r`` executor ``e`` works on block ``(offset(e) + r) % B``, with the
@@ -43,11 +44,13 @@ class SSPDriver(Driver):
 
     def resumed(self) -> None:
         """Back from a checkpoint: take the number of iterations and the staleness from the new
-        launch (e.g. more epochs); iterations continue from where the checkpoint stood."""
+        launch (more epochs, another staleness); iterations go on from where the checkpoint stood.
+        The tasks in flight then come back with it, so only iterations never dispatched are (before,
+        a smaller staleness dispatched some twice, and more on each completion), and a job whose
+        new count is already done finishes (it stopped, with nothing in flight)."""
         self._iters, self._stale = self._settings()
-        top = max([*self._iteration_of.values(), self.iteration - 1])
-        for i in range(top + 1, min(self.iteration + self._stale + 1, self._iters)):  # more iterations now
-            self._dispatch_iteration(i)
+        self._top = max([*self._iteration_of.values(), self.iteration - 1, getattr(self, "_top", -1)])
+        self._advance()
 
     @property
     def iteration(self) -> int:
@@ -71,31 +74,42 @@ class SSPDriver(Driver):
         for e in range(self.num_executors):
             tid = self.dispatch_task(e, self.task_args(e, iteration))
             self._iteration_of[tid] = iteration
+        self._top = iteration
 
     def dispatch_initial_tasks(self) -> None:
         self._iters, self._stale = self._settings()
         self._iteration_of: dict[int, int] = {}
         self._results: dict[int, list[TaskResult]] = defaultdict(list)
-        for i in range(min(self._stale + 1, self._iters)):
-            self._dispatch_iteration(i)
+        self._top = -1  # the last iteration dispatched
+        self._advance()
 
     def handle_task_completion(self, result: TaskResult) -> None:
         it = self._iteration_of.pop(result.task_id)
-        done = self._results[it]
-        done.append(result)
-        if len(done) < self.num_executors:
-            return
-        del self._results[it]
-        done.sort(key=lambda r: r.executor_id)
-        self._completed_iterations = it + 1
-        self.on_iteration_end(it, done)
+        if it < self._iters:  # (one beyond a count lowered on resume is dropped)
+            self._results[it].append(result)
+        self._advance()
+
+    def _retried(self, old: int, new: int) -> None:
+        self._iteration_of[new] = self._iteration_of.pop(old)
+
+    def _advance(self) -> None:
+        """End, in order, the iterations every executor has completed, then dispatch what the
+        staleness allows: iteration ``i`` once every iteration up to ``i - s - 1`` has ended. A
+        retried task (``Driver.retry``) completes after its executor's later iterations: those
+        wait for it, in ``on_iteration_end``'s order and in what is dispatched (before, the
+        iteration count jumped past it, the bound broke and the job could finish without it)."""
+        done = self.iteration
+        while not self._finished and done < self._iters and len(self._results.get(done, ())) == self.num_executors:
+            results = sorted(self._results.pop(done), key=lambda r: r.executor_id)
+            done = self._completed_iterations = done + 1
+            self.on_iteration_end(done - 1, results)
         if self._finished:
             return
-        nxt = it + self._stale + 1
-        if nxt < self._iters:
-            self._dispatch_iteration(nxt)
-        if it == self._iters - 1:
+        if done >= self._iters:
             self.finish(self.result())
+            return
+        for i in range(self._top + 1, min(done + self._stale + 1, self._iters)):
+            self._dispatch_iteration(i)
 
 
 class BlockRotation:
@@ -237,6 +251,9 @@ class BlockRotationDriver(Driver):
         self._assignment: dict[int, tuple[int, int]] = {}
         self._round_results: dict[int, list[TaskResult]] = defaultdict(list)
         self._dispatch(self._rotation.start())
+
+    def _retried(self, old: int, new: int) -> None:
+        self._assignment[new] = self._assignment.pop(old)  # its block stays held until it completes
 
     def handle_task_completion(self, result: TaskResult) -> None:
         e, r = self._assignment.pop(result.task_id)

@@ -295,6 +295,15 @@ def test_an_app_no_job_can_run_is_refused_before_anything_starts(change: dict, m
         litz.run(app)
 
 
+def test_a_checkpoint_period_in_iterations_needs_a_driver_that_counts_them(tmp_path) -> None:  # noqa: ANN001
+    """Before, ``--checkpoint-every 5`` with a driver whose ``iteration`` is None never took a
+    checkpoint, without a word (a lost worker's executors then came back from scratch)."""
+    app = litz.App(testapps.CountingDriver, testapps.UnsendableExecutor, num_executors=2, config={"crash_on": -1})
+    with pytest.raises(litz.ConfigError, match=re.escape("--checkpoint-every 5 counts the driver's iterations, "
+                                                         "and CountingDriver counts none")):
+        litz.run(app, checkpoint_dir=str(tmp_path), checkpoint_every="5")
+
+
 def test_a_progress_that_raises_or_is_not_text_is_shown_not_fatal() -> None:
     """``Driver.progress`` only feeds ``litz status``: before, one that raised (an attribute not set
     yet) or returned a NumPy float ended the job."""

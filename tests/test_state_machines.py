@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import deque
 
@@ -9,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from litz.api import TaskFailure, TaskResult
 from litz.errors import ConfigError, LitzError, ProtocolError, TableError
 from litz.ps.cache import ProcessCache
 from litz.ps.server import ShardStore
@@ -16,7 +18,7 @@ from litz.ps.tables import Combiner, Table, shard_of, table_index
 from litz.ps.update_log import UpdateLog
 from litz.runtime import protocol
 from litz.runtime.master import MasterState
-from litz.schedulers import BlockRotation
+from litz.schedulers import BlockRotation, SSPDriver
 
 # -- protocol -------------------------------------------------------------------------------------
 
@@ -385,6 +387,142 @@ def test_master_state_versions_and_placement() -> None:
     assert st.inflight[c].version == 1 > st.inflight[b].version
     with pytest.raises(LitzError, match="no executor 9"):
         st.dispatch(9, None)
+
+
+# -- SSP driver -----------------------------------------------------------------------------------
+
+
+class _FakeMaster:
+    """What the scheduling drivers use of the master: ``dispatch`` (tasks queue per executor and run
+    in order, as on a worker)."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+        self.queues: dict[int, deque] = {}
+
+    def dispatch(self, e: int, args: object) -> int:
+        self.next_id += 1
+        self.queues.setdefault(e, deque()).append((self.next_id, args))
+        return self.next_id
+
+    def run_one(self, driver: SSPDriver, e: int, fail: bool = False) -> None:
+        tid, args = self.queues[e].popleft()
+        if fail:
+            driver.handle_task_failure(TaskFailure(e, args, "Traceback ...", tid, "w0"))
+        else:
+            driver.handle_task_completion(TaskResult(e, args, None, tid, 0))
+
+    def drain(self, driver: SSPDriver) -> None:
+        while not driver._finished and any(self.queues.values()):
+            for e in sorted(self.queues):
+                if self.queues[e] and not driver._finished:
+                    self.run_one(driver, e)
+
+
+class _Recording(SSPDriver):
+    """Counts dispatches per iteration and any dispatch of ``i`` before ``i - s - 1`` ended."""
+
+    def dispatch_initial_tasks(self) -> None:
+        self.sent: dict[int, int] = {}
+        self.ended: list[int] = []
+        self.early: list[int] = []
+        super().dispatch_initial_tasks()
+
+    def _dispatch_iteration(self, iteration: int) -> None:
+        self.sent[iteration] = self.sent.get(iteration, 0) + 1
+        if any(j not in self.ended for j in range(iteration - self._stale)):
+            self.early.append(iteration)
+        super()._dispatch_iteration(iteration)
+
+    def on_iteration_end(self, iteration: int, results: list[TaskResult]) -> None:
+        self.ended.append(iteration)
+
+    def handle_task_failure(self, failure: TaskFailure) -> None:
+        self.retry(failure)
+
+
+def _ssp(iterations: int, staleness: int, executors: int = 2) -> tuple[_Recording, _FakeMaster]:
+    m, d = _FakeMaster(), _Recording()
+    d._bind(m, executors, {"iterations": iterations, "staleness": staleness})  # type: ignore[arg-type]
+    d.dispatch_initial_tasks()
+    return d, m
+
+
+def _resumed(d: _Recording, m: _FakeMaster, config: dict) -> _Recording:
+    """What a resume does: the attributes come back, the config is the new launch's, and the
+    tasks in flight are dispatched again with their ids (they stay queued)."""
+    back = _Recording.__new__(_Recording)
+    back.__dict__.update(copy.deepcopy({k: v for k, v in d.__dict__.items() if k not in ("_master", "config")}))
+    back._bind(m, d.num_executors, config)  # type: ignore[arg-type]
+    back.resumed()
+    return back
+
+
+def test_ssp_resumed_with_a_smaller_staleness_or_fewer_iterations_dispatches_nothing_twice_and_finishes() -> None:
+    """Before, the tasks in flight at the checkpoint (staleness 3) each dispatched ``it + 0 + 1`` on
+    completion: iterations went out twice, then more; and a count at or below the iterations done
+    never finished (the job failed with nothing in flight)."""
+    d, m = _ssp(10, 3)
+    for _ in range(2):  # iterations 0 and 1 complete; 2..5 in flight
+        for e in (0, 1):
+            m.run_one(d, e)
+    d = _resumed(d, m, {"iterations": 10, "staleness": 0})
+    m.drain(d)
+    assert d._finished and d.ended == list(range(10)) and set(d.sent.values()) == {1}, d.sent
+    d, m = _ssp(10, 1)
+    for _ in range(6):
+        for e in (0, 1):
+            m.run_one(d, e)
+    d = _resumed(d, m, {"iterations": 6, "staleness": 1})
+    assert d._finished and d.ended == list(range(6))
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_ssp_a_retried_task_keeps_the_bound_and_the_order_and_the_job_waits_for_it(staleness: int) -> None:
+    """``Driver.retry`` carries the failed task's iteration to its new id (with ``dispatch_task`` a
+    KeyError ended the job). The retry runs behind its executor's next iteration: iterations end in
+    order, nothing goes out before ``i - s - 1`` ended, and the job finishes only after all of them
+    (before, the count jumped past the retried iteration and the job could end without it)."""
+    d, m = _ssp(6, staleness)
+    m.run_one(d, 0, fail=True)  # executor 0's iteration 0 fails; its retry queues behind its iteration 1
+    m.drain(d)
+    assert d._finished and d.ended == list(range(6)) and not d.early, (d.ended, d.early)
+    assert set(d.sent.values()) == {1}
+
+
+def test_block_rotation_a_retried_task_keeps_its_block_and_nothing_is_dispatched_after_finish() -> None:
+    """``Driver.retry`` in a ``BlockRotationDriver`` (a KeyError ended the job before); and once
+    ``finish`` is called, ``dispatch_task`` refuses (the task ran after the job's result was fixed)."""
+    from litz.schedulers import BlockRotationDriver
+
+    class Rotating(BlockRotationDriver):
+        def handle_task_failure(self, failure: TaskFailure) -> None:
+            self.retry(failure)
+
+    m, d = _FakeMaster(), Rotating()
+    d._bind(m, 2, {"rounds": 3, "num_blocks": 3})  # type: ignore[arg-type]
+    d.dispatch_initial_tasks()
+    m.run_one(d, 1, fail=True)
+    m.drain(d)  # type: ignore[arg-type]
+    assert d._finished and d._rotation.finished()
+    with pytest.raises(LitzError, match=re.escape("dispatch_task(0, ...) after finish(): the job is over")):
+        d.dispatch_task(0)
+
+
+def test_a_checkpoint_period_in_iterations_starts_again_where_the_job_restarts(tmp_path) -> None:  # noqa: ANN001
+    """After a full rollback to iteration 7 the next round is due at 12, not 15 (5 after the round
+    before the loss); a job resumed at iteration 12 does not checkpoint at once what it just read."""
+    from litz.ft.checkpoint import CheckpointCoordinator
+
+    ck = CheckpointCoordinator(str(tmp_path), every="5")
+    assert ck.begin("policy", 10) is not None
+    ck.round = None  # that round fails: a worker died during it
+    ck.rolled_back(None)
+    ck.restarted(7)
+    assert not ck.due(11) and ck.due(12)
+    ck = CheckpointCoordinator(str(tmp_path), every="5")
+    ck.restarted(12)
+    assert not ck.due(12) and ck.due(17)
 
 
 # -- block rotation -------------------------------------------------------------------------------

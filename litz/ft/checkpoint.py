@@ -375,6 +375,15 @@ class CheckpointCoordinator:
         self._last_time = time.monotonic()
         self.anchored(anchor)
 
+    def restarted(self, iteration: int | None) -> None:
+        """The job (re)started from a checkpoint (a resume, a full rollback) at driver ``iteration``:
+        the next policy round is a whole period from here, in iterations as in seconds. Before, a
+        resumed job checkpointed at once the state it had just read, and after a rollback the
+        period counted from the round before the loss, iterations the job had gone back over."""
+        self._last_time = time.monotonic()
+        if iteration is not None:
+            self._last_iteration = iteration
+
     def anchored(self, anchor: tuple[str, str, dict[str, Any]] | None) -> None:
         """This run's timeline starts at ``anchor`` (a resumed or rolled-back-to full checkpoint,
         as ``(location, path, manifest)``; None: at the beginning)."""

@@ -459,8 +459,16 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         log.warning("%d workers for %d executors: %d of them will hold none (--executors sets how many)",
                     workers, n_exec, workers - n_exec)
     if checkpoint_dir:  # a bad policy is refused before anything starts
-        CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction,
-                              checkpoint_timeout, checkpoint_keep)
+        policy = CheckpointCoordinator(checkpoint_dir, checkpoint_every, checkpoint_policy, checkpoint_fraction,
+                                       checkpoint_timeout, checkpoint_keep)
+        try:
+            counted = driver.iteration is not None
+        except Exception:  # a driver whose count needs its job running: it says so itself
+            counted = True
+        if policy.every_iterations is not None and not counted:  # it never took one, without a word
+            raise ConfigError(f"--checkpoint-every {checkpoint_every} counts the driver's iterations, and "
+                              f"{type(driver).__name__} counts none (its iteration is None): give seconds "
+                              f"('{checkpoint_every}s') or define the driver's iteration")
         from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
 
         storage.prepare_root(checkpoint_dir)  # an unusable directory is refused now, not at the first checkpoint

@@ -1645,6 +1645,8 @@ class Master:
             driver.resumed()
         else:
             driver.dispatch_initial_tasks()
+        if self.checkpoints is not None:  # a period counted in iterations starts again where the job went back
+            self.checkpoints.restarted(driver.iteration)
         self._rolling_back = None  # over: scale commands and hosts' offers go on (``recovering``)
         self.elastic.recovered()
         for msg in ready_later:
@@ -1783,6 +1785,8 @@ class Master:
         self._set_driver_state(driver, saved["driver"])
         self.state.restore_tasks(saved["tasks"], saved["version"], saved["completed"], saved["next_id"])
         driver.resumed()
+        if self.checkpoints is not None:  # not a checkpoint at once of the state it just resumed from
+            self.checkpoints.restarted(driver.iteration)
         from litz.ft import storage
 
         log.warning("resumed job %s from %s (version %d, %d tasks re-dispatched)", self.job,
@@ -2437,7 +2441,7 @@ class Master:
             else:
                 log.warning("malformed busy report from %s: %.100r; ignored", msg.sender, busy)
         for task_id, tb in self._reports(msg, "failed"):
-            if msg.sender in self.lost:
+            if driver._finished or msg.sender in self.lost:  # (a handler may have finished the job)
                 return
             rec = self.state.fail(task_id)
             driver.handle_task_failure(TaskFailure(rec.executor_id, rec.args, tb, task_id, msg.sender))
