@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 
 from litz.api import App
-from litz.errors import JobStopped, LitzError, TaskError
+from litz.errors import ConfigError, JobStopped, LitzError, TaskError
 from litz.ft.checkpoint import DEFAULT_TIMEOUT
 from litz.runtime.stragglers import DEFAULT_FACTOR
 
@@ -299,6 +299,8 @@ def launch(argv: list[str]) -> int:
     from litz.runtime.launcher import run
 
     try:
+        if not opts.relieve_stragglers and opts.straggler_factor != DEFAULT_FACTOR:  # (as the checkpoint
+            raise ConfigError("--straggler-factor needs --relieve-stragglers")  # options need --checkpoint-dir)
         module = load_app_module(path)
         app = app_from_module(module, app_argv)
         options: dict[str, Any] = {"cache": not opts.no_cache, "update_log": not opts.no_update_log}
@@ -331,6 +333,11 @@ def launch(argv: list[str]) -> int:
     return 0
 
 
+#: The options of ``litz launch --join``: the host's part; every other one is the job's launcher's.
+_JOIN_OPTIONS = frozenset({"join", "workers", "servers", "job", "etcd", "log_level", "secret_file", "host",
+                           "lease_ttl"})
+
+
 def _join(argv: list[str]) -> int:
     """``litz launch --join --job NAME --etcd URL [--workers N] [--servers M] [--host ADDR]``."""
     opts, extra = _launch_parser().parse_known_args(argv)
@@ -339,6 +346,14 @@ def _join(argv: list[str]) -> int:
         return 2
     if not opts.job or not opts.etcd:
         print("litz: launch --join needs --job NAME and --etcd URL of the running job", file=sys.stderr)
+        return 2
+    defaults = vars(_launch_parser().parse_args([]))
+    ignored = sorted(f"--{name.replace('_', '-')}" for name, value in vars(opts).items()
+                     if name not in _JOIN_OPTIONS and value != defaults[name])
+    if ignored:  # they are the job's, set by its launcher: taken here in silence, they did nothing
+        mine = ", ".join(sorted("--" + o.replace("_", "-") for o in _JOIN_OPTIONS - {"join"}))
+        print(f"litz: launch --join takes only {mine}; {', '.join(ignored)} belong to the job's own launch",
+              file=sys.stderr)
         return 2
     _process_env(opts)
     logging.basicConfig(level=(opts.log_level or "WARNING").upper(),
@@ -367,8 +382,8 @@ def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
     with Membership(url, job) as mem:
         procs = mem.get_prefix(PROCS)
         status = mem.get(STATUS_KEY) or {}
-        if not procs and not status and not _job_known(mem, job):
-            raise LitzError(f"no job named {job!r} is running on etcd {url}")
+        if not procs and not status:  # (an ended job's last status is shown, as it ended)
+            _check_job_runs(mem, job)
     executors = status.get("executors", {})
     shards = status.get("shards", {})
     processes = []
@@ -516,35 +531,54 @@ class JobEnded(LitzError):
     """The job ended after a command was written, before its answer could be read."""
 
 
-def _job_known(mem: Any, job: str) -> bool:
-    """Whether ``job`` exists: a local record names it (it may still be starting) or etcd holds
-    something under its name (its launcher's hold, its processes, its status)."""
+def _check_job_runs(mem: Any, job: str) -> None:
+    """LitzError unless ``job`` runs or starts: a local record names it, or etcd holds its launcher's
+    hold or its processes. A job that ended on a shared etcd leaves only its last status there
+    (and answers): commands to it waited out their whole timeout, then blamed the master."""
     from litz.runtime import jobs
+    from litz.runtime.launcher import LAUNCHER_KEY
+    from litz.runtime.master import STATUS_KEY
+    from litz.runtime.node import PROCS
 
     try:
         jobs.lookup(job)
-        return True
+        return
     except LitzError:
-        return bool(mem.get_prefix(""))
+        held = mem.get_prefix("")  # asked once: it reads everything under the job's name
+    if LAUNCHER_KEY in held or any(key.startswith(PROCS) for key in held):
+        return
+    phase = (held.get(STATUS_KEY) or {}).get("phase")
+    if phase is not None:
+        raise LitzError(f"job {job!r} on etcd {mem.url} is not running: it ended ({phase})")
+    raise LitzError(f"no job named {job!r} is running on etcd {mem.url}")
 
 
 def _master_registered(mem: Any, job: str, deadline: float) -> bool:
     """Wait until the job's master is registered (False if not before ``deadline``): it watches for
     commands before it registers, so a command written earlier, while the job starts, would be
-    missed. LitzError at once if there is no such job at all (a mistyped name)."""
+    missed. LitzError at once if there is no such job at all (a mistyped name), or it ended;
+    JobEnded if it ends meanwhile (its etcd gone with it)."""
     import time
 
+    from litz.errors import EtcdUnreachable
+    from litz.runtime import jobs
     from litz.runtime.node import proc_key
 
     master = proc_key("master", "master")
-    if mem.get(master) is not None:
-        return True
-    if not _job_known(mem, job):  # asked once: it reads everything under the job's name
-        raise LitzError(f"no job named {job!r} is running on etcd {mem.url}")
-    while mem.get(master) is None:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
+    try:
+        if mem.get(master) is not None:
+            return True
+        _check_job_runs(mem, job)
+        while mem.get(master) is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+    except EtcdUnreachable:  # a local job that ended as the command came: its record goes before its etcd
+        try:
+            jobs.lookup(job)
+        except LitzError:
+            raise JobEnded(f"job {job} ended before it could take the command (its etcd is gone)") from None
+        raise
     return True
 
 

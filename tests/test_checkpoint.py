@@ -1241,6 +1241,8 @@ def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> Non
     with_dir = Master(app, "j1", _Puts(), workers=1, servers=1, num_executors=2,  # type: ignore[arg-type]
                       options={"checkpoint_dir": str(tmp_path)})
     without = Master(app, "j2", _Puts(), workers=1, servers=1, num_executors=2)  # type: ignore[arg-type]
+    other = Master(app, "j3", _Puts(), workers=1, servers=1, num_executors=2,  # type: ignore[arg-type]
+                   options={"checkpoint_dir": str(tmp_path)})
     try:
         # SIGTERM with a checkpoint directory: stop after a checkpoint of its own, which no round has yet
         with_dir.request_stop()
@@ -1249,11 +1251,17 @@ def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> Non
         assert with_dir._ckpt_commands == ["sigterm"] and not with_dir._stop_ready()
         with_dir._signalled_stop()  # nothing new: nothing changes
         assert not with_dir._stop_ready()
-        with_dir.on_stop_command({"id": "again"})  # a second stop is refused, the first stands
+        with_dir.on_stop_command({"id": "again", "checkpoint": True})  # a second one is refused, the first stands
         assert with_dir.membership.puts[f"{RESULTS}again"]["ok"] is False
         with_dir.request_stop()  # a second SIGTERM: stop without waiting for the checkpoint
         with_dir._signalled_stop()
         assert with_dir._stop_ready() and with_dir._stop["path"] is None
+        # a plain `litz stop` does the same, answered when the job stops (before, it was refused: a
+        # store that hangs held the job for --checkpoint-timeout)
+        other.on_stop_command({"id": "first", "checkpoint": True})
+        assert not other._stop_ready()
+        other.on_stop_command({"id": "now"})
+        assert other._stop_ready() and other._stop["also"] == ["now"] and f"{RESULTS}now" not in other.membership.puts
         # without one: `litz stop --checkpoint` is refused and changes nothing; a plain stop is ready
         without.on_stop_command({"id": "ck", "checkpoint": True})
         assert "no --checkpoint-dir" in without.membership.puts[f"{RESULTS}ck"]["reason"]
@@ -1264,6 +1272,7 @@ def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> Non
     finally:
         with_dir.endpoint.close()
         without.endpoint.close()
+        other.endpoint.close()
 
 
 def test_row_saves_score_each_policy_and_remember_what_was_saved() -> None:

@@ -459,3 +459,51 @@ def test_status_says_how_many_executors_straggler_relief_moved(monkeypatch, caps
     assert cli.status(["--job", "j"]) == 0
     assert ("straggler relief: 2 executor(s) moved off slower workers, the last executor 6 from w0 to w1"
             in capsys.readouterr().out)
+
+
+def test_job_names_records_and_ended_jobs_are_told_at_once(tmp_path: Path, monkeypatch) -> None:
+    """Without a job: a name starting with '-' (every process took it for an option, after the job
+    had started) or too long for a file name is refused; a record left by a launcher killed with
+    ``kill -9`` names no job and is removed (commands said after 5 s that etcd did not answer); a job
+    that ended on a shared etcd, where only its status is left, is said to have ended (commands
+    waited out their timeout)."""
+    from litz.cli import _check_job_runs
+    from litz.runtime import jobs
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    for bad in ("-x", "y" * 260):
+        with pytest.raises(litz.ConfigError, match="bad job name"):
+            jobs.check_name(bad)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "gone.json").write_text(json.dumps({"job": "gone", "etcd": "unix:///nowhere", "pid": dead.pid}))
+    with pytest.raises(litz.ConfigError, match=f"its launcher \\(pid {dead.pid}\\) is gone"):
+        jobs.lookup("gone")
+    assert not (tmp_path / "gone.json").exists()
+
+    class Etcd:
+        url = "http://etcd:2379"
+
+        def __init__(self, held: dict) -> None:
+            self.held = held
+
+        def get_prefix(self, prefix: str) -> dict:
+            return self.held
+
+    with pytest.raises(LitzError, match="job 'gone' on etcd http://etcd:2379 is not running: it ended \\(finished\\)"):
+        _check_job_runs(Etcd({"status": {"phase": "finished"}, "commands/result/x": {}}), "gone")
+    with pytest.raises(LitzError, match="no job named 'gone' is running"):
+        _check_job_runs(Etcd({}), "gone")
+    _check_job_runs(Etcd({"launcher": {"pid": 1}, "status": {"phase": "finished"}}), "gone")  # a new run starts
+
+
+def test_launch_options_that_a_joining_host_or_a_launch_would_ignore_are_refused() -> None:
+    """``--join`` took the job's own options (``--executors``, ``--resume``, ...) and did nothing with
+    them; ``--straggler-factor`` without ``--relieve-stragglers`` was ignored."""
+    join = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "--join", "--job", "h", "--etcd",
+                           "http://127.0.0.1:1", "--executors", "9", "--resume", "auto"],
+                          capture_output=True, text=True, timeout=60)
+    assert join.returncode == 2 and "--executors, --resume belong to the job's own launch" in join.stderr
+    factor = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--straggler-factor", "2"],
+                            capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert factor.returncode == 1 and "--straggler-factor needs --relieve-stragglers" in factor.stderr

@@ -28,10 +28,19 @@ def jobs_dir() -> Path:
     return Path(os.environ.get("LITZ_JOBS_DIR") or Path.home() / ".cache" / "litz" / "jobs")
 
 
+#: The longest job name: it names files (its record, its processes' directory, with a suffix),
+#: whose names may be 255 bytes (one of 260 failed the launch with "File name too long").
+MAX_NAME = 200
+
+
 def check_name(job: str) -> str:
-    """``job``, if it can name a job: a file name of its own, a prefix in etcd (ConfigError if not)."""
-    if not job or "/" in job or "\0" in job or job.startswith("."):
-        raise ConfigError(f"bad job name {job!r}: it must not be empty, start with '.' or hold '/'")
+    """``job``, if it can name a job: a file name of its own, a prefix in etcd, an argument of its
+    processes' command lines (ConfigError if not: a name starting with '-' was taken for an option
+    by every process, and the job failed after it started)."""
+    if not job or "/" in job or "\0" in job or job.startswith((".", "-")):
+        raise ConfigError(f"bad job name {job!r}: it must not be empty, start with '.' or '-', or hold '/'")
+    if len(os.fsencode(job)) > MAX_NAME:
+        raise ConfigError(f"bad job name {job[:40]!r}...: longer than {MAX_NAME} bytes")
     return job
 
 
@@ -152,8 +161,16 @@ def pid_alive(pid: int) -> bool:
 
 
 def lookup(job: str) -> dict[str, Any]:
-    """The record of a local job, or ConfigError saying to pass --etcd."""
-    try:
-        return json.loads(_path(job).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no local job named {job!r} is running here (pass --etcd URL for a remote one)") from None
+    """The record of a local job, or ConfigError saying to pass --etcd. A record whose launcher is
+    gone (``kill -9``) is removed and names no job: a command then said, after 5 s, that it could
+    not reach the job's etcd, as if etcd had failed."""
+    path = _path(job)
+    with _locked():
+        rec = _read(path)
+        if rec is not None and not _launcher_alive(rec):
+            path.unlink(missing_ok=True)
+            raise ConfigError(f"no local job named {job!r} is running here: its launcher (pid {rec.get('pid')}) "
+                              "is gone")
+    if rec is None:
+        raise ConfigError(f"no local job named {job!r} is running here (pass --etcd URL for a remote one)")
+    return rec

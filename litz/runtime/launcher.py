@@ -603,7 +603,10 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                     return 0
                 if not accepted and time.monotonic() > deadline:
                     raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")
-                cluster.check_children()
+                try:
+                    cluster.check_children()
+                except ProcessLost as exc:  # the master recovers it (or ends the job); the others stay
+                    log.error("%s", exc)  # (before, the agent left, and took this host's healthy ones along)
                 time.sleep(0.1)
 
 

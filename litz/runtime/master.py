@@ -1832,6 +1832,13 @@ class Master:
         trains on (the operator may stop it without a checkpoint)."""
         cid = str(cmd.get("id", ""))
         want = bool(cmd.get("checkpoint"))
+        if self._stop is not None and not want and self._stop["checkpoint"] and self._stop["path"] is None:
+            # a plain stop cuts short one that waits for its checkpoint (a store that hangs held it for
+            # --checkpoint-timeout, refusing it), as a second SIGTERM does; both are answered at the stop
+            log.warning("stop requested again (command %s): stopping now, without waiting for the checkpoint", cid)
+            self._stop["checkpoint"] = False
+            self._stop.setdefault("also", []).append(cid)
+            return
         if self._stop is not None:
             self.reply_command(cid, False, f"already stopping (command {self._stop['id']})")
             return
@@ -2558,12 +2565,14 @@ class Master:
             if not driver._finished and self._stop is not None:
                 stopped = self._stop
                 self.publish_status("stopped", final=True)
-                self.reply_command(stopped["id"], True, f"stopped after checkpoint {stopped['path']}"
-                                   if stopped["path"] else "stopped (no checkpoint taken)")
+                for cid in [stopped["id"], *stopped.get("also", ())]:
+                    self.reply_command(cid, True, f"stopped after checkpoint {stopped['path']}"
+                                       if stopped["path"] else "stopped (no checkpoint taken)")
             else:
                 self.publish_status("finished", final=True)
                 if self._stop is not None:  # it finished before the stop's checkpoint was written
-                    self.reply_command(self._stop["id"], True, "finished on its own before it could stop")
+                    for cid in [self._stop["id"], *self._stop.get("also", ())]:
+                        self.reply_command(cid, True, "finished on its own before it could stop")
         except BaseException:
             self.publish_status("failed", final=True)
             raise
