@@ -10,12 +10,14 @@ there, so ``litz launch APP.py --help`` shows them) or a module-level ``app``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
 import re
 import sys
 import traceback
+from collections.abc import Iterator
 from importlib.machinery import SourceFileLoader
 from pathlib import Path
 from types import ModuleType
@@ -296,13 +298,18 @@ def launch(argv: list[str]) -> int:
     _process_env(opts)
     logging.basicConfig(level=(opts.log_level or "WARNING").upper(),
                         format="%(asctime)s master %(levelname)s %(name)s: %(message)s")
+    from litz.runtime import jobs
     from litz.runtime.launcher import run
 
+    early: str | None = None  # the token of the record taken while the application loads
     try:
         if not opts.relieve_stragglers and opts.straggler_factor != DEFAULT_FACTOR:  # (as the checkpoint
             raise ConfigError("--straggler-factor needs --relieve-stragglers")  # options need --checkpoint-dir)
-        module = load_app_module(path)
-        app = app_from_module(module, app_argv)
+        if opts.job:  # from now on `litz stop` finds the job, while its application loads (seconds, or a
+            early = jobs.claim(opts.job, None)  # reference clustering's minutes): it stops it with SIGTERM
+        with _stop_while_loading(opts.job or "(unnamed)"):
+            module = load_app_module(path)
+            app = app_from_module(module, app_argv)
         options: dict[str, Any] = {"cache": not opts.no_cache, "update_log": not opts.no_update_log}
         if opts.relieve_stragglers:
             options["straggler_relief"] = opts.straggler_factor
@@ -318,6 +325,9 @@ def launch(argv: list[str]) -> int:
     except JobStopped as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    except _StoppedLoading as exc:
+        print(f"litz: {JobStopped(str(exc), None, 'SIGTERM, while its application loaded')}", file=sys.stderr)
+        return EXIT_STOPPED
     except LitzError as exc:  # Litz refused something: where the application's code asked for it, if it did
         print(f"litz: {exc}{_app_location(exc)}", file=sys.stderr)
         return 1
@@ -328,6 +338,9 @@ def launch(argv: list[str]) -> int:
         what = "job failed, the driver raised" if _app_frames(exc) else "job failed on an error of Litz's own"
         print(f"litz: {_app_error(what, exc)}", file=sys.stderr)
         return 1
+    finally:
+        if early is not None:  # (once the job ran, its cluster replaced the record and removed its own)
+            jobs.forget(opts.job, early)
     print(f"litz: job {result.job} finished in {result.elapsed:.1f} s, "
           f"{result.tasks_completed} micro-tasks", file=sys.stderr)
     return 0
@@ -336,6 +349,45 @@ def launch(argv: list[str]) -> int:
 #: The options of ``litz launch --join``: the host's part; every other one is the job's launcher's.
 _JOIN_OPTIONS = frozenset({"join", "workers", "servers", "job", "etcd", "log_level", "secret_file", "host",
                            "lease_ttl"})
+
+
+class _StoppedLoading(BaseException):  # noqa: N818 - a signal, not an error
+    """SIGTERM while the application loads: a BaseException, so that the loading's own error
+    handling (any exception of the application's import or ``make_app``) does not take it for a
+    failure of the application."""
+
+
+@contextlib.contextmanager
+def _stop_while_loading(job: str) -> Iterator[None]:
+    """SIGTERM while the application loads (``litz stop``, or a scheduler, right after the launch)
+    ends the launch at once, as a stopped job does (exit 75): nothing has started, nothing is lost.
+    Before, the signal's default action killed the launcher (-15), and a ``litz stop`` found no job."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stopped(signum: int, frame: object) -> None:
+        raise _StoppedLoading(job)
+
+    previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _job_url(job: str, etcd: str | None) -> str:
+    """The etcd of ``job``: ``etcd`` if given, else its local record's; LitzError if the job is
+    still loading its application (it has no etcd yet)."""
+    from litz.runtime import jobs
+
+    url = etcd or jobs.lookup(job)["etcd"]
+    if url is None:
+        raise LitzError(f"job {job} is starting: its application is still loading (try again in a moment)")
+    return url
 
 
 def _join(argv: list[str]) -> int:
@@ -373,12 +425,11 @@ def _join(argv: list[str]) -> int:
 
 def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
     """The status of a running job, read from etcd: its processes and the master's summary."""
-    from litz.runtime import jobs
     from litz.runtime.master import STATUS_KEY
     from litz.runtime.membership import Membership
     from litz.runtime.node import PROCS
 
-    url = etcd or jobs.lookup(job)["etcd"]
+    url = _job_url(job, etcd)
     with Membership(url, job) as mem:
         procs = mem.get_prefix(PROCS)
         status = mem.get(STATUS_KEY) or {}
@@ -510,6 +561,9 @@ def _list_jobs(as_json: bool) -> int:
     rows = []
     for rec in jobs.local_jobs():
         row = {"job": rec["job"], "etcd": rec["etcd"], "pid": rec["pid"], "phase": "unreachable", "progress": ""}
+        if rec["etcd"] is None:  # its launcher still loads the application
+            rows.append({**row, "phase": "loading"})
+            continue
         try:
             with Membership(rec["etcd"], rec["job"]) as mem:
                 st = mem.get(STATUS_KEY) or {}
@@ -624,7 +678,6 @@ def scale(argv: list[str]) -> int:
     import secrets as _secrets
     import time
 
-    from litz.runtime import jobs
     from litz.runtime.elastic import SCALE_KEY
     from litz.runtime.master import STATUS_KEY
     from litz.runtime.membership import Membership
@@ -642,7 +695,7 @@ def scale(argv: list[str]) -> int:
     args = p.parse_args(argv)
     cid = _secrets.token_hex(4)
     try:
-        url = args.etcd or jobs.lookup(args.job)["etcd"]
+        url = _job_url(args.job, args.etcd)
         with Membership(url, args.job) as mem:
             kind, want = next((k, v) for k, v in (("workers", args.workers), ("servers", args.servers),
                                                    ("drain_host", args.drain_host)) if v is not None)
@@ -688,11 +741,10 @@ def _ask_master(job: str, etcd: str | None, key: str, fields: dict[str, Any],
     import secrets as _secrets
     import time
 
-    from litz.runtime import jobs
     from litz.runtime.membership import Membership
 
     cid = _secrets.token_hex(4)
-    url = etcd or jobs.lookup(job)["etcd"]
+    url = _job_url(job, etcd)
     with Membership(url, job) as mem:
         return cid, _command(mem, job, key, {"id": cid, **fields}, time.monotonic() + timeout)
 
@@ -747,6 +799,8 @@ def stop(argv: list[str]) -> int:
     p.add_argument("--timeout", type=_positive_seconds, default=120.0)
     args = p.parse_args(argv)
     try:
+        if args.etcd is None and _stopped_while_loading(args.job):
+            return 0
         cid, result = _ask_master(args.job, args.etcd, STOP_KEY, {"checkpoint": args.checkpoint}, args.timeout)
     except JobEnded as exc:  # what was asked for: the job no longer runs (its own answer was lost with its etcd)
         print(f"litz: {exc}")
@@ -756,6 +810,22 @@ def stop(argv: list[str]) -> int:
         return 1
     return _answered(result, late=f"the job did not stop within {args.timeout:.0f} s (command {cid})",
                      refused="stop refused", done=f"job {args.job} " + "{reason}")
+
+
+def _stopped_while_loading(job: str) -> bool:
+    """Stop a local job whose launcher still loads its application (its record has no etcd yet: no
+    master to ask) with SIGTERM, which ends that launch at once (exit 75); whether it was one."""
+    import os
+    import signal
+
+    from litz.runtime import jobs
+
+    rec = jobs.lookup(job)
+    if rec.get("etcd") is not None:
+        return False
+    os.kill(int(rec["pid"]), signal.SIGTERM)  # (lookup checked that this pid is still its launcher)
+    print(f"litz: job {job} stopped before it started (its application was still loading)")
+    return True
 
 
 def secret(argv: list[str]) -> int:

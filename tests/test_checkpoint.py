@@ -1086,13 +1086,22 @@ def _launch_running_mlr(tmp_path: Path, job: str, *extra: str) -> tuple[subproce
 
 
 def _launch_starting_mlr(tmp_path: Path, job: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
-    """``litz launch apps/mlr.py`` as a subprocess, as soon as its job record exists: the job is
-    still starting (its master does not run yet)."""
+    """``litz launch apps/mlr.py`` as a subprocess, as soon as its job record names its etcd: the
+    job is still starting (its master does not run yet; before the etcd is named, the launcher
+    loads the application, test_cli_status tests that)."""
     env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
     proc = subprocess.Popen(_mlr_command(job, "--epochs", "500"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
-    while not (tmp_path / "jobs" / f"{job}.json").exists():
+    record = tmp_path / "jobs" / f"{job}.json"
+
+    def named() -> bool:
+        try:
+            return json.loads(record.read_text()).get("etcd") is not None
+        except (OSError, ValueError):  # not there yet, or being replaced
+            return False
+
+    while not named():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"litz launch never recorded its job: {proc.communicate()[1]}")

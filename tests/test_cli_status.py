@@ -507,3 +507,33 @@ def test_launch_options_that_a_joining_host_or_a_launch_would_ignore_are_refused
     factor = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--straggler-factor", "2"],
                             capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
     assert factor.returncode == 1 and "--straggler-factor needs --relieve-stragglers" in factor.stderr
+
+
+def test_a_stop_right_after_the_launch_while_the_application_loads_stops_it(tmp_path: Path) -> None:
+    """A scheduler's ``litz stop`` (or SIGTERM) while ``litz launch`` still imports the application
+    found no job (the record was written once the cluster started), and the job then ran to its
+    end; a SIGTERM then killed the launcher with -15. Now the name is recorded as the launch
+    begins, and the stop ends it at once with 75, nothing started and no record left."""
+    app = tmp_path / "slow_import.py"
+    app.write_text("import time\ntime.sleep(30)\n")
+    env = dict(os.environ, LITZ_JOBS_DIR=str(tmp_path / "jobs"))
+    job = f"loading-{time.time_ns()}"
+    launcher = subprocess.Popen([sys.executable, "-m", "litz.cli", "launch", str(app), "--job", job],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "jobs" / f"{job}.json").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+            time.sleep(0.05)
+        status = subprocess.run([sys.executable, "-m", "litz.cli", "status"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert job in status.stdout and "loading" in status.stdout, status.stdout
+        stop = subprocess.run([sys.executable, "-m", "litz.cli", "stop", "--job", job], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0 and "stopped before it started" in stop.stdout, (stop.stdout, stop.stderr)
+        _, err = launcher.communicate(timeout=20)
+        assert launcher.returncode == 75 and f"job {job} was stopped on request (SIGTERM" in err, err
+        assert not (tmp_path / "jobs" / f"{job}.json").exists()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -75,15 +75,19 @@ def _read(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
-def claim(job: str, etcd: str) -> str:
+def claim(job: str, etcd: str | None) -> str:
     """Record that ``job`` runs on ``etcd``, for this process; the record's token (for :func:`forget`).
+    ``etcd`` None: the job is starting (``litz launch`` loads its application, which may take a
+    while); this process claims it again with its etcd once that runs.
 
-    ConfigError if a launcher that still runs holds the name. A record left by one that is gone
-    (``kill -9``) is stale and replaced."""
+    ConfigError if another launcher that still runs holds the name. A record left by one that is
+    gone (``kill -9``) is stale and replaced."""
     path = _path(job)
     with _locked():
         held = _read(path)
-        if held is not None and _launcher_alive(held):
+        # (this process's own record of a launch that loads its application is taken over)
+        if held is not None and _launcher_alive(held) and (held.get("pid") != os.getpid()
+                                                            or held.get("etcd") is not None):
             raise ConfigError(f"a job named {job!r} is already running on this host (its launcher is pid "
                               f"{held.get('pid')}, etcd {held.get('etcd')}): pick another --job name, or stop "
                               f"that job first (litz stop --job {job})")
