@@ -615,7 +615,6 @@ def _master_registered(mem: Any, job: str, deadline: float) -> bool:
     import time
 
     from litz.errors import EtcdUnreachable
-    from litz.runtime import jobs
     from litz.runtime.node import proc_key
 
     master = proc_key("master", "master")
@@ -627,13 +626,21 @@ def _master_registered(mem: Any, job: str, deadline: float) -> bool:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
-    except EtcdUnreachable:  # a local job that ended as the command came: its record goes before its etcd
-        try:
-            jobs.lookup(job)
-        except LitzError:
-            raise JobEnded(f"job {job} ended before it could take the command (its etcd is gone)") from None
+    except EtcdUnreachable:  # a local job that ended as the command came?
+        _ended_if_gone(job, "before it could take the command")
         raise
     return True
+
+
+def _ended_if_gone(job: str, when: str) -> None:
+    """JobEnded if ``job``'s local record is gone (its launcher removes it before it stops the job's
+    private etcd): an etcd that no longer answers then means the job ended ``when``, not a failure."""
+    from litz.runtime import jobs
+
+    try:
+        jobs.lookup(job)
+    except LitzError:
+        raise JobEnded(f"job {job} ended {when} (its etcd is gone)") from None
 
 
 def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: float) -> dict[str, Any] | None:
@@ -647,7 +654,6 @@ def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: fl
     import time
 
     from litz.errors import EtcdUnreachable
-    from litz.runtime import jobs
     from litz.runtime.elastic import RESULTS
 
     answer = f"{RESULTS}{command['id']}"
@@ -663,11 +669,7 @@ def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: fl
             if (result := mem.get(answer)) is not None:  # a missed event, or a watch that lost its etcd
                 return result
         except EtcdUnreachable:
-            try:
-                jobs.lookup(job)
-            except LitzError:
-                raise JobEnded(f"job {job} ended before its answer to command {command['id']} could be read "
-                               "(its etcd is gone)") from None
+            _ended_if_gone(job, f"before its answer to command {command['id']} could be read")
             raise
         if time.monotonic() > deadline:
             return None
@@ -799,7 +801,7 @@ def stop(argv: list[str]) -> int:
     p.add_argument("--timeout", type=_positive_seconds, default=120.0)
     args = p.parse_args(argv)
     try:
-        if args.etcd is None and _stopped_while_loading(args.job):
+        if args.etcd is None and _signal_a_loading_launcher(args.job):
             return 0
         cid, result = _ask_master(args.job, args.etcd, STOP_KEY, {"checkpoint": args.checkpoint}, args.timeout)
     except JobEnded as exc:  # what was asked for: the job no longer runs (its own answer was lost with its etcd)
@@ -812,7 +814,7 @@ def stop(argv: list[str]) -> int:
                      refused="stop refused", done=f"job {args.job} " + "{reason}")
 
 
-def _stopped_while_loading(job: str) -> bool:
+def _signal_a_loading_launcher(job: str) -> bool:
     """Stop a local job whose launcher still loads its application (its record has no etcd yet: no
     master to ask) with SIGTERM, which ends that launch at once (exit 75); whether it was one."""
     import os
