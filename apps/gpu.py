@@ -20,6 +20,8 @@ import functools
 import os
 from typing import Any
 
+import numpy as np
+
 import litz
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -36,7 +38,20 @@ def cuda_module() -> Any:
         from numba import cuda
     except ImportError:  # pragma: no cover - depends on the numba build
         return None
+    _restore_numpy_names()
     return cuda
+
+
+def _restore_numpy_names() -> None:
+    """Give NumPy back the ``row_stack`` that NumPy 2.5 removed, when it lacks it.
+
+    numba-cuda 0.68 (current in late 2026, and what a CUDA image ships with NumPy 2.5) calls
+    ``np.row_stack`` while it compiles every kernel, so without the name each kernel fails with
+    ``AttributeError: module 'numpy' has no attribute 'row_stack'`` and a GPU that works is unusable.
+    ``row_stack`` was always an alias of ``vstack``: adding it back changes nothing that NumPy does,
+    and a NumPy that has it keeps its own."""
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
 
 
 def simulated() -> bool:
@@ -62,7 +77,8 @@ def why_unavailable(toolkit: str = "numba") -> str | None:
 
     A visible GPU is not enough: a numba-cuda that does not match the installed NumPy imports,
     sees the GPU, and then fails on every kernel it compiles (seen on an H100 image: numba-cuda
-    with NumPy 2.5, ``module 'numpy' has no attribute 'row_stack'``). So a one-thread kernel is
+    with NumPy 2.5, ``module 'numpy' has no attribute 'row_stack'``, which
+    :func:`_restore_numpy_names` now mends). So a one-thread kernel is
     compiled and launched here (for CuPy, one small computation runs); if that fails, ``--device
     auto`` uses the CPU and ``--device cuda`` is refused with the error, instead of every task
     failing with it."""

@@ -98,7 +98,8 @@ def nndescent_round(repeats: int) -> None:
     n, k = len(x), 15
     everyone = np.arange(n, dtype=np.int64)
     G = nk.empty_lists(n, k)
-    blocks, deltas, _ = nndescent._initial_lists(x, everyone, k, 0, nndescent._trees(x, 0, 8, 30), nndescent.BLOCK)
+    trees = nndescent._trees(x, 0, 8, 30, everyone)
+    blocks, deltas, _ = nndescent._initial_lists(x, everyone, k, 0, trees, nndescent.BLOCK)
     for b, d in zip(blocks, deltas, strict=True):
         rows = G[b * nndescent.BLOCK:(b + 1) * nndescent.BLOCK]
         nk.merge_lists(rows, d[:len(rows)], k)

@@ -90,6 +90,19 @@ def test_a_gpu_whose_kernels_do_not_compile_counts_as_no_gpu() -> None:
     run_in_cuda_simulator(PROBE_CHECK, "probe ok")
 
 
+def test_numba_cuda_gets_back_the_row_stack_that_numpy_2_5_removed(monkeypatch) -> None:
+    # numba-cuda 0.68 calls np.row_stack while compiling each kernel; on NumPy 2.5 (seen on the H200
+    # image) every kernel failed with AttributeError until the apps gave the name back.
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    gpu._restore_numpy_names()
+    assert np.row_stack is np.vstack
+    assert np.array_equal(np.row_stack(([1, 2], [3, 4])), [[1, 2], [3, 4]])
+    mine = object()
+    monkeypatch.setattr(np, "row_stack", mine)
+    gpu._restore_numpy_names()
+    assert np.row_stack is mine  # a NumPy that has the name keeps its own
+
+
 def test_device_options_refuse_a_missing_gpu_and_auto_falls_back() -> None:
     assert gpu.resolve("cpu") == "cpu"
     assert gpu.resolve("auto") == ("cuda" if gpu.available() else "cpu")
