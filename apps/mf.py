@@ -40,8 +40,11 @@ completion) costs about 5 ms, as much as the whole computation of an iteration o
 iteration ``t`` can start. Consistency rule 1 (DESIGN.md §2) guarantees exactly that.
 
 **Exact sums.** Contributions of iteration ``t`` are tagged ``t + 1`` and go to table
-``NE{(t + 1) % 2}``. Iteration ``t`` reads only ``NE{t % 2}``. The two tables alternate, so
-nobody writes a table while others of the same iteration still read it. Their combiner
+``NE{(t + 1) % 3}``. Iteration ``t`` reads only ``NE{t % 3}``. The tables rotate, so
+nobody writes a table while others of the same iteration still read it, and the sums that
+iteration ``t - 1`` read stay whole while iteration ``t`` runs (a lost worker's executors need
+them, below; with two tables, as before session 45, iteration ``t`` overwrote them; a checkpoint
+of those two tables is refused by ``--resume``, which names the tables). Their combiner
 (``TAGGED_SUM``) adds updates with the same tag and lets a newer tag replace an older one.
 No table is ever cleared, and no subtraction rounds anything. Every sum is the plain sum of
 that iteration's contributions. A reader checks the tag of every row it solves and stops the
@@ -57,8 +60,17 @@ push again its contributions to the round ``R`` still to complete, from its fact
 round (executors keep them: ``prev``), and then runs round ``R`` again everywhere. Both pushes carry
 tags higher than any in the tables (the driver adds 2 to a tag base), so the first of them replaces
 whatever a row held and the others add to it: the sums are exact again, and the factors equal those
-of a run without the failure (tests/test_mf_app.py checks every iteration's RMSE). A lost worker
-needs nothing of this: its executors resume from the checkpoint and the round goes on.
+of a run without the failure (tests/test_mf_app.py checks every iteration's RMSE).
+
+**Losing a worker.** Its executors come back with the checkpoint's rows, and its task in flight
+runs again, although the contributions it pushed before dying may have been applied: they would
+count twice. So the driver reruns round ``R`` everywhere with a new push tag (round ``R``'s own
+sums are whole and keep their tag), and a restored executor first solves its rows of iteration
+``R - 1`` again from the sums that round read (``MFExecutor._catch_up``), so that it evaluates and
+pushes from the rows it would have had. The factors again equal those of a run without the failure.
+Only if a server was lost at once with those sums can the rows not be rebuilt: the executor then
+goes on from its checkpoint's rows (the driver prints why) and ALS converges from there, to the
+same fit but not to the very same factors.
 
 **On a GPU** (``--device cuda``): an executor's steps run with CuPy as sparse products and batched
 solves (apps/mf_gpu.py, apps/mf_arrays.py); the results are the same to float64 rounding. It pays
@@ -82,9 +94,21 @@ import litz
 from apps import gpu
 from apps.datasets import RatingsSplit, load_movielens, partition_rows, synthetic_ratings
 from apps.mf_arrays import ArrayALS
-from apps.mf_kernels import normal_equations, packed_width, solve_normal_equations, solve_rows, squared_error, warmup
+from apps.mf_kernels import (
+    StaleSums,
+    normal_equations,
+    packed_width,
+    solve_normal_equations,
+    solve_rows,
+    squared_error,
+    warmup,
+)
 from apps.options import require_at_least, require_finite, seed
 
+# The sums alternate over three tables: round t reads NE{t % 3} and writes NE{(t + 1) % 3}, so the sums that
+# round t - 1 read stay whole while round t runs, and an executor restored from an older checkpoint can solve
+# its rows of iteration t - 1 again from them (MFExecutor._catch_up).
+SUM_TABLES = 3
 DEFAULTS: dict[str, Any] = {"rank": 10, "iterations": 15, "l2": 0.15, "block_size": 64}
 
 
@@ -233,7 +257,9 @@ class MFDriver(litz.SSPDriver):
         self.devices: set[str] = set()  # where the executors ran their steps
         self._start = self._round_start = time.perf_counter()
         self._tag_base = 0  # round t reads sums tagged t + base and writes t + 1 + base
-        self._repair: str | None = None  # after a server's loss: None, "wanted" or "reseeding"
+        self._kept: dict[int, float] = {}  # rounds whose sums kept their tag over a repair: that tag
+        self._repair: str | None = None  # after a loss: None, "wanted" or "reseeding"
+        self._reseed = False  # whether the repair must push the sums of its round again (a server's loss)
         self._reseeding = 0
         super().dispatch_initial_tasks()
 
@@ -247,17 +273,25 @@ class MFDriver(litz.SSPDriver):
 
     def task_args(self, executor_id: int, iteration: int) -> Any:
         last = iteration == self.N
-        return {"iteration": iteration, "tag": iteration + self._tag_base, "solve": not last,
+        return {"iteration": iteration, "tag": self._read_tag(iteration), "push": iteration + 1 + self._tag_base,
+                "prev_tag": self._read_tag(iteration - 1), "solve": not last,
                 "factors": last and bool(self.config["return_factors"])}
+
+    def _read_tag(self, t: int) -> float:
+        """The tag of the sums that round ``t`` reads."""
+        return self._kept.get(t, t + self._tag_base)
 
     # -- repair after a server's loss (see the module docstring) -------------------------------------
     def recovered(self, recovery: litz.Recovery) -> None:
-        if recovery.role != "server":
-            return  # restored executors resume from their checkpointed rows; the round goes on
+        server = recovery.role == "server"
+        if not (server or recovery.executors):
+            return  # a worker that held no executor: nothing of the job was lost
         if not self.config.get("quiet"):
-            print(f"recovered from the loss of {', '.join(recovery.lost)}: pushing the sums of iteration "
-                  f"{self.iteration} again", flush=True)
-        self._repair = "wanted"  # also during a repair: its pushes may have gone to the lost server
+            again = "pushing the sums of iteration" if server else "running iteration"
+            print(f"recovered from the loss of {', '.join(recovery.lost)}: {again} {self.iteration} again",
+                  flush=True)
+        self._repair = "wanted"  # also during a repair: its pushes may have gone to the lost process
+        self._reseed = self._reseed or server
         self._maybe_repair()
 
     def _running(self) -> int:
@@ -271,14 +305,21 @@ class MFDriver(litz.SSPDriver):
         if self._repair != "wanted" or self._running():
             return
         self._repair = "reseeding"
-        self._tag_base += 2  # above every tag in the tables
         R = self.iteration  # the round every executor must (again) complete
+        reseed, self._reseed = self._reseed, False
+        kept = self._kept = {t: tag for t, tag in self._kept.items() if t >= R - 1}
+        kept[R - 1] = self._read_tag(R - 1)  # the sums a restored executor rebuilds its rows from
+        if reseed:  # a server's loss: round R's sums are pushed again, with a new tag
+            kept.pop(R, None)
+        else:  # a worker's: round R's sums are whole, its pushes (perhaps twice from the lost one) are not
+            kept[R] = self._read_tag(R)
+        self._tag_base += 2  # above every tag in the tables: the first new push replaces a row's sum
         self._results.pop(R, None)  # its completions so far: it runs again
-        if R == 0:  # round 0 reads no sums
+        if R == 0 or not reseed:  # round 0 reads no sums
             self._reseeded()
             return
         for e in range(self.num_executors):
-            self.dispatch_task(e, {"reseed": R, "tag": R + self._tag_base})
+            self.dispatch_task(e, {"reseed": R, "tag": R + self._tag_base, "prev_tag": self._read_tag(R - 1)})
         self._reseeding = self.num_executors
 
     def _reseeded(self) -> None:
@@ -286,10 +327,14 @@ class MFDriver(litz.SSPDriver):
         self._dispatch_iteration(self.iteration)
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
+        if isinstance(result.value, dict) and result.value.get("inexact"):
+            print(f"MF: {result.value['inexact']}", file=sys.stderr, flush=True)
         if "reseed" in result.args:
             self._reseeding -= 1
             if self._reseeding == 0 and self._repair == "reseeding":
                 self._reseeded()
+        elif self._repair == "wanted":  # its round runs again: this completion must not end it (its
+            self._iteration_of.pop(result.task_id, None)  # pushes may count twice until the round reruns)
         else:
             super().handle_task_completion(result)
         self._maybe_repair()
@@ -455,50 +500,80 @@ class MFExecutor(litz.Executor):
         model of iteration ``t - 1``, and with ``factors`` also the rows of both sides this executor knows.
         """
         if "reseed" in args:
-            return self._reseed(int(args["reseed"]), float(args["tag"]))
-        cfg = self.config
+            return self._reseed(int(args["reseed"]), float(args["tag"]), args)
         t = int(args["iteration"])
-        tag = float(args.get("tag", t))
-        d = int(cfg["rank"]) + 1
-        l2 = float(cfg["l2"])
-        inp = self.input
-        blocks = inp["blocks"]
+        tag = float(args["tag"])
+        l2 = float(self.config["l2"])
         device, steps = self._steps()
         st = self.state
-        if st["done"] >= t:  # round t again, after a server's loss: from our rows before it
-            st["rows"], st["done"] = st["prev"], t - 1
-        if t == 0:
-            ps_rows = steps.put(inp["init"])
-        elif len(blocks):
-            sums = self.ps.get_many(f"NE{t % 2}", blocks)
-            ps_rows = steps.solve_sums(sums.reshape(-1, sums.shape[-1]), tag, l2)
-        else:
-            ps_rows = steps.put(np.zeros((0, d)))
+        inexact = self._catch_up(t, args)
+        ps_rows = self._ps_rows(t, tag)
         out: dict[str, Any] = {"sse": [0.0, 0.0, 0.0, 0.0], "device": device}
+        if inexact:
+            out["inexact"] = inexact
         if t > 0:  # the model of iteration t - 1: our rows (state) and the PS side just solved
             train_sse, test_sse = steps.squared_errors(st["rows"], ps_rows)
+            inp = self.input
             out["sse"] = [train_sse, float(len(inp["train"][1])), test_sse, float(len(inp["test"][1]))]
         if args["solve"]:
             rows = steps.solve_rows(ps_rows, l2)
-            self._push(t + 1, tag + 1, rows)
+            self._push(t + 1, float(args["push"]), rows)
             st["prev"], st["rows"], st["done"] = st["rows"], rows, t
         if args.get("factors"):
-            out.update(mine=inp["mine"], rows=st["rows"], blocks=blocks, ps_rows=steps.host(ps_rows))
+            out.update(mine=self.input["mine"], rows=st["rows"], blocks=self.input["blocks"],
+                       ps_rows=steps.host(ps_rows))
         return out
 
+    def _ps_rows(self, t: int, tag: float) -> Any:
+        """The PS side of iteration ``t - 1``, solved from the sums round ``t`` reads (tagged ``tag``)."""
+        inp, steps = self.input, self._steps()[1]
+        if t == 0:
+            return steps.put(inp["init"])
+        if not len(inp["blocks"]):
+            return steps.put(np.zeros((0, int(self.config["rank"]) + 1)))
+        sums = self.ps.get_many(f"NE{t % SUM_TABLES}", inp["blocks"])
+        return steps.solve_sums(sums.reshape(-1, sums.shape[-1]), tag, float(self.config["l2"]))
+
+    def _catch_up(self, t: int, args: dict[str, Any]) -> str | None:
+        """Make our rows those after round ``t - 1``, which round ``t`` starts from.
+
+        Round ``t`` again (a repair): back to the rows before it, ``prev``. Restored from an older
+        checkpoint (a lost worker's executor, partial recovery): our rows are that checkpoint's,
+        so we solve them again from the sums that round ``t - 1`` read, which are still whole in
+        the third table (round ``t`` writes another). If a server lost some of those sums too,
+        our rows cannot be had exactly: we go on from the checkpoint's (ALS converges from them
+        too, but no longer to the very factors of a run without the failures) and say so: the
+        returned message, which the driver shows."""
+        st = self.state
+        if st["done"] >= t:
+            st["rows"], st["done"] = st["prev"], t - 1
+        elif st["done"] < t - 1 and t >= 1:
+            try:
+                ps_rows = self._ps_rows(t - 1, float(args["prev_tag"]))
+            except StaleSums as exc:
+                st["done"] = t - 1
+                return (f"executor {self.executor_id}: its rows of iteration {t - 1} cannot be rebuilt ({exc}); "
+                        f"it goes on from those of its checkpoint, so the factors will not equal those of a run "
+                        f"without failures")
+            st["rows"] = self._steps()[1].solve_rows(ps_rows, float(self.config["l2"]))
+            st["prev"], st["done"] = st["rows"], t - 1
+        return None
+
     def _push(self, t: int, tag: float, rows: np.ndarray) -> None:
-        """Add our rows' contributions to the sums that round ``t`` reads (table ``NE{t % 2}``)."""
+        """Add our rows' contributions to the sums that round ``t`` reads (table ``NE{t % 3}``)."""
         blocks, bs = self.input["blocks"], int(self.config["block_size"])
         if len(blocks):
             contrib = self._steps()[1].normal_equations(rows, tag)
-            self.ps.update_many(f"NE{t % 2}", blocks, contrib.reshape(len(blocks), bs, -1))
+            self.ps.update_many(f"NE{t % SUM_TABLES}", blocks, contrib.reshape(len(blocks), bs, -1))
 
-    def _reseed(self, t: int, tag: float) -> dict[str, Any]:
+    def _reseed(self, t: int, tag: float, args: dict[str, Any]) -> dict[str, Any]:
         """Push again, with a new tag, our contributions to the sums round ``t`` reads: from our rows
-        before round ``t`` (``prev`` if we completed it already)."""
+        before round ``t`` (``prev`` if we completed it already; rebuilt if restored from an older
+        checkpoint, :meth:`_catch_up`)."""
         st = self.state
+        inexact = self._catch_up(t, args) if st["done"] < t else None
         self._push(t, tag, st["prev"] if st["done"] >= t else st["rows"])
-        return {}
+        return {"inexact": inexact} if inexact else {}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -570,7 +645,7 @@ def make_app(argv: list[str]) -> litz.App:
     config.update(num_executor_side=n_exec, num_ps_side=n_ps, mu=global_mean(data))
     width = packed_width(args.rank + 1)
     tables = [litz.Table(f"NE{i}", shape=(bs, width), dtype="float64", combiner=TAGGED_SUM,
-                         num_rows=-(-n_ps // bs)) for i in (0, 1)]
+                         num_rows=-(-n_ps // bs)) for i in range(SUM_TABLES)]
     return litz.App(MFDriver, MFExecutor, tables=tables, config=config, name="mf")
 
 
