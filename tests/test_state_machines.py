@@ -126,6 +126,27 @@ def test_every_python_value_travels_or_fails_alone() -> None:
     assert cloudpickle.loads(cloudpickle.dumps(bad)).error == bad.error  # forwarded on, still itself
 
 
+def test_values_arrive_with_their_types() -> None:
+    """A namedtuple arrived as a plain tuple, a tuple in a tuple as a list, a masked array without
+    its mask, and a datetime64 or complex scalar failed the whole message (msgpack refused their
+    ``item()``): all arrive as sent now. Plain arrays still travel as raw frames, and NumPy scalars
+    as plain Python numbers."""
+    import collections
+
+    Point = collections.namedtuple("Point", "x y")
+    masked = np.ma.masked_array([1.0, 2.0], mask=[True, False])
+    values = [Point(1, 2), masked, np.datetime64("2020-01-02"), np.complex128(1 + 2j), np.float32(0.5),
+              np.int64(7), (1, (2, 3)), np.arange(3)]
+    frames = protocol.encode("done", completed=[[i, v] for i, v in enumerate(values)], failed=[])
+    assert len(frames) == 2  # the header and the plain array's raw frame; the masked array is pickled
+    got = [v for _, v in protocol.decode(frames)["completed"]]
+    assert type(got[0]) is Point and got[0] == (1, 2)
+    assert isinstance(got[1], np.ma.MaskedArray) and got[1].mask.tolist() == [True, False]
+    assert got[2] == np.datetime64("2020-01-02") and got[3] == 1 + 2j
+    assert type(got[4]) is float and type(got[5]) is int and got[6] == (1, (2, 3))
+    assert type(got[7]) is np.ndarray and got[7].tolist() == [0, 1, 2]
+
+
 def test_litz_errors_survive_pickling() -> None:
     """A job run in a process pool hands its exception back pickled: ``TaskError``, ``StartupTimeout``
     and ``KeyHeld`` did not load, ``JobStopped`` came back with a garbled message, ``ProcessLost``

@@ -303,23 +303,33 @@ class _Packer:
         self.frames: list[Any] = []
 
     def default(self, obj: Any) -> Any:
-        if isinstance(obj, np.ndarray) and (obj.dtype.hasobject or obj.dtype.fields is not None):
-            # pointers (object arrays) mean nothing in another process, and a raw frame would drop
-            # a structured array's fields: both are pickled, as any other odd value
-            return msgpack.ExtType(_EXT_PICKLE, cloudpickle.dumps(obj))
-        if isinstance(obj, np.ndarray):
+        """msgpack's hook for what it does not pack itself (``strict_types``: subclasses of its types
+        come here too). Only what arrives as exactly what was sent is packed natively: a plain or
+        memory-mapped ndarray of numbers as a raw frame, a plain tuple, a NumPy scalar whose
+        ``item()`` is a msgpack type. Everything else is pickled, so that it keeps its type: an
+        object array (its frame would be pointers, meaningless in another process), a structured
+        one (a raw frame dropped its fields), a masked array (its mask), a namedtuple (its class),
+        a datetime64 or complex scalar (msgpack refused their ``item()``, failing the message)."""
+        kind = type(obj)
+        if (kind is np.ndarray or kind is np.memmap) and not obj.dtype.hasobject and obj.dtype.fields is None:
             arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
             self.frames.append(arr)
             meta = msgpack.packb([arr.dtype.str, list(arr.shape), len(self.frames)])
             return msgpack.ExtType(_EXT_ARRAY, meta)
         if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, tuple):
-            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default,
-                                                             unicode_errors=_TEXT_ERRORS))
-        if isinstance(obj, _Pickled):
+            value = obj.item()
+            if type(value) in _NATIVE_SCALARS:
+                return value
+        elif kind is tuple:
+            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=self.default, strict_types=True,
+                                                             unicode_errors=_TEXT_ERRORS))  # (a tuple in it too)
+        elif kind is _Pickled:
             return msgpack.ExtType(_EXT_PICKLE, obj.data)
         return msgpack.ExtType(_EXT_PICKLE, cloudpickle.dumps(obj))
+
+
+# the types a NumPy scalar's ``item()`` may give that msgpack packs as themselves
+_NATIVE_SCALARS = (bool, int, float, str, bytes)
 
 
 def encode(type_name: str, **fields: Any) -> list[Any]:
