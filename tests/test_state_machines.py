@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from litz.api import TaskFailure, TaskResult
-from litz.errors import ConfigError, LitzError, ProtocolError, TableError
+from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProtocolError, TableError
 from litz.ps.cache import ProcessCache
 from litz.ps.server import ShardStore
 from litz.ps.tables import Combiner, Table, shard_of, table_index
@@ -145,6 +145,57 @@ def test_values_arrive_with_their_types() -> None:
     assert got[2] == np.datetime64("2020-01-02") and got[3] == 1 + 2j
     assert type(got[4]) is float and type(got[5]) is int and got[6] == (1, (2, 3))
     assert type(got[7]) is np.ndarray and got[7].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind,reply", [("get", "get_reply"), ("update", "update_ack")])
+def test_a_reply_with_a_hint_is_used_when_etcd_cannot_name_the_new_owner(kind: str, reply: str) -> None:
+    """Worker w0 fetches key 1 through s0; shard 1 moved to s1, which w0 does not know yet. s0
+    forwards, s1 answers, s0 replies with moved={1: s1}. Resolving s1's address in etcd fails
+    (an etcd outage): before, the whole reply was discarded (the error escaped ``_learn_moves``
+    before the values were used) and nothing sent the request again, so its task waited for ever.
+    Now the hint is skipped: the route stays through s0, which forwards."""
+    from litz.ps.server import ServerNode
+    from litz.ps.tables import table_index
+    from litz.runtime.protocol import Message, decode
+    from litz.runtime.worker import Worker
+    from tests.conftest import wire_without_sockets
+
+    tables = [Table("t", (2,))]
+    s0, s1 = ServerNode("s0", "job", "127.0.0.1:1"), ServerNode("s1", "job", "127.0.0.1:1")
+    w0 = Worker("w0", "job", "127.0.0.1:1")
+    nodes = {n.ident: n for n in (s0, s1, w0)}
+    sent = wire_without_sockets(nodes.values())
+
+    def deliver(kind: str, to: str) -> None:
+        k = next(k for k, (_, peer, kind_, _) in enumerate(sent) if kind_ == kind and peer == to)
+        who, _, _, frames = sent.pop(k)
+        nodes[to].dispatch(decode(frames, sender=who))
+
+    def etcd_down(key: str) -> None:
+        raise EtcdUnreachable("etcd did not answer within 5 s")
+
+    try:
+        s0.store = ShardStore(table_index(tables), [0, 1], 2, keeps_saved=False)
+        s1.store = ShardStore(table_index(tables), [], 2, keeps_saved=False)
+        s0.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
+        deliver("shard_data", "s1")
+        w0.tables, w0.num_shards, w0.shard_map = table_index(tables), 2, ["s0", "s0"]
+        w0.membership.get = etcd_down
+        if kind == "get":
+            w0._queue_fetches("t", [1], 0)
+            w0._send_fetches()
+        else:
+            w0._send_updates({"t": ([1], [np.ones(2)])})
+        deliver(kind, "s0")
+        deliver(kind, "s1")
+        deliver(reply, "s0")
+        deliver(reply, "w0")
+        assert not w0._fetching and not w0._unacked, \
+            f"{reply} discarded; fetching={list(w0._fetching)} unacked={w0._unacked} wait for ever"
+        assert w0.shard_map == ["s0", "s0"]  # no address for s1: sending there would fail
+    finally:
+        for n in nodes.values():
+            n.endpoint.close()
 
 
 def test_litz_errors_survive_pickling() -> None:

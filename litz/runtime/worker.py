@@ -826,7 +826,13 @@ class Worker(Node):
             if server in self._gone:  # a hint older than the server's departure
                 continue
             if server not in self.endpoint.peers:  # joined too recently for our etcd watch: ask etcd once
-                self._learn(server, self.membership.get(proc_key("server", server)))
+                try:
+                    self._learn(server, self.membership.get(proc_key("server", server)))
+                except LitzError as exc:  # before, the reply was dropped with it, and its task hung
+                    log.warning("cannot look up %s, to which shard %s moved (%s): the old route forwards",
+                                server, shard, exc)
+                if server not in self.endpoint.peers:  # (sending there would fail: no address)
+                    continue
             self.shard_map[int(shard)] = server
 
     def on_routes(self, msg: Message) -> None:
