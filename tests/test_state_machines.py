@@ -198,6 +198,34 @@ def test_a_reply_with_a_hint_is_used_when_etcd_cannot_name_the_new_owner(kind: s
             n.endpoint.close()
 
 
+def test_a_peer_that_left_leaves_no_socket_behind() -> None:
+    """Every endpoint kept a DEALER (a file descriptor, and reconnection attempts every 100 ms) for
+    every peer that ever left; a long job that scaled in and out grew them without bound. A node
+    now closes it when the peer's registration is deleted, and can still reach the peer after."""
+    from litz.runtime.membership import Event
+    from litz.runtime.node import proc_key
+    from litz.runtime.transport import Endpoint
+    from litz.runtime.worker import Worker
+
+    w0 = Worker("w0", "job", "127.0.0.1:1")
+    peers = [Endpoint(f"s{i}", secret=None) for i in range(20)]
+    try:
+        for p in peers:
+            w0.endpoint.connect(p.ident, p.address)
+            w0.endpoint.send(p.ident, "stats_request", rid=1)
+            assert p.recv() is not None
+        assert len(w0.endpoint._dealers) == 20
+        for p in peers[1:]:
+            w0.on_event(Event("delete", proc_key("server", p.ident), None))
+        assert list(w0.endpoint._dealers) == ["s0"]
+        w0.endpoint.send("s5", "stats_request", rid=2)  # a lease that ended while its process lives
+        assert peers[5].recv()["rid"] == 2
+    finally:
+        w0.endpoint.close()
+        for p in peers:
+            p.close()
+
+
 def test_litz_errors_survive_pickling() -> None:
     """A job run in a process pool hands its exception back pickled: ``TaskError``, ``StartupTimeout``
     and ``KeyHeld`` did not load, ``JobStopped`` came back with a garbled message, ``ProcessLost``

@@ -258,6 +258,8 @@ class Node:
             log.error("%s: the master is gone (%s); leaving", self.ident, ev.key)
             self.exit_code = 3
             self.stopping = True
+        elif ev.kind == "delete" and ev.key.startswith(PROCS):
+            self.endpoint.forget(ev.key.rsplit("/", 1)[-1])
 
     def drain(self) -> None:
         """Handle every message waiting on the mailbox without blocking."""

@@ -49,6 +49,10 @@ def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A peer's new connection takes its identity over from the old one (Endpoint.forget closed
+        # it, or it is still being torn down): without this the new one was refused, and what it
+        # carried was lost for good (seen: a message sent right after 19 sockets were closed)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if secret is not None:
         security.apply_curve(sock, secret, server=kind == zmq.ROUTER)
     return sock
@@ -152,6 +156,18 @@ class Endpoint:
             old.close(linger=0)
         self.peers[peer] = address
         return True
+
+    def forget(self, peer: str) -> None:
+        """Close the socket to a peer that left the job (its etcd registration is gone).
+
+        Before, every endpoint kept a DEALER, a file descriptor and reconnection attempts (one
+        every 100 ms) for every peer that ever left: a long job that scaled out and in, or
+        replaced lost processes, grew them without bound. The address stays known, so a message
+        still sent to the peer (a lease that ended while its process lives) opens a new socket;
+        what was queued for it has a second to go, as at :meth:`close`."""
+        sock = self._dealers.pop(peer, None)
+        if sock is not None:
+            sock.close(linger=1000)
 
     def _dealer(self, peer: str) -> zmq.Socket:
         sock = self._dealers.get(peer)
