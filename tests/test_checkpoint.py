@@ -615,6 +615,57 @@ def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: P
     assert processes_mentioning(first.job) == [] and processes_mentioning(second.job) == []
 
 
+def test_messages_leave_the_user_part_of_a_checkpoint_uri_out(s3_bucket: str, caplog) -> None:  # noqa: ANN001
+    """README: "Litz leaves a URI's user part out of what it prints". The errors and warnings that
+    name a checkpoint location (storage, the coordinator, ``--resume auto``, ``litz.run``) named it
+    as given, ``s3://KEY:SECRET@bucket/...`` included; they name it as ``storage.redact`` does."""
+    from litz.runtime.master import Resume
+
+    secret = "litz-test-hush-hush"
+    base, query = s3_bucket.split("?", 1)
+
+    def uri(name: str, bucket: str = "litz-test", extra: str = "") -> str:
+        return base.replace("s3://litz-test", f"s3://litz-test:{secret}@{bucket}") + f"/{name}?{query}{extra}"
+
+    assert storage.redact(uri("ck")) == f"{base}/ck?{query}"
+    assert storage.redact("/home/me@host/ck") == "/home/me@host/ck"  # a local path as it is
+    assert storage.redact("hdfs://nn:8020/me@x/ck") == "hdfs://nn:8020/me@x/ck"  # an @ of the path stays
+    assert storage.redact("s3://K:S%2Fx@b/me@x/ck") == "s3://b/me@x/ck"
+    caplog.set_level("WARNING")
+    errors: list[str] = []
+
+    def fails(call: Callable[[], object], kind: type[Exception], shown: str) -> None:
+        with pytest.raises(kind) as info:
+            call()
+        assert shown in str(info.value)  # the location is still named, without its user part
+        errors.append(str(info.value))
+
+    fails(lambda: storage.filesystem(uri("ck", extra="&bogus=1")), storage.CheckpointError, "s3://litz-test/ck?")
+    # a secret with a / left unescaped: pyarrow refuses the URI, quoting it whole in its error
+    fails(lambda: storage.filesystem(uri("ck").replace(secret, f"{secret}/more")), storage.CheckpointError,
+          "Cannot parse URI: 's3://litz-test/ck?")
+    fails(lambda: storage.prepare_root(uri("ck", "no-such-bucket")), storage.CheckpointError,
+          "s3://no-such-bucket/ck?")
+    fails(lambda: storage.find_checkpoint(uri("empty")), storage.NoCheckpoint, "s3://litz-test/empty?")
+    fails(lambda: CheckpointCoordinator(uri("empty")).last_full(), storage.NoCheckpoint, "s3://litz-test/empty?")
+    CheckpointCoordinator(uri("ck", "no-such-bucket")).record_timeline()  # a warning: the job goes on
+    assert any("another run in s3://no-such-bucket/ck?" in r.getMessage() for r in caplog.records)
+    loc = uri("anchored")  # --resume auto, the run recorded there went on from a checkpoint now gone
+    fs, root = storage.filesystem(loc)
+    gone = storage.new_checkpoint_dir(fs, root)
+    storage.write_bytes(fs, f"{gone}/driver.pkl", b"no manifest")
+    storage.write_timeline(loc, (loc, gone))
+    app = testapps.migrating_app(tasks=10, executors=4, move_prob=0.0)
+    fails(lambda: Resume.newest_usable(loc, app, None, 64, app.driver()), storage.DamagedCheckpoint,
+          "the checkpoint the last run in s3://litz-test/anchored?")
+    # litz.run: none to resume, said in a warning (a bad policy then stops it before anything starts)
+    fails(lambda: litz.run(app, checkpoint_dir=uri("fresh"), resume="auto", checkpoint_policy="nope"), ConfigError,
+          "--checkpoint")
+    assert any("no usable complete checkpoint in s3://litz-test/fresh?" in r.getMessage() for r in caplog.records)
+    leaks = [m for m in [*errors, *(r.getMessage() for r in caplog.records)] if secret in m]
+    assert leaks == []
+
+
 def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     app = testapps.migrating_app(tasks=400, executors=4, move_prob=0.0)

@@ -400,7 +400,7 @@ class CheckpointCoordinator:
             storage.write_timeline(self.location, self.anchor[:2] if self.anchor else None)
         except storage.CheckpointError as exc:
             log.warning("%s: a restart with --resume auto may take a checkpoint of another run in %s",
-                        exc, self.location)
+                        exc, storage.redact(self.location))
 
     def made_dir(self, path: str) -> None:
         """The current round created directory ``path``: it and those numbered after it are this
@@ -424,7 +424,7 @@ class CheckpointCoordinator:
                 pass
         if self.anchor is not None:
             return self.anchor
-        raise storage.NoCheckpoint(f"no complete checkpoint of this run in {self.location} yet")
+        raise storage.NoCheckpoint(f"no complete checkpoint of this run in {storage.redact(self.location)} yet")
 
     def running(self, kind: str) -> tuple[str, str, dict[str, Any], list[tuple[str, list[str]]]] | None:
         """What a partial recovery restores ``kind`` (``shards`` or ``executors``) from: ``(location,

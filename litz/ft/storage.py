@@ -69,7 +69,25 @@ def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
             return pafs.FileSystem.from_uri(root)
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(root))
     except (pa.ArrowInvalid, OSError) as exc:
-        raise CheckpointError(f"cannot open checkpoint storage {root!r}: {exc}") from exc
+        raise CheckpointError(redact(f"cannot open checkpoint storage {root!r}: {exc}")) from exc
+
+
+#: A URI's user part, as ``urllib.parse.urlsplit`` and pyarrow read one: after ``scheme://``, up to
+#: the last ``@`` before the path, query or fragment (``KEY:SECRET@``). Else, one that holds a
+#: ``/`` left unescaped (AWS secret keys often do; pyarrow then refuses the URI, quoting it):
+#: ``user:`` (not a port) up to the last ``@`` before the query. Never past a space or a quote,
+#: so that it applies to a message naming URIs too.
+_USER_PART = re.compile(r"""(?<=://)(?:[^/?#\s'"]*@|[^/?#@\s'"]*:(?!\d*(?:[/?#\s'"]|$))[^?#\s'"]*@)""")
+
+
+def redact(text: str) -> str:
+    """``text`` (a checkpoint location, local path or URI, or a message that names some) as it may
+    be shown: each URI's user part (``s3://KEY:SECRET@bucket/...``) left out, the rest as given.
+    Every message, log line and reply that names a location goes through it: the URI travels in
+    command lines and job options, but what Litz prints must not spread credentials (README:
+    "Litz leaves a URI's user part out of what it prints"). A text, not a parse: it never raises,
+    even on a URI that pyarrow refuses (whose error quotes it)."""
+    return _USER_PART.sub("", text) if "://" in text else text
 
 
 @functools.lru_cache(maxsize=32)
@@ -87,15 +105,14 @@ def display(location: str, path: str) -> str:
     into logs and replies; credentials belong in the environment, where pyarrow reads them."""
     if "://" not in location:
         return path
-    parts = urllib.parse.urlsplit(location)
+    parts = urllib.parse.urlsplit(redact(location))
     try:
         root = _uri_root(location)
     except CheckpointError:
         return path
     if not path.startswith(root):  # not under this root: name the filesystem, not a made-up place
         return f"{parts.scheme}://{path}"
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + path[len(root.rstrip("/")):],
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + path[len(root.rstrip("/")):],
                                     parts.query, ""))
 
 
@@ -220,9 +237,10 @@ def refuse_public(location: str) -> None:
     except OSError:
         return
     if mode & 0o002:
-        raise CheckpointError(f"checkpoint directory {location} is writable by every user (mode {mode & 0o7777:o}): "
+        shown = redact(location)
+        raise CheckpointError(f"checkpoint directory {shown} is writable by every user (mode {mode & 0o7777:o}): "
                               f"its checkpoints hold pickles that --resume loads, so anyone could make the job run "
-                              f"their code; use a directory of yours, or chmod o-w {location}")
+                              f"their code; use a directory of yours, or chmod o-w {shown}")
 
 
 def prepare_root(location: str) -> None:
@@ -232,7 +250,7 @@ def prepare_root(location: str) -> None:
     fs, root = filesystem(location)
     try:
         if fs.get_file_info(root).type == pafs.FileType.File:
-            raise CheckpointError(f"checkpoint directory {location} is a file")
+            raise CheckpointError(f"checkpoint directory {redact(location)} is a file")
         fs.create_dir(root, recursive=True)
         refuse_public(location)
         probe = f"{root}/.litz-write-test-{os.getpid()}"
@@ -240,7 +258,7 @@ def prepare_root(location: str) -> None:
             f.write(b"litz")
         fs.delete_file(probe)
     except OSError as exc:
-        raise CheckpointError(f"cannot use checkpoint directory {location}: {exc}") from exc
+        raise CheckpointError(redact(f"cannot use checkpoint directory {location}: {exc}")) from exc
 
 
 def checkpoint_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str]]:
@@ -316,8 +334,8 @@ def _store(location: str) -> tuple[str, ...]:
     """Which store ``location`` is on, credentials left out: the scheme, host and query of a URI."""
     if "://" not in location:
         return ("local",)
-    parts = urllib.parse.urlsplit(location)
-    return parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.query
+    parts = urllib.parse.urlsplit(redact(location))
+    return parts.scheme, parts.netloc, parts.query
 
 
 def write_timeline(location: str, anchor: tuple[str, str] | None) -> None:
@@ -540,7 +558,7 @@ def find_checkpoint(location: str, since: int | None = None) -> tuple[pafs.FileS
     fs, path = filesystem(location)
     found = _newest_complete(fs, path, since)
     if found is None:
-        raise NoCheckpoint(f"no complete checkpoint in {location} (a checkpoint is complete once its "
+        raise NoCheckpoint(f"no complete checkpoint in {redact(location)} (a checkpoint is complete once its "
                               f"{MANIFEST} is written)")
     chosen, manifest = found
     if manifest.get("partial_of"):

@@ -448,7 +448,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
         resumed = Resume.newest_usable(checkpoint_dir, app, num_executors, num_shards, driver)
         if resumed is None:
-            log.warning("no usable complete checkpoint in %s: starting from scratch", checkpoint_dir)
+            from litz.ft import storage  # (imported by newest_usable already)
+
+            log.warning("no usable complete checkpoint in %s: starting from scratch", storage.redact(checkpoint_dir))
     elif resume:
         resumed = Resume.find(resume, app, num_executors, num_shards)
         resumed.read_driver(driver)  # a damaged driver.pkl is refused before any process starts

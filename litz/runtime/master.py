@@ -538,12 +538,13 @@ class Resume:
         from litz.ft import storage
 
         storage.refuse_public(location)  # (as find)
+        shown = storage.redact(location)  # what messages name: no credentials
         damaged: list[str] = []
         for where, fs, path, manifest in cls._timeline(location):
             try:
                 if manifest is None:  # the anchor: read here, where its damage is skipped as the others'
                     if not storage.has_manifest(fs, path):
-                        raise storage.DamagedCheckpoint(f"the checkpoint the last run in {location} went on from, "
+                        raise storage.DamagedCheckpoint(f"the checkpoint the last run in {shown} went on from, "
                                                         f"{path}, has no {storage.MANIFEST} any more")
                     manifest = storage.read_manifest(fs, path)
                     if manifest.get("partial_of"):
@@ -557,7 +558,7 @@ class Resume:
                 continue
             return resume
         if damaged:  # starting afresh would throw the job's progress away without a word
-            raise storage.DamagedCheckpoint(f"no usable checkpoint in {location}: {'; '.join(damaged)} (remove "
+            raise storage.DamagedCheckpoint(f"no usable checkpoint in {shown}: {'; '.join(damaged)} (remove "
                                             "them, or choose another --checkpoint-dir, to start from scratch)")
         return None
 
