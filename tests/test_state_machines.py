@@ -282,6 +282,29 @@ def test_check_keys_of_many_keys_is_check_key_of_each(keys: object, error: str |
     assert free.check_keys([5, -3, 10**12]) == [5, -3, 10**12] and free.check_keys(["x", 1]) == ["x", 1]
 
 
+def test_int_keys_must_fit_the_int64_a_checkpoint_stores_them_in(tmp_path) -> None:  # noqa: ANN001
+    """Without ``num_rows`` any int was accepted, and the first checkpoint after an update of a key
+    beyond int64 failed (OverflowError writing its shard file), and every one after it: such a key
+    is refused where the others are, naming table and key."""
+    from litz.ft import storage
+
+    free = Table("F", (2,))
+    edge = [-(2**63), 2**63 - 1]
+    assert free.check_keys(edge) == edge and [free.check_key(k) for k in edge] == edge
+    fs, root = storage.filesystem(str(tmp_path))  # what is accepted can be checkpointed
+    storage.write_shards(fs, f"{root}/s.arrow", [("F", 0, k, np.zeros(2)) for k in edge])
+    for bad in (2**63, -(2**63) - 1, np.uint64(2**63 + 5), 10**30):
+        with pytest.raises(TableError, match=rf"table 'F': key {int(bad)} does not fit int64"):
+            free.check_key(bad)
+        with pytest.raises(TableError, match=rf"table 'F': key {int(bad)} does not fit int64"):
+            free.check_keys([1, bad])  # the one-test path of plain ints too
+    with pytest.raises(TableError, match=r"table 'F': key 9223372036854775808 does not fit int64"):
+        free.check_keys(np.array([1, 2**63], np.uint64))
+    with pytest.raises(TableError, match=r"table 'N': num_rows 9223372036854775809 is over 2\*\*63"):
+        Table("N", (1,), num_rows=2**63 + 1)
+    assert Table("N", (1,), num_rows=2**63).check_key(2**63 - 1) == 2**63 - 1
+
+
 def test_initializers_are_pure_functions_of_the_key() -> None:
     t = Table("E", (5,), init=("normal", 0.1), seed=3)
     np.testing.assert_array_equal(t.initial_row(7), t.initial_row(7))

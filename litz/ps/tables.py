@@ -165,6 +165,11 @@ def _key_seed(key: Key) -> int:
     return zlib.crc32(repr(key).encode())
 
 
+#: The keys an int key may be: a checkpoint stores int keys in an int64 column (``storage.SHARD_SCHEMA``),
+#: so a key outside it would be accepted by every update and then fail every checkpoint.
+KEY_MIN, KEY_MAX = -(2**63), 2**63 - 1
+
+
 def is_int(x: Any) -> bool:
     """A Python or NumPy integer, not a bool (which Python counts as one): a count, a size, an id."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -181,7 +186,7 @@ class Table:
         init: ``"zeros"``, ``("full", v)``, ``("normal", std)``, ``("uniform", lo, hi)``, or
             ``fn(key, shape, dtype) -> array``: rows are created on first touch.
         combiner: ``"add"``, ``"min"``, ``"max"``, ``"assign"`` or a ``Combiner``.
-        num_rows: if set, keys must be ints in ``[0, num_rows)``; otherwise ints or strings.
+        num_rows: if set, keys must be ints in ``[0, num_rows)``; otherwise ints (int64) or strings.
         seed: seeds the random initializers (per key, so any server makes the same row).
         distance: how far a row has moved from its checkpointed copy, for priority (SCAR)
             checkpoints: ``"l2"`` (default), ``"l1"``, ``"tv"`` (length-scaled total variation of
@@ -217,6 +222,9 @@ class Table:
             raise TableError(f"table {self.name!r}: dtype {self.dtype} is not numeric (bool, int, float or complex)")
         if self.num_rows is not None and not (is_int(self.num_rows) and self.num_rows > 0):
             raise TableError(f"table {self.name!r}: num_rows must be a positive int or None, got {self.num_rows!r}")
+        if self.num_rows is not None and self.num_rows > KEY_MAX + 1:
+            raise TableError(f"table {self.name!r}: num_rows {self.num_rows} is over 2**63 (checkpoints store int "
+                             f"keys as int64)")
         self._row_nbytes = math.prod(self.shape) * self.dtype.itemsize  # asked for every row logged or sent
         if isinstance(self.combiner, str):
             if self.combiner not in COMBINERS:
@@ -272,6 +280,9 @@ class Table:
             key = int(key)
             if self.num_rows is not None and not 0 <= key < self.num_rows:
                 raise TableError(f"table {self.name!r}: key {key} out of range [0, {self.num_rows})")
+            if not KEY_MIN <= key <= KEY_MAX:  # (checkpoints would fail on it, every one after the update)
+                raise TableError(f"table {self.name!r}: key {key} does not fit int64 (ints in [-2**63, 2**63) "
+                                 f"expected: checkpoints store int keys as int64)")
             return key
         if isinstance(key, str) and self.num_rows is None:
             try:  # a lone surrogate cannot be hashed to its shard (nor travel): refused here, named
@@ -304,7 +315,8 @@ class Table:
                 raise TableError(f"table {self.name!r}: keys must be a list (or any iterable) of keys, got "
                                  f"{type(keys).__name__} {keys!r:.40}; for one key use get or update") from None
         if keys and set(map(type, keys)) == {int} and (
-                self.num_rows is None or (min(keys) >= 0 and max(keys) < self.num_rows)):
+                (KEY_MIN <= min(keys) and max(keys) <= KEY_MAX) if self.num_rows is None
+                else (min(keys) >= 0 and max(keys) < self.num_rows)):
             return list(keys)
         return [self.check_key(k) for k in keys]
 
