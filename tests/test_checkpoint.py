@@ -615,6 +615,31 @@ def test_checkpoint_then_resume_restores_tables_executors_and_driver(tmp_path: P
     assert processes_mentioning(first.job) == [] and processes_mentioning(second.job) == []
 
 
+def test_resume_auto_reads_a_timeline_record_of_the_earlier_layout(tmp_path: Path) -> None:
+    """``TIMELINE.json`` as written before anchors were recorded by name (same format, 1) held the
+    anchor's root and path: ``{"location": L, "path": P}``. Its path was dropped, the root taken for
+    the checkpoint: ``--resume auto`` then found no manifest there and refused the directory."""
+    from litz.runtime.master import Resume
+
+    loc, other = str(tmp_path / "d"), str(tmp_path / "o")
+
+    def made(where: str) -> str:
+        fs, root = storage.filesystem(where)
+        path = storage.new_checkpoint_dir(fs, root)
+        storage.write_manifest(fs, path, _full_manifest())
+        return path
+
+    a0, a1, o0 = made(loc), made(loc), made(other)
+    for where, path in ((loc, a0), (other, o0)):
+        Path(loc, storage.TIMELINE).write_text(json.dumps(
+            {"format": 1, "after": storage.checkpoint_seq(a1), "anchor": {"location": where, "path": path}}))
+        assert storage.read_timeline(loc) == (storage.checkpoint_seq(a1), (where, path))
+        assert [(w, p, m is None) for w, _, p, m in Resume._timeline(loc)] == [(where, path, True)]
+    Path(loc, storage.TIMELINE).write_text(json.dumps(
+        {"format": 1, "after": 1, "anchor": {"location": loc, "path": 7}}))
+    assert storage.read_timeline(loc) is None  # damaged: said, and the directory's newest is taken
+
+
 def test_messages_leave_the_user_part_of_a_checkpoint_uri_out(s3_bucket: str, caplog) -> None:  # noqa: ANN001
     """README: "Litz leaves a URI's user part out of what it prints". The errors and warnings that
     name a checkpoint location (storage, the coordinator, ``--resume auto``, ``litz.run``) named it

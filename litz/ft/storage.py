@@ -368,9 +368,11 @@ def write_timeline(location: str, anchor: tuple[str, str] | None) -> None:
 
 def read_timeline(location: str) -> tuple[int, tuple[str, str] | None] | None:
     """What :func:`write_timeline` recorded at ``location``: ``(after, anchor)``, the anchor as
-    ``(location, path)``; None where there is no record (a directory of checkpoints from before
-    session 44, or none) or a damaged one, said in a warning (the directory's newest is taken
-    then, as before). Storage that does not answer raises."""
+    ``(location, path)``, also from a record of before anchors were named by name or as
+    ``--resume`` takes them (``{"location": its root as given, "path": its directory}``); None
+    where there is no record (a directory of checkpoints from before session 44, or none) or a
+    damaged one, said in a warning (the directory's newest is taken then, as before). Storage
+    that does not answer raises."""
     fs, root = filesystem(location)
     where = f"{root}/{TIMELINE}"
     try:
@@ -383,7 +385,7 @@ def read_timeline(location: str) -> tuple[int, tuple[str, str] | None] | None:
         after, anchor = body["after"], body["anchor"]
         if body.get("format") != FORMAT or not isinstance(after, int) or not (
                 anchor is None or isinstance(anchor.get("name"), str) and _CKPT.match(anchor["name"])
-                or isinstance(anchor.get("location"), str)):
+                or isinstance(anchor.get("location"), str) and isinstance(anchor.get("path", ""), str)):
             raise ValueError("unexpected fields")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("%s is damaged (%s): the newest checkpoint there is taken", where, exc)
@@ -392,6 +394,8 @@ def read_timeline(location: str) -> tuple[int, tuple[str, str] | None] | None:
         return after, None
     if "name" in anchor:
         return after, (location, f"{root}/{anchor['name']}")
+    if "path" in anchor:  # a record of before (format 1 still): the root as given, the checkpoint's path in it
+        return after, (anchor["location"], anchor["path"])
     return after, (anchor["location"], filesystem(anchor["location"])[1])
 
 
