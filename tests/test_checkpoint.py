@@ -444,6 +444,44 @@ def test_an_unusable_checkpoint_directory_is_refused_before_the_job_starts(tmp_p
             litz.run(app, workers=1, servers=1, **kwargs)
 
 
+def test_resume_refuses_a_checkpoint_whose_directory_or_files_every_user_may_write(tmp_path: Path) -> None:
+    """Only the root given was checked for ``o+w``: a ``ckpt-*`` directory, or its driver.pkl, that
+    every user may write (made under a umask of 0) was resumed from, though anyone could have
+    replaced its pickles. Such a checkpoint is refused (not skipped for an older one), naming
+    it; and what a job writes is never ``o+w``, whatever the umask."""
+    from litz.runtime.master import Resume
+
+    root = tmp_path / "ckpt"
+    old = os.umask(0)
+    try:  # a job run under umask 0: nothing it makes may be changed by every user
+        storage.prepare_root(str(root))
+        storage.write_timeline(str(root), None)  # a fresh run: both checkpoints below are its own
+        fs, path = storage.filesystem(str(root))
+        older = storage.new_checkpoint_dir(fs, path)
+        storage.write_bytes(fs, f"{older}/driver.pkl", b"(pickle)")
+        storage.write_manifest(fs, older, _full_manifest())
+        newer = storage.new_checkpoint_dir(fs, path)
+        storage.write_shards(fs, f"{newer}/shards-0.arrow", [("t", 0, 1, np.zeros(1))])
+        storage.write_bytes(fs, f"{newer}/driver.pkl", b"(pickle)")
+        storage.write_manifest(fs, newer, _full_manifest(shards_files=["shards-0.arrow"]))
+    finally:
+        os.umask(old)
+    made = [root, *root.rglob("*")]
+    assert len(made) == 9 and [p for p in made if p.stat().st_mode & 0o002] == []
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    for public in (Path(newer), Path(newer, "driver.pkl"), Path(newer, storage.MANIFEST),
+                   Path(newer, "shards-0.arrow")):
+        mode = public.stat().st_mode & 0o7777
+        public.chmod(mode | 0o002)
+        what = "directory" if public.is_dir() else "file"
+        why = f"checkpoint {what} {public} is writable by every user .mode {mode | 0o002:o}.*chmod -R o-w {newer}"
+        with pytest.raises(storage.CheckpointError, match=why):
+            Resume.find(str(root), app, None, 64)
+        with pytest.raises(storage.CheckpointError, match=why):  # not skipped: an older one is no answer
+            Resume.newest_usable(str(root), app, None, 64, app.driver())
+        public.chmod(mode)
+
+
 class _StorageVanishingDriver(testapps.MigratingDriver):
     """Takes a checkpoint; once it is written turns the checkpoint directory into a file and asks
     for another (which cannot make its directory); once that failed puts the directory back and

@@ -128,9 +128,21 @@ def warm_up() -> None:
     pa.ipc.open_file(sink.getvalue()).read_all()
 
 
+def _not_public(fs: pafs.FileSystem, path: str) -> None:
+    """Take every user's write permission off the local file or directory ``path`` just made: under a
+    umask of 0 (a container's default) it was made ``o+w``, and :func:`refuse_checkpoint_public`
+    refuses to resume from such a checkpoint (anyone could replace its pickles). Other stores have
+    their own access control."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        mode = os.stat(path).st_mode
+        if mode & 0o002:
+            os.chmod(path, mode & 0o7775)
+
+
 def _write_table(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
     with fs.open_output_stream(path) as out, pa.ipc.new_file(out, table.schema) as writer:
         writer.write_table(table)
+    _not_public(fs, path)
 
 
 def _read_table(fs: pafs.FileSystem, path: str) -> pa.Table:
@@ -213,6 +225,7 @@ def read_executor_rows(fs: pafs.FileSystem, path: str, executors: set[int]) -> d
 def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     with fs.open_output_stream(path) as out:
         out.write(data)
+    _not_public(fs, path)
 
 
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
@@ -227,8 +240,9 @@ def refuse_public(location: str) -> None:
     """Refuse a local checkpoint directory that every user may write (``o+w``, sticky or not): its
     checkpoints hold pickles (the driver's state, executors' states) that ``--resume`` and a full
     recovery load, so anyone could plant a newer checkpoint, or replace a file, and have the job
-    run their code. A missing directory is made later with this user's umask. Network stores
-    (S3) have their own access control."""
+    run their code. A missing directory is made later, not ``o+w`` (:func:`prepare_root`). Network
+    stores (S3) have their own access control. The checkpoint chosen in it is checked as well
+    (:func:`refuse_checkpoint_public`)."""
     fs, root = filesystem(location)
     if not isinstance(fs, pafs.LocalFileSystem):
         return
@@ -243,15 +257,41 @@ def refuse_public(location: str) -> None:
                               f"their code; use a directory of yours, or chmod o-w {shown}")
 
 
+def refuse_checkpoint_public(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> None:
+    """Refuse the local checkpoint ``path`` chosen to resume from if its directory, or a file of it
+    that the job will load (its manifest and every file the manifest lists), may be written by
+    every user: :func:`refuse_public` checks only the directory given, and anyone could have
+    replaced the driver's or executors' pickles in a ``ckpt-*`` made ``o+w`` (a umask of 0) under
+    a private root. Whoever owns it: every user may change such a file. A file that is missing is
+    left to :func:`verify_files`, which names it."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    names = [MANIFEST, *manifest.get("shards_files", []), *manifest.get("executors_files", []),
+             *manifest.get("executor_rows_files", []), *([manifest["driver"]] if "driver" in manifest else [])]
+    for where in [path, *(f"{path}/{name}" for name in names)]:
+        try:
+            mode = os.stat(where).st_mode
+        except OSError:
+            continue
+        if mode & 0o002:
+            what = "directory" if where == path else "file"
+            raise CheckpointError(f"checkpoint {what} {where} is writable by every user (mode {mode & 0o7777:o}): "
+                                  f"anyone could have replaced what the job would load from it (pickles, which run "
+                                  f"code); check it, then chmod -R o-w {path} to resume from it")
+
+
 def prepare_root(location: str) -> None:
     """Make the checkpoint root ``location`` if it is missing and check that a file can be written
     there, so that a job given an unusable one (a file, a read-only or full filesystem) is refused
     before it starts rather than failing its first checkpoint."""
     fs, root = filesystem(location)
     try:
-        if fs.get_file_info(root).type == pafs.FileType.File:
+        kind = fs.get_file_info(root).type
+        if kind == pafs.FileType.File:
             raise CheckpointError(f"checkpoint directory {redact(location)} is a file")
         fs.create_dir(root, recursive=True)
+        if kind == pafs.FileType.NotFound:  # made here: not o+w, whatever the umask (one given so is refused)
+            _not_public(fs, root)
         refuse_public(location)
         probe = f"{root}/.litz-write-test-{os.getpid()}"
         with fs.open_output_stream(probe) as f:
@@ -300,6 +340,7 @@ def new_checkpoint_dir(fs: pafs.FileSystem, root: str, last: str | None = None) 
     path = f"{root}/ckpt-{seq:06d}"
     try:
         fs.create_dir(path, recursive=True)
+        _not_public(fs, path)
     except OSError as exc:  # full, read-only or vanished storage; pyarrow raises OSError for them all
         raise CheckpointError(f"cannot create checkpoint directory {path}: {exc}") from exc
     return path

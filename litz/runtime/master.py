@@ -521,7 +521,8 @@ class Resume:
         (not in a directory every user may write: its pickles are loaded)."""
         from litz.ft import storage  # pyarrow: imported by the first checkpoint or restore, not at start
         storage.refuse_public(location)
-        _, path, manifest = storage.find_checkpoint(location)
+        fs, path, manifest = storage.find_checkpoint(location)
+        storage.refuse_checkpoint_public(fs, path, manifest)  # (its directory and files too)
         return cls._checked(location, path, manifest, app, num_executors, num_shards)
 
     @classmethod
@@ -549,6 +550,7 @@ class Resume:
                     manifest = storage.read_manifest(fs, path)
                     if manifest.get("partial_of"):
                         raise storage.DamagedCheckpoint(f"{path} is a partial checkpoint, not a full one")
+                storage.refuse_checkpoint_public(fs, path, manifest)  # refused, not skipped: someone must look
                 resume = cls._checked(where, path, manifest, app, num_executors, num_shards)
                 storage.verify_files(fs, path, manifest)
                 resume.read_driver(driver)
