@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import random
 import re
 from collections import deque
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -1234,26 +1236,26 @@ def test_keys_and_deltas_that_are_not_what_they_seem_are_refused_naming_the_tabl
 
 
 def test_straggler_relief_moves_one_executor_at_a_time_until_the_rounds_even_out() -> None:
-    """Without sockets: workers report their tasks' total run time and count; each decision
-    (every interval, with enough tasks measured on every worker holding executors) moves one
-    executor from the longest round (executors × time per task) to where one more keeps the
-    round shortest, if the job's longest round gets shorter by the factor. Equal workers never
-    trade executors; a worker not measured yet holds the decision back."""
+    """Without sockets: workers report each executor's total task run time and count there; each
+    decision (every interval, with enough tasks measured on every worker holding executors) moves
+    one executor from the longest round (the sum of its executors' times per task) to where it
+    keeps the round shortest, if the job's longest round gets shorter by the factor. Equal workers
+    never trade executors; a worker not measured yet holds the decision back."""
     from litz.runtime.stragglers import StragglerRelief, from_options
 
     relief = StragglerRelief(factor=1.25, interval=1.0, min_tasks=5)
     per_task = {"w0": 0.008, "w1": 0.002, "w2": 0.002}
-    held = {"w0": 4, "w1": 4, "w2": 0}  # w2 joined: its speed is not known yet
-    totals = {w: [0.0, 0] for w in per_task}
+    held = {"w0": [0, 1, 2, 3], "w1": [4, 5, 6, 7], "w2": []}  # w2 joined: its speed is not known yet
+    totals = {(w, e): [0.0, 0] for w in per_task for e in range(8)}
 
-    def run(seconds: float, now: float) -> tuple[str, str] | None:
-        for w, n in held.items():  # each worker runs its executors' tasks one after another
-            if n:
-                ran = int(seconds / per_task[w])
-                totals[w][0] += ran * per_task[w]
-                totals[w][1] += ran
-                relief.observe(w, *totals[w])
-        return relief.decide(now, dict(held))
+    def run(seconds: float, now: float) -> tuple[int, str, str] | None:
+        for w, eids in held.items():  # each worker runs its executors' tasks one after another
+            for e in eids:
+                ran = int(seconds / per_task[w] / len(eids))
+                totals[w, e][0] += ran * per_task[w]
+                totals[w, e][1] += ran
+                relief.observe(w, e, *totals[w, e])
+        return relief.decide(now, {w: list(eids) for w, eids in held.items()})
 
     assert run(0.5, 0.0) is None  # the first call starts the measure
     assert run(0.5, 0.5) is None  # too soon
@@ -1262,20 +1264,21 @@ def test_straggler_relief_moves_one_executor_at_a_time_until_the_rounds_even_out
         move = run(1.0, float(now))
         if move is not None:
             moves.append(move)
-            held[move[0]] -= 1
-            held[move[1]] += 1
-    assert moves == [("w0", "w1"), ("w0", "w1")] and held == {"w0": 2, "w1": 6, "w2": 0}
+            held[move[1]].remove(move[0])
+            held[move[2]].append(move[0])
+    assert moves == [(3, "w0", "w1"), (2, "w0", "w1")] and held == {"w0": [0, 1], "w1": [4, 5, 6, 7, 3, 2], "w2": []}
 
     even = StragglerRelief(factor=1.25, interval=1.0, min_tasks=5)
     for now in range(5):
-        for w in ("a", "b"):
-            even.observe(w, now * 1.0, now * 100)
-        assert even.decide(float(now), {"a": 4, "b": 5}) is None  # one more on a would be as long a round
+        for w, eids in (("a", range(4)), ("b", range(4, 9))):
+            for e in eids:
+                even.observe(w, e, now * 1.0, now * 100)
+        assert even.decide(float(now), {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7, 8]}) is None  # as long a round on a
     waiting = StragglerRelief(factor=1.25, interval=1.0, min_tasks=5)
-    waiting.observe("a", 0.0, 0)
-    assert waiting.decide(0.0, {"a": 4, "b": 4}) is None
-    waiting.observe("a", 1.0, 10)  # b holds executors but never reported: no decision
-    assert waiting.decide(2.0, {"a": 4, "b": 4}) is None
+    waiting.observe("a", 0, 0.0, 0)
+    assert waiting.decide(0.0, {"a": [0], "b": [1]}) is None
+    waiting.observe("a", 0, 1.0, 10)  # b holds executors but never reported: no decision
+    assert waiting.decide(2.0, {"a": [0], "b": [1]}) is None
     assert from_options({}) is None and from_options({"straggler_relief": True}).factor == 1.25
     with pytest.raises(ValueError, match="factor must be > 1"):
         from_options({"straggler_relief": 1.0})
@@ -1284,3 +1287,67 @@ def test_straggler_relief_moves_one_executor_at_a_time_until_the_rounds_even_out
 
     with pytest.raises(litz.ConfigError, match="straggler relief: the straggler factor must be > 1"):
         litz.run(testapps.straggler_app(2, 1.0, 0.0, 0.0), options={"straggler_relief": 0.5})  # before any start
+
+
+def _relieve(costs: list[float], speed: dict[str, Callable[[int], float]], rounds: int = 30
+             ) -> tuple[list[tuple[int, str, str]], list[float], dict[int, str]]:
+    """A bulk-synchronous job fed to straggler relief as the master feeds it: every round each
+    executor runs one task, executor e's taking ``costs[e] * speed[w](round)`` on worker w; the
+    executors start spread evenly, in order. The moves made, each round's longest worker time,
+    and where the executors end."""
+    from litz.runtime.stragglers import StragglerRelief
+
+    workers = list(speed)
+    place = {e: workers[e * len(workers) // len(costs)] for e in range(len(costs))}
+    relief = StragglerRelief(factor=1.25, interval=1.0, min_tasks=1)
+    totals: dict[tuple[str, int], list[float]] = {}
+    relief.decide(0.0, {})
+    moves, longest = [], []
+    for r in range(rounds):
+        took = {e: costs[e] * speed[w](r) for e, w in place.items()}
+        longest.append(max(sum(t for e, t in took.items() if place[e] == w) for w in workers))
+        for e, w in place.items():
+            total = totals.setdefault((w, e), [0.0, 0])
+            total[0] += took[e]
+            total[1] += 1
+            relief.observe(w, e, total[0], int(total[1]))
+        move = relief.decide(r + 1.0, {w: [e for e, x in place.items() if x == w] for w in workers})
+        if move is not None:
+            moves.append(move)
+            place[move[0]] = move[2]
+            relief.restart(r + 1.0)
+    return moves, longest, place
+
+
+def test_straggler_relief_does_not_move_costly_executors_between_workers_of_one_speed() -> None:
+    """Executors may differ in cost (a bigger partition). Relief judged a worker's speed by its
+    mean time per task, so the worker holding a costly executor looked slow: with costs 1, 1, 1
+    and 5 on three equal workers the costly executor moved at every decision (30 moves in 30),
+    and with costs 1 and 5 on two it moved onto the other worker, whose round went from 1 to 6
+    (the job's from 5 to 6), leaving a worker empty. Each executor's own time decides now."""
+    def equal(_: int) -> float:
+        return 1.0
+
+    moves, longest, _ = _relieve([1, 1, 1, 5], {"w0": equal, "w1": equal, "w2": equal})
+    assert moves == [] and max(longest) == 5
+    moves, longest, place = _relieve([1, 5], {"w0": equal, "w1": equal})
+    assert moves == [] and max(longest) == 5 and set(place.values()) == {"w0", "w1"}
+    rng = random.Random(7)
+    for _ in range(300):  # equal workers, executors of random costs: no executor moves twice, no round grows
+        workers = rng.choice([2, 3, 4])
+        costs = [rng.choice([1, 1, 1, 2, 3, 5, 8]) for _ in range(rng.randint(workers, 10))]
+        moves, longest, _ = _relieve(costs, dict.fromkeys((f"w{i}" for i in range(workers)), equal))
+        assert len({e for e, _, _ in moves}) == len(moves) and max(longest[1:], default=0) <= longest[0], (costs, moves)
+
+
+def test_straggler_relief_moves_the_executor_whose_move_shortens_the_longest_round() -> None:
+    """Equal workers, costs 2, 2, 4 on w0 and 1, 1, 1 on w1 (rounds 8 and 3): moving executor 1
+    gives 6 and 5; moving executor 2, the one the master used to take (the highest), would give 4
+    and 7. Off a worker 4 times slower (costs all 1, rounds 12, 3 and 3) executors still move."""
+    def equal(_: int) -> float:
+        return 1.0
+
+    moves, longest, _ = _relieve([2, 2, 4, 1, 1, 1], {"w0": equal, "w1": equal})
+    assert moves == [(1, "w0", "w1")] and longest[-1] == 6
+    moves, longest, place = _relieve([1] * 9, {"w0": lambda _: 4.0, "w1": equal, "w2": equal})
+    assert [m[1] for m in moves] == ["w0"] and longest[0] == 12 and longest[-1] == 8

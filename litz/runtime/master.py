@@ -2394,18 +2394,17 @@ class Master:
             return
         for gone in [w for w in relief.known() if w not in st.workers or w in self.lost]:
             relief.forget(gone)
-        counts = dict.fromkeys((w for w in st.workers if w not in self.lost and w not in self.retiring), 0)
-        for worker in st.placement.values():
-            if worker in counts:
-                counts[worker] += 1
-        move = relief.decide(now, counts)
+        held: dict[str, list[int]] = {w: [] for w in st.workers if w not in self.lost and w not in self.retiring}
+        for eid, worker in sorted(st.placement.items()):
+            if worker in held:
+                held[worker].append(eid)
+        move = relief.decide(now, held)
         if move is None:
             return
-        src, dst = move
-        eid = max(e for e, w in st.placement.items() if w == src)
+        eid, src, dst = move
         if self.move_executors([eid], dst):
             log.warning("straggler relief: executor %d moves from %s to %s (%s)", eid, src, dst,
-                        relief.describe(src, dst))
+                        relief.describe(eid, src, dst))
             self.straggler_moves.append({"executor": eid, "from": src, "to": dst, "time": time.time()})
 
     def on_ship_ready(self, msg: Message) -> None:
@@ -2445,10 +2444,12 @@ class Master:
         assert self.state is not None
         busy = msg.get("busy")
         if self.relief is not None and busy is not None and msg.sender not in self.lost:
-            if (isinstance(busy, list) and len(busy) == 2 and isinstance(busy[0], (int, float))
-                    and not isinstance(busy[0], bool) and math.isfinite(busy[0]) and busy[0] >= 0
-                    and is_int(busy[1]) and busy[1] >= 0):
-                self.relief.observe(msg.sender, busy[0], int(busy[1]))
+            if isinstance(busy, list) and all(
+                    isinstance(b, list) and len(b) == 3 and is_int(b[0]) and isinstance(b[1], (int, float))
+                    and not isinstance(b[1], bool) and math.isfinite(b[1]) and b[1] >= 0
+                    and is_int(b[2]) and b[2] >= 0 for b in busy):
+                for eid, seconds, tasks in busy:
+                    self.relief.observe(msg.sender, int(eid), seconds, int(tasks))
             else:
                 log.warning("malformed busy report from %s: %.100r; ignored", msg.sender, busy)
         for task_id, tb in self._reports(msg, "failed"):

@@ -107,7 +107,7 @@ MESSAGES: dict[str, MessageType] = _declare(
     # master -> worker: micro-tasks, each [task_id, executor_id, version, args]
     MessageType("tasks", {"tasks": "list"}),
     # worker -> master: finished tasks [task_id, result] and failed ones [task_id, traceback];
-    # "busy": [seconds its tasks have run in all, how many ran] (straggler relief)
+    # "busy": [[executor, seconds its tasks have run here in all, how many ran], ...] (straggler relief)
     MessageType("done", {"completed": "list", "failed": "list", "busy?": "list"}),
     # worker/master -> server: read rows; items are [table, keys]
     MessageType("get", {"rid": "int", "items": "list"}),

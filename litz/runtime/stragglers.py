@@ -6,9 +6,10 @@ cores, so the job's slowest executors are those of the slowest worker, and a dri
 its executors in step (BSP, SSP, block rotation) runs at their pace. Moving executors off it
 until the workers take about as long for one task of each of their executors evens that out.
 
-Each worker tells the master, with its completions, how long its tasks have run in all (wall
-time while a task runs, not while it waits for a read: a slow server is not the worker's doing)
-and how many ran. This module, without sockets, turns those reports into moves.
+Each worker tells the master, with its completions, how long the tasks of each of its executors
+have run in all there (wall time while a task runs, not while it waits for a read: a slow server
+is not the worker's doing) and how many ran. This module, without sockets, turns those reports
+into moves.
 """
 
 from __future__ import annotations
@@ -22,32 +23,44 @@ DEFAULT_MIN_TASKS = 8  # tasks a worker must have run since the last decision fo
 
 
 @dataclass
-class _Worker:
-    busy: float = 0.0  # its reported totals, the newest
+class _Executor:
+    worker: str | None = None  # the worker whose totals these are (None: it was forgotten)
+    busy: float = 0.0  # that worker's totals for this executor, the newest
     tasks: int = 0
     base_busy: float = 0.0  # the totals at the start of the current measure
     base_tasks: int = 0
-    per_task: float | None = None  # seconds per task, as last measured
+    per_task: float | None = None  # seconds per task, as last measured (perhaps on the worker it came from)
 
 
 @dataclass
 class StragglerRelief:
-    """Decides, every ``interval`` seconds, whether one executor should move and from where to where.
+    """Decides, every ``interval`` seconds, whether one executor should move, from where to where.
 
-    A worker holding n executors whose tasks take t seconds each needs n·t for one task of each:
-    its *round*. The executor moves from the worker with the longest round to the worker whose
-    round, with one executor more, stays shortest, if that shortens the longest round of the job
-    by at least ``factor`` (1.25: a fifth less). So a worker that is twice as slow ends up with
-    about half as many executors, and moves stop once the rounds are within ``factor`` of each
-    other: no executor bounces between two workers of the same speed. Each decision needs at
-    least ``min_tasks`` tasks measured on every worker holding executors since the last one;
-    a worker holding none (just joined, or emptied) may take an executor once its speed is known.
+    Executors may differ in cost (a bigger data partition, a costlier model block), so each is
+    measured on its own: a worker's *round*, the time it needs for one task of each of its
+    executors, is the sum of their times per task. The decision takes the worker with the
+    longest round, and predicts, for each of its executors and each other worker holding
+    executors, the rounds after that executor moved: the source's less the executor's time per
+    task, the destination's plus the same time. It moves the executor whose move gives the
+    shortest longest round, if that is shorter than the job's longest round now by at least
+    ``factor`` (1.25: a fifth less).
+
+    The prediction assumes the executor runs as fast on the destination as on the source: with
+    executors of unequal cost a worker's speed cannot be told from its executors' times (a worker
+    holding a costly executor looks slow), and taking it for slow moved costly executors back
+    and forth between workers of the same speed, or onto a worker where they made the longest
+    round longer. Moving off a slower worker is then predicted more costly than it is, so relief
+    moves less than it could, never so that the rounds come out worse for workers of one speed.
+    Each decision needs at least ``min_tasks`` tasks measured on every worker holding executors
+    since the last one. A worker holding none (just joined) takes none: its speed is unknown.
     """
 
     factor: float = DEFAULT_FACTOR
     interval: float = DEFAULT_INTERVAL
     min_tasks: int = DEFAULT_MIN_TASKS
-    _workers: dict[str, _Worker] = field(default_factory=dict)
+    _executors: dict[int, _Executor] = field(default_factory=dict)
+    _reported: set[str] = field(default_factory=set)
+    _rounds: dict[str, float] = field(default_factory=dict)  # each worker's round, at the last decision
     _since: float | None = None
 
     def __post_init__(self) -> None:
@@ -56,70 +69,77 @@ class StragglerRelief:
         if not self.interval > 0 or self.min_tasks < 1:
             raise ValueError(f"interval must be > 0 and min_tasks >= 1, got {self.interval} and {self.min_tasks}")
 
-    def observe(self, worker: str, busy: float, tasks: int) -> None:
-        """``worker``'s totals so far: seconds its tasks ran, and how many ran."""
-        w = self._workers.setdefault(worker, _Worker())
-        if tasks < w.tasks:  # (cannot happen: totals only grow; a replaced process starts a new record)
-            self._workers[worker] = w = _Worker()
-        w.busy, w.tasks = float(busy), int(tasks)
+    def observe(self, worker: str, executor: int, busy: float, tasks: int) -> None:
+        """``worker``'s totals so far for ``executor``: seconds its tasks ran there, and how many ran."""
+        self._reported.add(worker)
+        e = self._executors.setdefault(executor, _Executor())
+        if e.worker != worker or tasks < e.tasks:  # it moved here (or came back: its new tasks count from now)
+            e.worker, e.base_busy, e.base_tasks = worker, float(busy), int(tasks)
+        e.busy, e.tasks = float(busy), int(tasks)
 
     def known(self) -> list[str]:
         """The workers that reported."""
-        return list(self._workers)
+        return list(self._reported)
 
-    def describe(self, src: str, dst: str) -> str:
-        """Why an executor moves from ``src`` to ``dst`` (for the log)."""
-        a, b = self._workers[src].per_task, self._workers[dst].per_task
-        assert a is not None and b is not None
-        return f"a task takes {a * 1e3:.1f} ms on {src}, {b * 1e3:.1f} ms on {dst}"
+    def describe(self, executor: int, src: str, dst: str) -> str:
+        """Why ``executor`` moves from ``src`` to ``dst`` (for the log), from the last decision's figures."""
+        cost = self._executors[executor].per_task
+        assert cost is not None
+        return (f"its task takes {cost * 1e3:.1f} ms; one task of each executor takes "
+                f"{self._rounds[src] * 1e3:.1f} ms on {src}, {self._rounds[dst] * 1e3:.1f} ms on {dst}")
 
     def forget(self, worker: str) -> None:
-        """``worker`` is gone (lost, or retired)."""
-        self._workers.pop(worker, None)
+        """``worker`` is gone (lost, or retired): its executors' measures start anew where they go."""
+        self._reported.discard(worker)
+        for e in self._executors.values():
+            if e.worker == worker:
+                e.worker = None
 
     def restart(self, now: float) -> None:
         """Measure anew from ``now`` (after moves made by others, a recovery or a scale: the
         counts the last measure saw are stale)."""
         self._since = now
-        for w in self._workers.values():
-            w.base_busy, w.base_tasks = w.busy, w.tasks
+        for e in self._executors.values():
+            e.base_busy, e.base_tasks = e.busy, e.tasks
 
-    def decide(self, now: float, executors: dict[str, int]) -> tuple[str, str] | None:
-        """``(from, to)`` for one executor to move, or None. ``executors``: how many each live
-        worker holds now (those that may take part)."""
+    def decide(self, now: float, held: dict[str, list[int]]) -> tuple[int, str, str] | None:
+        """``(executor, from, to)`` for one executor to move, or None. ``held``: the executors each
+        live worker holds now (those that may take part)."""
         if self._since is None:
             self.restart(now)
             return None
         if now - self._since < self.interval:
             return None
-        for ident, n in executors.items():
-            w = self._workers.get(ident)
-            ran = 0 if w is None else w.tasks - w.base_tasks
-            if w is not None and ran >= self.min_tasks:
-                w.per_task = (w.busy - w.base_busy) / ran
-            elif n > 0:
+        for ident, eids in held.items():
+            mine = [e for eid in eids if (e := self._executors.get(eid)) is not None and e.worker == ident]
+            if eids and sum(e.tasks - e.base_tasks for e in mine) < self.min_tasks:
                 return None  # not measured enough yet: wait (the measure goes on)
+        cost: dict[int, float] = {}
+        for ident, eids in held.items():
+            for eid in eids:
+                e = self._executors.get(eid)
+                if e is not None and e.worker == ident and e.tasks > e.base_tasks:
+                    e.per_task = (e.busy - e.base_busy) / (e.tasks - e.base_tasks)
+                # one that ran no task since it came here counts as it last ran; one that never ran costs nothing
+                cost[eid] = 0.0 if e is None or e.per_task is None else e.per_task
         self.restart(now)
-        speed = {ident: w.per_task for ident in executors
-                 if (w := self._workers.get(ident)) is not None and w.per_task is not None}
-        rounds = {ident: executors[ident] * t for ident, t in speed.items() if executors[ident] > 0}
-        if len(speed) < 2 or not rounds:
+        self._rounds = rounds = {ident: sum(cost[eid] for eid in eids) for ident, eids in held.items() if eids}
+        if len(rounds) < 2:
             return None
         src = max(rounds, key=lambda i: rounds[i])
         longest = rounds[src]
-        best: tuple[float, str] | None = None
-        for dst in speed:
-            if dst == src:
-                continue
-            after = dict(rounds)
-            after[src] = (executors[src] - 1) * speed[src]
-            after[dst] = (executors[dst] + 1) * speed[dst]
-            worst = max(after.values())
-            if best is None or worst < best[0]:
-                best = (worst, dst)
+        best: tuple[float, int, str] | None = None
+        for eid in sorted(held[src], reverse=True):
+            for dst in rounds:
+                if dst == src or cost[eid] <= 0.0:
+                    continue
+                worst = max([r for i, r in rounds.items() if i not in (src, dst)]
+                            + [longest - cost[eid], rounds[dst] + cost[eid]])
+                if best is None or worst < best[0]:
+                    best = (worst, eid, dst)
         if best is None or best[0] * self.factor > longest:
             return None
-        return src, best[1]
+        return best[1], src, best[2]
 
 
 def from_options(options: dict[str, Any]) -> StragglerRelief | None:

@@ -157,6 +157,8 @@ class Worker(Node):
         self.tasks_forwarded = 0
         self.tasks_run = 0
         self.busy = 0.0  # seconds tasks have run here, not counting their waits for reads (stragglers.py)
+        # the same, and how many ran, for each executor: executors may differ in cost (stragglers.py)
+        self.busy_by: dict[int, list[float]] = {}
         self.tasks_failed = 0
         self.update_errors: list[str] = []
         self._rollback_from: tuple[str, int] | None = None  # the master waiting for rolled_back, its round
@@ -702,6 +704,10 @@ class Worker(Node):
             self._idle_runners.append(greenlet.getcurrent())
             task = self.hub.switch()
 
+    def _ran(self, eid: int) -> None:
+        """A task of executor ``eid`` ended (completed or failed): one more for its measure."""
+        self.busy_by.setdefault(eid, [0.0, 0])[1] += 1
+
     def _task_body(self, task: Task) -> None:
         slot = self.slots[task.executor_id]
         slot.glet = greenlet.getcurrent()
@@ -711,6 +717,7 @@ class Worker(Node):
             raise
         except BaseException:  # SystemExit from user code is a task failure too, not the worker's end
             self.tasks_failed += 1
+            self._ran(task.executor_id)
             tb = traceback.format_exc()
             log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, tb)
             self._record("failed", [task.task_id, tb], task.executor_id)
@@ -723,6 +730,7 @@ class Worker(Node):
             else:
                 self.tasks_run += 1
                 self._record("completed", item, task.executor_id)
+            self._ran(task.executor_id)
         slot.running = False
         slot.glet = None  # its runner parks: a rollback must not kill it
         if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
@@ -1035,8 +1043,8 @@ class Worker(Node):
         if completed or failed:
             assert self.master is not None
             try:
-                self.endpoint.send(self.master, "done", completed=completed, failed=failed,
-                                   busy=[self.busy, self.tasks_run + self.tasks_failed])
+                busy = [[eid, *self.busy_by[eid]] for eid in self.slots if eid in self.busy_by]
+                self.endpoint.send(self.master, "done", completed=completed, failed=failed, busy=busy)
             except Exception:  # a result that cannot be serialized fails its own task, not the batch
                 self._send_done_one_by_one(completed, failed)
 
@@ -1089,7 +1097,9 @@ class Worker(Node):
                 glet.switch(task)
             elif not glet.dead:  # resume it where it blocked in ps_get
                 glet.switch()
-            self.busy += time.perf_counter() - began  # until it ended or blocked in a read
+            took = time.perf_counter() - began  # until it ended or blocked in a read
+            self.busy += took
+            self.busy_by.setdefault(task.executor_id, [0.0, 0])[0] += took
             self.current = None
             if self._oldest_unsent is not None and time.monotonic() - self._oldest_unsent > interval:
                 self.flush()
