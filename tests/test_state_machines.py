@@ -1351,3 +1351,13 @@ def test_straggler_relief_moves_the_executor_whose_move_shortens_the_longest_rou
     assert moves == [(1, "w0", "w1")] and longest[-1] == 6
     moves, longest, place = _relieve([1] * 9, {"w0": lambda _: 4.0, "w1": equal, "w2": equal})
     assert [m[1] for m in moves] == ["w0"] and longest[0] == 12 and longest[-1] == 8
+
+
+def test_straggler_relief_gives_a_worker_executors_back_once_it_is_fast_again() -> None:
+    """w0 is 10 times slower for the first 5 rounds only (a host busy with another job for a
+    while). Its executors moved off it while it was slow; relief emptied it and, measuring a
+    worker only while it held executors, kept its slow time for good: it never took one back and
+    w1 ran all four. Now w0 keeps its last executor, and takes one back once it is fast again."""
+    moves, longest, place = _relieve([1, 1, 1, 1], {"w0": lambda r: 10.0 if r < 5 else 1.0, "w1": lambda _: 1.0})
+    assert moves == [(1, "w0", "w1"), (3, "w1", "w0")], moves
+    assert sorted(place.values()) == ["w0", "w0", "w1", "w1"] and longest[-1] == 2

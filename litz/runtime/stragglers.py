@@ -53,6 +53,10 @@ class StragglerRelief:
     moves less than it could, never so that the rounds come out worse for workers of one speed.
     Each decision needs at least ``min_tasks`` tasks measured on every worker holding executors
     since the last one. A worker holding none (just joined) takes none: its speed is unknown.
+    Relief never takes a worker's last executor (with the destination's round growing by the
+    executor's whole time, that move could not gain), so every worker stays measured: one that
+    was slow for a while and is fast again takes executors back. Before, an emptied worker kept
+    the time per task it had when slow, for good, and never took one back.
     """
 
     factor: float = DEFAULT_FACTOR
@@ -127,6 +131,8 @@ class StragglerRelief:
         if len(rounds) < 2:
             return None
         src = max(rounds, key=lambda i: rounds[i])
+        if len(held[src]) < 2:  # its last executor stays (moving it could not shorten the longest round)
+            return None
         longest = rounds[src]
         best: tuple[float, int, str] | None = None
         for eid in sorted(held[src], reverse=True):
