@@ -1289,6 +1289,29 @@ def test_straggler_relief_moves_one_executor_at_a_time_until_the_rounds_even_out
         litz.run(testapps.straggler_app(2, 1.0, 0.0, 0.0), options={"straggler_relief": 0.5})  # before any start
 
 
+def test_a_bad_straggler_setting_is_a_config_error_that_names_it() -> None:
+    """Before: ``straggler_min_tasks`` inf raised a bare OverflowError from ``litz.run``, 2.9
+    became 2, and a factor or interval of inf was taken (relief then never acted)."""
+    import litz
+    from litz.runtime.stragglers import from_options
+    from tests import testapps
+
+    inf = float("inf")
+    for option, value, says in [("straggler_min_tasks", inf, "straggler_min_tasks must be a whole number >= 1"),
+                                ("straggler_min_tasks", 2.9, "straggler_min_tasks must be a whole number >= 1"),
+                                ("straggler_min_tasks", True, "straggler_min_tasks must be a whole number >= 1"),
+                                ("straggler_interval", inf, "straggler_interval must be a finite number"),
+                                ("straggler_interval", float("nan"), "straggler_interval must be a finite number"),
+                                ("straggler_relief", inf, "straggler_relief=inf"),
+                                ("straggler_relief", "2", "straggler_relief='2'")]:
+        options = {"straggler_relief": True, option: value}
+        with pytest.raises(litz.ConfigError, match=f"^straggler relief: .*{re.escape(says)}"):
+            litz.run(testapps.straggler_app(2, 1.0, 0.0, 0.0), options=options)  # before any start
+    relief = from_options({"straggler_relief": 2, "straggler_interval": 1, "straggler_min_tasks": 3.0})
+    assert relief is not None and (relief.factor, relief.interval, relief.min_tasks) == (2.0, 1.0, 3)
+    assert from_options({"straggler_relief": True, "straggler_min_tasks": 10**400}).min_tasks == 10**400
+
+
 def _relieve(costs: list[float], speed: dict[str, Callable[[int], float]], rounds: int = 30
              ) -> tuple[list[tuple[int, str, str]], list[float], dict[int, str]]:
     """A bulk-synchronous job fed to straggler relief as the master feeds it: every round each

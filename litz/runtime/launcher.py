@@ -436,7 +436,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     num_shards = int(options.pop("num_shards", 64))
     try:  # a bad straggler setting is refused before anything starts
         stragglers.from_options(options)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"straggler relief: {exc}") from None
     if servers > num_shards:  # as ``litz scale`` refuses: a server holds whole shards
         raise ConfigError(f"{servers} servers for {num_shards} shards would leave servers idle (--servers "

@@ -14,8 +14,12 @@ into moves.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 DEFAULT_FACTOR = 1.25  # a move must cut the slowest worker's time per round by at least this
 DEFAULT_INTERVAL = 2.0  # seconds between decisions: each decision measures anew
@@ -68,10 +72,13 @@ class StragglerRelief:
     _since: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.factor > 1.0:
-            raise ValueError(f"the straggler factor must be > 1 (a move must gain something), got {self.factor}")
-        if not self.interval > 0 or self.min_tasks < 1:
-            raise ValueError(f"interval must be > 0 and min_tasks >= 1, got {self.interval} and {self.min_tasks}")
+        if not (self.factor > 1.0 and math.isfinite(self.factor)):  # (inf: no move could ever gain enough)
+            raise ValueError(f"the straggler factor must be > 1 (a move must gain something) and finite, "
+                             f"got {self.factor}")
+        if not (self.interval > 0 and math.isfinite(self.interval)) or not isinstance(self.min_tasks, int) \
+                or self.min_tasks < 1:
+            raise ValueError(f"interval must be finite and > 0 and min_tasks a whole number >= 1, "
+                             f"got {self.interval} and {self.min_tasks!r}")
 
     def observe(self, worker: str, executor: int, busy: float, tasks: int) -> None:
         """``worker``'s totals so far for ``executor``: seconds its tasks ran there, and how many ran."""
@@ -148,13 +155,30 @@ class StragglerRelief:
         return best[1], src, best[2]
 
 
+def _real(x: Any) -> bool:
+    """A finite number, not a bool (which Python counts as one)."""
+    return (isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+            and (isinstance(x, numbers.Integral) or math.isfinite(x)))  # (a huge int overflows a float)
+
+
 def from_options(options: dict[str, Any]) -> StragglerRelief | None:
     """The job's straggler relief: ``straggler_relief`` None or False (off), True (the default
-    factor) or a factor > 1; ``straggler_interval`` and ``straggler_min_tasks`` as above. Raises
-    ValueError (or TypeError) for a bad setting."""
+    factor) or a factor > 1; ``straggler_interval`` seconds > 0 and ``straggler_min_tasks`` a
+    whole number >= 1, as above. Raises ValueError, naming the option, for a bad setting (the
+    launcher makes it a ConfigError before anything starts): an infinite factor or interval
+    was taken, and relief then never acted; ``inf`` tasks raised a bare OverflowError; 2.9
+    tasks became 2."""
     relief = options.get("straggler_relief")
     if relief is None or relief is False:
         return None
-    return StragglerRelief(DEFAULT_FACTOR if relief is True else float(relief),
-                           float(options.get("straggler_interval", DEFAULT_INTERVAL)),
-                           int(options.get("straggler_min_tasks", DEFAULT_MIN_TASKS)))
+    interval = options.get("straggler_interval", DEFAULT_INTERVAL)
+    min_tasks = options.get("straggler_min_tasks", DEFAULT_MIN_TASKS)
+    if relief is not True and not (_real(relief) and relief > 1):
+        raise ValueError(f"the straggler factor must be > 1 (a move must gain something) and finite, "
+                         f"got straggler_relief={relief!r}")
+    if not (_real(interval) and interval > 0):
+        raise ValueError(f"straggler_interval must be a finite number of seconds > 0, got {interval!r}")
+    if not (_real(min_tasks) and (isinstance(min_tasks, numbers.Integral) or float(min_tasks).is_integer())
+            and min_tasks >= 1):
+        raise ValueError(f"straggler_min_tasks must be a whole number >= 1, got {min_tasks!r}")
+    return StragglerRelief(DEFAULT_FACTOR if relief is True else float(relief), float(interval), int(min_tasks))
