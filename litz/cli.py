@@ -220,7 +220,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--relieve-stragglers", action="store_true",
                    help="move executors off workers that run their tasks slower than the others (a busy or "
                         "slower host) until every worker takes about as long for one task of each of its executors")
-    p.add_argument("--straggler-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
+    p.add_argument("--straggler-factor", type=float, default=None, metavar="F",  # None: not given (1.25 is)
                    help=f"with --relieve-stragglers: move only when that shortens the slowest worker's time "
                         f"by this factor at least (default {DEFAULT_FACTOR:g})")
     p.add_argument("--lease-ttl", default=None, metavar="SECONDS", type=_lease_seconds,
@@ -303,7 +303,7 @@ def launch(argv: list[str]) -> int:
 
     early: str | None = None  # the token of the record taken while the application loads
     try:
-        if not opts.relieve_stragglers and opts.straggler_factor != DEFAULT_FACTOR:  # (as the checkpoint
+        if not opts.relieve_stragglers and opts.straggler_factor is not None:  # (as the checkpoint
             raise ConfigError("--straggler-factor needs --relieve-stragglers")  # options need --checkpoint-dir)
         if opts.job:  # from now on `litz stop` finds the job, while its application loads (seconds, or a
             early = jobs.claim(opts.job, None)  # reference clustering's minutes): it stops it with SIGTERM
@@ -311,8 +311,8 @@ def launch(argv: list[str]) -> int:
             module = load_app_module(path)
             app = app_from_module(module, app_argv)
         options: dict[str, Any] = {"cache": not opts.no_cache, "update_log": not opts.no_update_log}
-        if opts.relieve_stragglers:
-            options["straggler_relief"] = opts.straggler_factor
+        if opts.relieve_stragglers:  # True: the default factor
+            options["straggler_relief"] = True if opts.straggler_factor is None else opts.straggler_factor
         result = run(app, workers=opts.workers, servers=opts.servers, num_executors=opts.executors,
                      job=opts.job, etcd=opts.etcd, options=options, secret_file=opts.secret_file,
                      host=opts.host, checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,

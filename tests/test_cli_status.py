@@ -499,7 +499,8 @@ def test_job_names_records_and_ended_jobs_are_told_at_once(tmp_path: Path, monke
 
 def test_launch_options_that_a_joining_host_or_a_launch_would_ignore_are_refused() -> None:
     """``--join`` took the job's own options (``--executors``, ``--resume``, ...) and did nothing with
-    them; ``--straggler-factor`` without ``--relieve-stragglers`` was ignored."""
+    them; ``--straggler-factor`` without ``--relieve-stragglers`` was ignored (and the default's
+    value, 1.25, was still taken after the check came: it compared the value with the default)."""
     join = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "--join", "--job", "h", "--etcd",
                            "http://127.0.0.1:1", "--executors", "9", "--resume", "auto"],
                           capture_output=True, text=True, timeout=60)
@@ -507,6 +508,9 @@ def test_launch_options_that_a_joining_host_or_a_launch_would_ignore_are_refused
     factor = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--straggler-factor", "2"],
                             capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
     assert factor.returncode == 1 and "--straggler-factor needs --relieve-stragglers" in factor.stderr
+    default = subprocess.run([sys.executable, "-m", "litz.cli", "launch", "apps/mlr.py", "--straggler-factor", "1.25"],
+                             capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert default.returncode == 1 and "--straggler-factor needs --relieve-stragglers" in default.stderr
 
 
 def test_a_stop_right_after_the_launch_while_the_application_loads_stops_it(tmp_path: Path) -> None:
