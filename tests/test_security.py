@@ -115,9 +115,32 @@ def test_non_loopback_without_secret_is_refused_before_binding(host: str) -> Non
 def test_cluster_without_secret_is_refused_and_a_secret_allows_it(secret_file: Path) -> None:
     with pytest.raises(ConfigError, match="requires a job secret"):
         Endpoint("x", cluster=True, secret=None)
-    check_bind_host("0.0.0.0", load_secret(secret_file))  # allowed (not bound here)
+    check_bind_host("10.1.2.3", load_secret(secret_file))  # allowed (not bound here)
     for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
         check_bind_host(host, None)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "*"])
+def test_a_wildcard_host_is_refused_even_with_a_secret(secret_file: Path, host: str) -> None:
+    """The address a process listens on is the one it registers for its peers: ``tcp://0.0.0.0:P``
+    was registered, and a peer on another host connecting there reached its own machine."""
+    with pytest.raises(ConfigError, match="a wildcard is none"):
+        Endpoint("x", host=host, secret=load_secret(secret_file))
+
+
+def test_ipv6_loopback_binds_and_carries_messages(secret_file: Path) -> None:
+    """``::1`` counted as loopback, then failed to bind (ZMQError: No such device): IPv6 was off and
+    the address unbracketed. (With a secret: TCP, as across hosts.)"""
+    secret = load_secret(secret_file)
+    a, b = Endpoint("a", host="::1", secret=secret), Endpoint("b", host="::1", secret=secret)
+    try:
+        assert b.address.startswith("tcp://[::1]:")
+        a.connect("b", b.address)
+        a.send("b", "stats_request", rid=7)
+        assert b.recv()["rid"] == 7
+    finally:
+        a.close()
+        b.close()
 
 
 def test_run_refuses_a_public_host_without_secret_before_starting_anything() -> None:

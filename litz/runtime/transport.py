@@ -58,13 +58,23 @@ def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
     return sock
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+
 def check_bind_host(host: str, secret: JobSecret | None, cluster: bool = False) -> None:
     """Refuse to listen beyond loopback, or to form a cluster, without a job secret.
 
     Executors run code they receive, so anything reachable from another machine must
     authenticate its peers; only loopback (this machine's own processes) may go without.
+    A wildcard (every interface) is refused too: the address a process listens on is the one
+    it registers for the others to connect to, and ``0.0.0.0`` there reaches each peer's own
+    machine (a job across hosts stalled).
     """
     if secret is not None:
+        if host.strip("[]") in WILDCARD_HOSTS:
+            raise ConfigError(f"cannot listen on {host}: the address a process listens on is the one the others "
+                              "connect to, and a wildcard is none; give this host's address on the network the "
+                              "cluster uses (--host ADDRESS)")
         return
     if not is_loopback(host):
         raise ConfigError(f"refusing to listen on {host} without a job secret: outside loopback a cluster "
@@ -79,10 +89,10 @@ def host_name(bind_host: str) -> str:
     """The name a process's host goes by in the job (``litz status``, ``litz scale --drain-host``).
 
     A process bound to a routable address is known by that address: two hosts may share a
-    hostname (containers, network namespaces) but not an address. On loopback, or bound to
-    every interface, it is the machine's hostname.
+    hostname (containers, network namespaces) but not an address. On loopback it is the
+    machine's hostname.
     """
-    if is_loopback(bind_host) or bind_host in ("0.0.0.0", "::", "*"):
+    if is_loopback(bind_host):
         return socket.gethostname()
     return bind_host
 
@@ -120,7 +130,11 @@ class Endpoint:
                 address = security.private_address(ident, self._socket_dir)
                 self.router.bind(address)
             else:
-                address = f"tcp://{host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
+                where = host
+                if ":" in host:  # IPv6 (::1 was taken as loopback, then failed to bind): IPv4 peers keep
+                    self.router.setsockopt(zmq.IPV6, 1)  # their plain addresses in what is logged of them
+                    where = host if host.startswith("[") else f"[{host}]"
+                address = f"tcp://{where}:{self.router.bind_to_random_port(f'tcp://{where}')}"
         except BaseException:
             self._close_router()
             raise
@@ -176,6 +190,8 @@ class Endpoint:
             if address is None:
                 raise ProtocolError(f"{self.ident}: no address known for peer {peer!r}")
             sock = make_socket(self.ctx, zmq.DEALER, identity=self.ident, secret=self.secret)
+            if address.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
             sock.connect(address)
             self._dealers[peer] = sock
         return sock
