@@ -1756,6 +1756,36 @@ def test_executor_rows_round_trip_exactly(tmp_path: Path) -> None:
     assert storage.read_executor_rows(fs, f"{root}/e.arrow", {0}) == {}
 
 
+def test_checkpoint_parts_hold_values_of_2_gib_and_more_and_older_parts_still_read(tmp_path: Path) -> None:
+    """A table row, an executor's state or a partial round's chosen rows of one executor of 2 GiB or
+    more failed every checkpoint: Arrow's ``binary`` has 32-bit offsets (ArrowCapacityError, or
+    negative offsets that wrapped). Parts are ``large_binary`` now (64-bit offsets; writing 2 GiB
+    is too much for a test, so this checks the layout), and parts of the earlier layout still read."""
+    import pyarrow as pa
+
+    fs, root = storage.filesystem(str(tmp_path))
+    storage.write_shards(fs, f"{root}/s.arrow", [("t", 0, 3, np.arange(2.0))])
+    storage.write_executors(fs, f"{root}/x.arrow", {1: b"state"})
+    rows = litz.StateRows(np.arange(3.0), np.array([0, 1, 3]))
+    storage.write_executor_rows(fs, f"{root}/r.arrow", [(0, np.array([1]), rows)])
+    for name, column in (("s", "row"), ("x", "state"), ("r", "values")):
+        with fs.open_input_file(f"{root}/{name}.arrow") as f:
+            assert pa.ipc.open_file(f).schema.field(column).type == pa.large_binary(), name
+    old = {"s": pa.table({"table": ["t"], "shard": pa.array([0], pa.int32()), "ikey": pa.array([3], pa.int64()),
+                          "skey": pa.array([None], pa.string()), "row": pa.array([np.arange(2.0).tobytes()])}),
+           "x": pa.table({"executor": pa.array([1], pa.int32()), "state": pa.array([b"state"])}),
+           "r": pa.table({"executor": pa.array([0], pa.int32()), "row": pa.array([1], pa.int64()),
+                          "dtype": ["<f8"], "values": pa.array([np.arange(1.0, 3.0).tobytes()])})}
+    for name, table in old.items():
+        assert table.schema.field(-1).type == pa.binary()
+        with fs.open_output_stream(f"{root}/old-{name}.arrow") as out, pa.ipc.new_file(out, table.schema) as w:
+            w.write_table(table)
+    for prefix in ("", "old-"):
+        assert storage.read_shards(fs, f"{root}/{prefix}s.arrow") == [("t", 0, 3, np.arange(2.0).tobytes())]
+        assert storage.read_executors(fs, f"{root}/{prefix}x.arrow") == {1: b"state"}
+        assert storage.read_executor_rows(fs, f"{root}/{prefix}r.arrow", {0})[0][1].tolist() == [1.0, 2.0]
+
+
 @pytest.mark.parametrize("move_prob", [0.0, 0.05])
 def test_priority_checkpoints_save_executor_rows_and_a_lost_worker_gets_them_back(
         tmp_path: Path, monkeypatch, move_prob: float) -> None:

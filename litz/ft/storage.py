@@ -39,11 +39,11 @@ _CKPT = re.compile(r"^ckpt-(\d{6,})$")
 log = logging.getLogger(__name__)
 
 SHARD_SCHEMA = pa.schema([("table", pa.string()), ("shard", pa.int32()), ("ikey", pa.int64()),
-                          ("skey", pa.string()), ("row", pa.binary())])
-EXECUTOR_SCHEMA = pa.schema([("executor", pa.int32()), ("state", pa.binary())])
+                          ("skey", pa.string()), ("row", pa.large_binary())])
+EXECUTOR_SCHEMA = pa.schema([("executor", pa.int32()), ("state", pa.large_binary())])
 # rows of executor state saved by a partial checkpoint (``Executor.state_rows``)
 EXECUTOR_ROWS_SCHEMA = pa.schema([("executor", pa.int32()), ("row", pa.int64()), ("dtype", pa.string()),
-                                  ("values", pa.binary())])
+                                  ("values", pa.large_binary())])
 
 
 class CheckpointError(LitzError):
@@ -201,9 +201,9 @@ def write_executor_rows(fs: pafs.FileSystem, path: str, parts: Iterable[tuple[in
         chosen = np.unique(np.asarray(chosen, np.int64))  # sorted: the mask below keeps row order
         lengths = np.diff(rows.ptr)[chosen]
         data = np.ascontiguousarray(rows.values[rows.values_of(chosen)])
-        offsets = np.concatenate([[0], np.cumsum(lengths * data.itemsize)]).astype(np.int32)
-        values = pa.BinaryArray.from_buffers(pa.binary(), len(chosen), [None, pa.py_buffer(offsets),
-                                                                         pa.py_buffer(data.view(np.uint8))])
+        offsets = np.concatenate([[0], np.cumsum(lengths * data.itemsize)]).astype(np.int64)
+        values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(chosen), [None, pa.py_buffer(offsets),
+                                                                                   pa.py_buffer(data.view(np.uint8))])
         tables.append(pa.table({"executor": pa.array(np.full(len(chosen), eid, np.int32)), "row": pa.array(chosen),
                                 "dtype": pa.repeat(pa.scalar(data.dtype.str), len(chosen)), "values": values},
                                schema=EXECUTOR_ROWS_SCHEMA))
