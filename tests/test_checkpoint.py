@@ -411,6 +411,45 @@ def test_storage_that_does_not_answer_is_an_error_never_an_older_checkpoint_or_n
         storage.has_manifest(Unanswering(), new)  # type: ignore[arg-type]
 
 
+def test_a_store_that_never_answers_fails_the_launch_after_the_checkpoint_timeout(monkeypatch) -> None:
+    """An S3 endpoint that accepts connections and never answers held ``litz.run`` / ``litz launch``
+    for ever, before any process started (pyarrow has no request timeout): now each look at the
+    storage before the start gives up after ``--checkpoint-timeout``, naming what it was doing."""
+    import socket
+    import threading
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    held: list[socket.socket] = []
+    def accept() -> None:  # and never answer
+        try:
+            while True:
+                held.append(silent.accept()[0])
+        except OSError:  # closed at the end
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    where = f"s3://bucket/ck?endpoint_override=127.0.0.1:{silent.getsockname()[1]}&scheme=http"
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    job = f"silent-store-{time.time_ns()}"
+    try:
+        for kw, doing in (({"checkpoint_dir": where}, "checking the checkpoint directory s3://bucket/ck"),
+                          ({"checkpoint_dir": where, "resume": "auto"}, "looking for the checkpoint to resume"),
+                          ({"resume": where}, "reading the checkpoint s3://bucket/ck")):
+            started = time.monotonic()
+            with pytest.raises(storage.CheckpointError, match=f"did not answer within 1.5 s .*while {doing}"):
+                litz.run(app, workers=1, servers=1, job=job, checkpoint_timeout=1.5, **kw)
+            assert time.monotonic() - started < 10
+    finally:
+        silent.close()
+        for c in held:
+            c.close()
+    assert processes_mentioning(job) == []
+
+
 def test_an_unusable_checkpoint_directory_is_refused_before_the_job_starts(tmp_path: Path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("not a directory")

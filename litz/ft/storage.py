@@ -18,10 +18,12 @@ import functools
 import json
 import logging
 import os
+import queue
 import re
+import threading
 import urllib.parse
-from collections.abc import Hashable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -578,6 +580,34 @@ def verify_files(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> No
             raise DamagedCheckpoint(f"checkpoint file {where} is damaged: {exc}") from exc
         except OSError as exc:
             raise CheckpointError(f"cannot read checkpoint file {where}: {exc}") from exc
+
+
+_T = TypeVar("_T")
+
+
+def answered_within(work: Callable[[], _T], timeout: float, what: str) -> _T:
+    """``work()``, which asks the checkpoint storage, if it returns within ``timeout`` seconds; its
+    exception if it raises. Else CheckpointError saying ``what`` went unanswered: pyarrow has no
+    request timeout (its S3 URIs refuse one), so a store that accepts connections and never answers
+    held ``litz launch`` for ever, before any process started, ``--checkpoint-timeout`` or not.
+    ``work`` runs on a daemon thread, left to the store if it never answers."""
+    box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            box.put((True, work()))
+        except BaseException as exc:  # (handed over, raised below)
+            box.put((False, exc))
+
+    threading.Thread(target=run, daemon=True, name="checkpoint-storage").start()
+    try:
+        ok, value = box.get(timeout=timeout)
+    except queue.Empty:
+        raise CheckpointError(f"the checkpoint storage did not answer within {timeout:g} s (--checkpoint-timeout) "
+                              f"while {what}") from None
+    if not ok:
+        raise value
+    return value
 
 
 def has_complete_checkpoint(location: str) -> bool:

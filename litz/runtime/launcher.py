@@ -446,14 +446,22 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
     if resume == "auto":  # the same command line starts a job and restarts it after a stop
         if not checkpoint_dir:
             raise ConfigError("--resume auto looks for a checkpoint in --checkpoint-dir: give one")
-        resumed = Resume.newest_usable(checkpoint_dir, app, num_executors, num_shards, driver)
-        if resumed is None:
-            from litz.ft import storage  # (imported by newest_usable already)
+        from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
 
+        resumed = storage.answered_within(
+            lambda: Resume.newest_usable(checkpoint_dir, app, num_executors, num_shards, driver), checkpoint_timeout,
+            f"looking for the checkpoint to resume from in {storage.redact(checkpoint_dir)}")
+        if resumed is None:
             log.warning("no usable complete checkpoint in %s: starting from scratch", storage.redact(checkpoint_dir))
     elif resume:
-        resumed = Resume.find(resume, app, num_executors, num_shards)
-        resumed.read_driver(driver)  # a damaged driver.pkl is refused before any process starts
+        from litz.ft import storage
+
+        def found() -> Resume:
+            found = Resume.find(resume, app, num_executors, num_shards)
+            found.read_driver(driver)  # a damaged driver.pkl is refused before any process starts
+            return found
+
+        resumed = storage.answered_within(found, checkpoint_timeout, f"reading the checkpoint {storage.redact(resume)}")
     if resumed is not None:
         num_executors = resumed.manifest["num_executors"]
     n_exec = num_executors or app.num_executors or 4 * workers
@@ -473,7 +481,9 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
                               f"('{checkpoint_every}s') or define the driver's iteration")
         from litz.ft import storage  # pyarrow: only a job with checkpoints loads it
 
-        storage.prepare_root(checkpoint_dir)  # an unusable directory is refused now, not at the first checkpoint
+        # an unusable directory is refused now, not at the first checkpoint
+        storage.answered_within(lambda: storage.prepare_root(checkpoint_dir), checkpoint_timeout,
+                                f"checking the checkpoint directory {storage.redact(checkpoint_dir)}")
         options.update(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        checkpoint_policy=checkpoint_policy, checkpoint_fraction=checkpoint_fraction,
                        checkpoint_timeout=checkpoint_timeout, checkpoint_keep=checkpoint_keep)
