@@ -290,8 +290,10 @@ class MFDriver(litz.SSPDriver):
             again = "pushing the sums of iteration" if server else "running iteration"
             print(f"recovered from the loss of {', '.join(recovery.lost)}: {again} {self.iteration} again",
                   flush=True)
+        # a reseed under way is interrupted too: its tasks on the lost worker run again with the same
+        # tag and may count twice, so it runs again, with a new one
+        self._reseed = self._reseed or server or self._repair == "reseeding"
         self._repair = "wanted"  # also during a repair: its pushes may have gone to the lost process
-        self._reseed = self._reseed or server
         self._maybe_repair()
 
     def _running(self) -> int:

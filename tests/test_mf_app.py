@@ -237,3 +237,43 @@ def test_bad_options_are_clear_errors() -> None:
     assert len(err) == 1 and "--rank must be a positive integer, got -3" in err[0], proc.stderr
     proc = _litz("launch", "apps/mf.py", "--help", timeout=60)
     assert proc.returncode == 0 and "--rank" in proc.stdout and "--executors-own" in proc.stdout
+
+
+def test_a_worker_lost_while_a_repair_pushes_the_sums_again_has_them_pushed_again_with_a_new_tag() -> None:
+    """A server's loss makes every executor push round R's sums again (a reseed, one tag); a worker
+    lost meanwhile has its reseed task run again with that same tag, so its push may count twice.
+    The second repair kept that tag and reran round R on those sums; now it reseeds with a new one."""
+    class FakeMaster:
+        class state:  # noqa: N801
+            version = 0
+
+        def __init__(self) -> None:
+            self.sent: dict[int, tuple[int, dict]] = {}
+
+        def dispatch(self, executor: int, args: dict) -> int:
+            self.sent[len(self.sent) + 1] = (executor, args)
+            return len(self.sent)
+
+    m = FakeMaster()
+    d = mf.MFDriver()
+    d._bind(m, 2, {"iterations": 10, "return_factors": False, "quiet": True})
+    d.dispatch_initial_tasks()
+
+    def complete(task_id: int) -> None:
+        e, args = m.sent[task_id]
+        d.handle_task_completion(litz.TaskResult(e, args, {"sse": [1.0, 1.0, 1.0, 1.0]}, task_id, 0))
+
+    for _ in range(3):  # rounds 0, 1, 2
+        for t in [t for t in m.sent if t in d._iteration_of]:
+            complete(t)
+    d.recovered(litz.Recovery("server", ("s1",), (), (0, 1), None))
+    for t in [t for t in m.sent if t in d._iteration_of]:  # round 3's tasks end: the repair reseeds
+        complete(t)
+    reseeds = [t for t, (_, a) in m.sent.items() if "reseed" in a]
+    first_tag = m.sent[reseeds[0]][1]["tag"]
+    d.recovered(litz.Recovery("worker", ("w1",), (1,), (), "ckpt-000001"))
+    before = set(m.sent)
+    for t in reseeds:
+        complete(t)
+    again = [a for t, (_, a) in m.sent.items() if t not in before and "reseed" in a]
+    assert len(again) == 2 and all(a["reseed"] == 3 and a["tag"] > first_tag for a in again), m.sent
