@@ -200,10 +200,14 @@ def test_a_reply_with_a_hint_is_used_when_etcd_cannot_name_the_new_owner(kind: s
             n.endpoint.close()
 
 
-def test_a_peer_that_left_leaves_no_socket_behind() -> None:
+def test_a_peer_that_left_leaves_no_socket_behind(monkeypatch) -> None:  # noqa: ANN001
     """Every endpoint kept a DEALER (a file descriptor, and reconnection attempts every 100 ms) for
     every peer that ever left; a long job that scaled in and out grew them without bound. A node
-    now closes it when the peer's registration is deleted, and can still reach the peer after."""
+    now closes it once ``DEPARTED_GRACE`` has passed since the peer's registration was deleted.
+    Within it, a message to the peer (a lease that ended while its process lives) goes through the
+    same socket, after those queued: a new socket of the same identity lost them (refused by the
+    peer's ROUTER, or, with an identity handover, the old connection's queue dropped)."""
+    from litz.runtime import transport
     from litz.runtime.membership import Event
     from litz.runtime.node import proc_key
     from litz.runtime.transport import Endpoint
@@ -216,12 +220,18 @@ def test_a_peer_that_left_leaves_no_socket_behind() -> None:
             w0.endpoint.connect(p.ident, p.address)
             w0.endpoint.send(p.ident, "stats_request", rid=1)
             assert p.recv() is not None
-        assert len(w0.endpoint._dealers) == 20
+        for rid in range(2, 2002):  # queued, not yet read by s5
+            w0.endpoint.send("s5", "stats_request", rid=rid)
         for p in peers[1:]:
             w0.on_event(Event("delete", proc_key("server", p.ident), None))
-        assert list(w0.endpoint._dealers) == ["s0"]
-        w0.endpoint.send("s5", "stats_request", rid=2)  # a lease that ended while its process lives
-        assert peers[5].recv()["rid"] == 2
+        assert list(w0.endpoint._dealers) == ["s0"] and len(w0.endpoint._departed) == 19
+        w0.endpoint.send("s5", "stats_request", rid=2002)  # back within the grace
+        assert [peers[5].recv()["rid"] for _ in range(2001)] == list(range(2, 2003))
+        monkeypatch.setattr(transport, "DEPARTED_GRACE", 0.0)
+        w0.on_event(Event("delete", proc_key("server", "s5"), None))
+        assert list(w0.endpoint._dealers) == ["s0"] and not w0.endpoint._departed  # all closed
+        w0.endpoint.send("s7", "stats_request", rid=9)  # a new socket, long after the old one closed
+        assert peers[7].recv()["rid"] == 9
     finally:
         w0.endpoint.close()
         for p in peers:

@@ -874,10 +874,10 @@ class Master:
         for ev in self.membership.poll_events():
             if ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
                 ident = ev.key.rsplit("/", 1)[-1]
+                self.endpoint.forget(ident)  # (first: a full recovery raises out of _process_lost)
                 if ident in self.state.workers or ident in self.state.servers:
                     if ident not in self._byes:
                         self._process_lost(ident, f"process {ident} left the job (its etcd lease ended)")
-                self.endpoint.forget(ident)
             elif ev.kind == "put" and ev.key.startswith(PROCS) and ev.value and "addr" in ev.value:
                 self.procs[ev.value["id"]] = ev.value
                 self.endpoint.connect(ev.value["id"], ev.value["addr"])

@@ -14,9 +14,11 @@ The endpoint counts messages and bytes sent, which the benchmarks report.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
+import time
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -49,16 +51,34 @@ def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A peer's new connection takes its identity over from the old one (Endpoint.forget closed
-        # it, or it is still being torn down): without this the new one was refused, and what it
-        # carried was lost for good (seen: a message sent right after 19 sockets were closed)
+        # A peer's new connection takes its identity over from an old one not yet torn down here (a
+        # socket Endpoint.forget closed a moment ago): refused, what the new one carried was lost.
+        # The old one's unread messages would be dropped, but forget closes only a socket idle for
+        # DEPARTED_GRACE, so there are none.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if secret is not None:
         security.apply_curve(sock, secret, server=kind == zmq.ROUTER)
     return sock
 
 
-WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+#: Seconds a departed peer's socket is kept (Endpoint.forget): long after any message to it is due.
+DEPARTED_GRACE = 30.0
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` means every interface (``0.0.0.0``, ``::``, ``*``, and their other spellings:
+    ``0``, ``::0``, ``[0:0::0]``)."""
+    bare = host.strip().strip("[]")
+    if bare == "*":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_unspecified
+    except ValueError:
+        pass
+    try:
+        return socket.inet_aton(bare) == bytes(4)  # (the short IPv4 forms: "0", "0.0")
+    except OSError:
+        return False
 
 
 def check_bind_host(host: str, secret: JobSecret | None, cluster: bool = False) -> None:
@@ -71,7 +91,7 @@ def check_bind_host(host: str, secret: JobSecret | None, cluster: bool = False) 
     machine (a job across hosts stalled).
     """
     if secret is not None:
-        if host.strip("[]") in WILDCARD_HOSTS:
+        if is_wildcard(host):
             raise ConfigError(f"cannot listen on {host}: the address a process listens on is the one the others "
                               "connect to, and a wildcard is none; give this host's address on the network the "
                               "cluster uses (--host ADDRESS)")
@@ -142,6 +162,7 @@ class Endpoint:
         self.host = host
         self.peers: dict[str, str] = {}
         self._dealers: dict[str, zmq.Socket] = {}
+        self._departed: dict[str, tuple[float, zmq.Socket]] = {}  # forgotten peers' sockets, since when
         self.messages_sent = 0
         self.bytes_sent = 0
         self.messages_received = 0
@@ -165,26 +186,39 @@ class Endpoint:
             return False
         if self.peers.get(peer) == address:
             return True
-        old = self._dealers.pop(peer, None)
+        old = self._dealers.pop(peer, None) or self._departed.pop(peer, (0.0, None))[1]
         if old is not None:
             old.close(linger=0)
         self.peers[peer] = address
         return True
 
     def forget(self, peer: str) -> None:
-        """Close the socket to a peer that left the job (its etcd registration is gone).
+        """A peer left the job (its etcd registration is gone): its socket closes once
+        :data:`DEPARTED_GRACE` has passed (at a later ``forget`` or ``send``).
 
         Before, every endpoint kept a DEALER, a file descriptor and reconnection attempts (one
         every 100 ms) for every peer that ever left: a long job that scaled out and in, or
-        replaced lost processes, grew them without bound. The address stays known, so a message
-        still sent to the peer (a lease that ended while its process lives) opens a new socket;
-        what was queued for it has a second to go, as at :meth:`close`."""
+        replaced lost processes, grew them without bound. Not closed at once: a peer whose lease
+        ended while its process lives may come back, and a message sent to it meanwhile goes
+        through the same socket, after what was queued (a new socket of the same identity was
+        refused by the peer's ROUTER while the old connection lived, or, handed over, dropped
+        what the old one carried)."""
         sock = self._dealers.pop(peer, None)
         if sock is not None:
-            sock.close(linger=1000)
+            self._departed[peer] = (time.monotonic(), sock)
+        self._close_departed()
+
+    def _close_departed(self) -> None:
+        now = time.monotonic()
+        for peer, (since, sock) in list(self._departed.items()):
+            if now - since >= DEPARTED_GRACE:
+                del self._departed[peer]
+                sock.close(linger=0)
 
     def _dealer(self, peer: str) -> zmq.Socket:
         sock = self._dealers.get(peer)
+        if sock is None and peer in self._departed:  # back within the grace: the same socket, in order
+            sock = self._dealers[peer] = self._departed.pop(peer)[1]
         if sock is None:
             address = self.peers.get(peer)
             if address is None:
@@ -199,6 +233,8 @@ class Endpoint:
     def send(self, peer: str, type_name: str, **fields: Any) -> None:
         """Encode and send one message to a peer (zero-copy for array frames)."""
         frames = protocol.encode(type_name, **fields)
+        if self._departed:
+            self._close_departed()
         self._dealer(peer).send_multipart(frames, copy=False)
         self.messages_sent += 1
         self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
@@ -229,7 +265,10 @@ class Endpoint:
     def close(self) -> None:
         for sock in self._dealers.values():
             sock.close(linger=1000)
+        for _, sock in self._departed.values():
+            sock.close(linger=0)
         self._dealers.clear()
+        self._departed.clear()
         self._close_router()
 
     def _close_router(self) -> None:
