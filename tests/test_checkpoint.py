@@ -411,6 +411,32 @@ def test_storage_that_does_not_answer_is_an_error_never_an_older_checkpoint_or_n
         storage.has_manifest(Unanswering(), new)  # type: ignore[arg-type]
 
 
+def test_checkpoint_timeouts_are_checked_and_an_infinite_one_waits(tmp_path: Path) -> None:
+    """``answered_within`` gave an infinite (or huge) timeout to a queue whose clock overflowed: any
+    job with ``--checkpoint-timeout inf`` failed with OverflowError; a negative one with ``--resume``
+    was used before it was checked (a bare ValueError). Now: no limit, and a ConfigError."""
+    assert storage.answered_within(lambda: 5, float("inf"), "x") == 5
+    assert storage.answered_within(lambda: 6, 1e12, "x") == 6
+    for bad in (-1.0, 0, float("nan")):
+        with pytest.raises(ConfigError, match="--checkpoint-timeout must be a positive number"):
+            litz.run(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), workers=1, servers=1,
+                     resume=str(tmp_path), checkpoint_timeout=bad)
+
+
+def test_no_directory_made_for_checkpoints_is_writable_by_every_user(tmp_path: Path) -> None:
+    """Under a umask of 0 the parents ``prepare_root`` made were 0777: anyone could rename the root
+    away and put theirs (with their pickles) in its place, and the checks passed it."""
+    old = os.umask(0)
+    try:
+        storage.prepare_root(str(tmp_path / "a" / "b" / "ckpts"))
+        fs, root = storage.filesystem(str(tmp_path / "a" / "b" / "ckpts"))
+        made = storage.new_checkpoint_dir(fs, root)
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "ckpts", Path(made)):
+        assert not d.stat().st_mode & 0o002, (d, oct(d.stat().st_mode))
+
+
 def test_a_store_that_never_answers_fails_the_launch_after_the_checkpoint_timeout(monkeypatch) -> None:
     """An S3 endpoint that accepts connections and never answers held ``litz.run`` / ``litz launch``
     for ever, before any process started (pyarrow has no request timeout): now each look at the
@@ -732,6 +758,7 @@ def test_messages_leave_the_user_part_of_a_checkpoint_uri_out(s3_bucket: str, ca
     assert storage.redact(uri("ck")) == f"{base}/ck?{query}"
     assert storage.redact("/home/me@host/ck") == "/home/me@host/ck"  # a local path as it is
     assert storage.redact("hdfs://nn:8020/me@x/ck") == "hdfs://nn:8020/me@x/ck"  # an @ of the path stays
+    assert storage.redact("hdfs://[::1]:8020/me@x/ck") == "hdfs://[::1]:8020/me@x/ck"  # an IPv6 host too
     assert storage.redact("s3://K:S%2Fx@b/me@x/ck") == "s3://b/me@x/ck"
     caplog.set_level("WARNING")
     errors: list[str] = []

@@ -14,9 +14,11 @@ a move on S3 is a copy, so there the manifest's atomicity is that of a single PU
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -79,7 +81,8 @@ def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
 #: ``/`` left unescaped (AWS secret keys often do; pyarrow then refuses the URI, quoting it):
 #: ``user:`` (not a port) up to the last ``@`` before the query. Never past a space or a quote,
 #: so that it applies to a message naming URIs too.
-_USER_PART = re.compile(r"""(?<=://)(?:[^/?#\s'"]*@|[^/?#@\s'"]*:(?!\d*(?:[/?#\s'"]|$))[^?#\s'"]*@)""")
+# (an IPv6 literal, ``[::1]:8020``, is a host: no bracket in what is taken for a user part)
+_USER_PART = re.compile(r"""(?<=://)(?:[^/?#\s'"]*@|[^/?#@\s'"\[\]]*:(?!\d*(?:[/?#\s'"]|$))[^?#\s'"]*@)""")
 
 
 def redact(text: str) -> str:
@@ -282,6 +285,22 @@ def refuse_checkpoint_public(fs: pafs.FileSystem, path: str, manifest: dict[str,
                                   f"code); check it, then chmod -R o-w {path} to resume from it")
 
 
+def _make_local_dirs(path: str) -> None:
+    """``os.makedirs`` with no directory made ``o+w``: under a umask of 0 (a container's default) the
+    parents it made were, and anyone could have renamed the checkpoint root away and put theirs in
+    its place (its pickles then loaded by ``--resume``); and the root made so was refused."""
+    missing = []
+    while path and not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # (made meanwhile by another process)
+            os.mkdir(directory, 0o755)  # (the umask may take more off, never put o+w on)
+
+
 def prepare_root(location: str) -> None:
     """Make the checkpoint root ``location`` if it is missing and check that a file can be written
     there, so that a job given an unusable one (a file, a read-only or full filesystem) is refused
@@ -291,9 +310,10 @@ def prepare_root(location: str) -> None:
         kind = fs.get_file_info(root).type
         if kind == pafs.FileType.File:
             raise CheckpointError(f"checkpoint directory {redact(location)} is a file")
-        fs.create_dir(root, recursive=True)
-        if kind == pafs.FileType.NotFound:  # made here: not o+w, whatever the umask (one given so is refused)
-            _not_public(fs, root)
+        if kind == pafs.FileType.NotFound and isinstance(fs, pafs.LocalFileSystem):
+            _make_local_dirs(root)
+        else:
+            fs.create_dir(root, recursive=True)
         refuse_public(location)
         probe = f"{root}/.litz-write-test-{os.getpid()}"
         with fs.open_output_stream(probe) as f:
@@ -600,8 +620,8 @@ def answered_within(work: Callable[[], _T], timeout: float, what: str) -> _T:
             box.put((False, exc))
 
     threading.Thread(target=run, daemon=True, name="checkpoint-storage").start()
-    try:
-        ok, value = box.get(timeout=timeout)
+    try:  # (inf and huge timeouts overflow the queue's clock: no limit then)
+        ok, value = box.get(timeout=timeout if math.isfinite(timeout) and timeout < threading.TIMEOUT_MAX else None)
     except queue.Empty:
         raise CheckpointError(f"the checkpoint storage did not answer within {timeout:g} s (--checkpoint-timeout) "
                               f"while {what}") from None
