@@ -2449,7 +2449,8 @@ class Master:
                     and not isinstance(b[1], bool) and math.isfinite(b[1]) and b[1] >= 0
                     and is_int(b[2]) and b[2] >= 0 for b in busy):
                 for eid, seconds, tasks in busy:
-                    self.relief.observe(msg.sender, int(eid), seconds, int(tasks))
+                    if self.state.placement.get(int(eid)) == msg.sender:  # (a report sent before a move, read
+                        self.relief.observe(msg.sender, int(eid), seconds, int(tasks))  # after: its measure stays)
             else:
                 log.warning("malformed busy report from %s: %.100r; ignored", msg.sender, busy)
         for task_id, tb in self._reports(msg, "failed"):
