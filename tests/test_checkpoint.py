@@ -417,7 +417,7 @@ def test_checkpoint_timeouts_are_checked_and_an_infinite_one_waits(tmp_path: Pat
     was used before it was checked (a bare ValueError). Now: no limit, and a ConfigError."""
     assert storage.answered_within(lambda: 5, float("inf"), "x") == 5
     assert storage.answered_within(lambda: 6, 1e12, "x") == 6
-    for bad in (-1.0, 0, float("nan")):
+    for bad in (-1.0, 0, float("nan"), True, "soon", 10**400):
         with pytest.raises(ConfigError, match="--checkpoint-timeout must be a positive number"):
             litz.run(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), workers=1, servers=1,
                      resume=str(tmp_path), checkpoint_timeout=bad)
@@ -759,6 +759,7 @@ def test_messages_leave_the_user_part_of_a_checkpoint_uri_out(s3_bucket: str, ca
     assert storage.redact("/home/me@host/ck") == "/home/me@host/ck"  # a local path as it is
     assert storage.redact("hdfs://nn:8020/me@x/ck") == "hdfs://nn:8020/me@x/ck"  # an @ of the path stays
     assert storage.redact("hdfs://[::1]:8020/me@x/ck") == "hdfs://[::1]:8020/me@x/ck"  # an IPv6 host too
+    assert storage.redact("s3://A[K:S/E@b/p") == "s3://b/p"  # (a bracket in a user part, a / in its secret)
     assert storage.redact("s3://K:S%2Fx@b/me@x/ck") == "s3://b/me@x/ck"
     caplog.set_level("WARNING")
     errors: list[str] = []

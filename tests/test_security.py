@@ -120,7 +120,8 @@ def test_cluster_without_secret_is_refused_and_a_secret_allows_it(secret_file: P
         check_bind_host(host, None)
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "*", "::0", "0:0:0:0:0:0:0:0", "[0:0::0]", "0", " 0.0.0.0 "])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "*", "::0", "0:0:0:0:0:0:0:0", "[0:0::0]", "0", " 0.0.0.0 ",
+                                  "::ffff:0.0.0.0", "::ffff:0:0"])
 def test_a_wildcard_host_is_refused_even_with_a_secret(secret_file: Path, host: str) -> None:
     """The address a process listens on is the one it registers for its peers: ``tcp://0.0.0.0:P``
     was registered, and a peer on another host connecting there reached its own machine."""

@@ -81,8 +81,8 @@ def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
 #: ``/`` left unescaped (AWS secret keys often do; pyarrow then refuses the URI, quoting it):
 #: ``user:`` (not a port) up to the last ``@`` before the query. Never past a space or a quote,
 #: so that it applies to a message naming URIs too.
-# (an IPv6 literal, ``[::1]:8020``, is a host: no bracket in what is taken for a user part)
-_USER_PART = re.compile(r"""(?<=://)(?:[^/?#\s'"]*@|[^/?#@\s'"\[\]]*:(?!\d*(?:[/?#\s'"]|$))[^?#\s'"]*@)""")
+# (an authority that starts with ``[`` is an IPv6 host, ``[::1]:8020``, not a user part)
+_USER_PART = re.compile(r"""(?<=://)(?:[^/?#\s'"]*@|(?!\[)[^/?#@\s'"]*:(?!\d*(?:[/?#\s'"]|$))[^?#\s'"]*@)""")
 
 
 def redact(text: str) -> str:
@@ -298,7 +298,7 @@ def _make_local_dirs(path: str) -> None:
         path = parent
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):  # (made meanwhile by another process)
-            os.mkdir(directory, 0o755)  # (the umask may take more off, never put o+w on)
+            os.mkdir(directory, 0o775)  # (never o+w; the umask may take more off, as for any directory)
 
 
 def prepare_root(location: str) -> None:

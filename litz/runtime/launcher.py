@@ -434,8 +434,13 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors!r}")
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
-    if not (isinstance(checkpoint_timeout, int | float) and checkpoint_timeout > 0):  # used by a resume too
+    try:  # (used by a resume too, before the checkpoint policy checks it)
+        timeout_ok = not isinstance(checkpoint_timeout, bool) and float(checkpoint_timeout) > 0
+    except (TypeError, ValueError, OverflowError):
+        timeout_ok = False
+    if not timeout_ok:
         raise ConfigError(f"--checkpoint-timeout must be a positive number of seconds, got {checkpoint_timeout!r}")
+    checkpoint_timeout = float(checkpoint_timeout)
     try:  # a bad straggler setting is refused before anything starts
         stragglers.from_options(options)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -67,14 +67,17 @@ DEPARTED_GRACE = 30.0
 
 def is_wildcard(host: str) -> bool:
     """Whether ``host`` means every interface (``0.0.0.0``, ``::``, ``*``, and their other spellings:
-    ``0``, ``::0``, ``[0:0::0]``)."""
+    ``0``, ``::0``, ``[0:0::0]``, ``::ffff:0.0.0.0``)."""
     bare = host.strip().strip("[]")
     if bare == "*":
         return True
     try:
-        return ipaddress.ip_address(bare).is_unspecified
+        ip = ipaddress.ip_address(bare)
     except ValueError:
         pass
+    else:  # (::ffff:0.0.0.0, an IPv6 socket's every IPv4 interface, too)
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
     try:
         return socket.inet_aton(bare) == bytes(4)  # (the short IPv4 forms: "0", "0.0")
     except OSError:
