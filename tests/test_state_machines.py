@@ -232,6 +232,13 @@ def test_a_peer_that_left_leaves_no_socket_behind(monkeypatch) -> None:  # noqa:
         assert list(w0.endpoint._dealers) == ["s0"] and not w0.endpoint._departed  # all closed
         w0.endpoint.send("s7", "stats_request", rid=9)  # a new socket, long after the old one closed
         assert peers[7].recv()["rid"] == 9
+        monkeypatch.setattr(transport, "DEPARTED_GRACE", 3600.0)
+        w0.on_event(Event("delete", proc_key("server", "s7"), None))
+        w0.endpoint.forget("s0")
+        assert sorted(w0.endpoint._departed) == ["s0", "s7"] and not w0.endpoint._dealers
+        monkeypatch.setattr(transport, "DEPARTED_GRACE", 0.0)
+        w0.poll(0)  # a process that sends nothing more closes them at its next poll
+        assert not w0.endpoint._departed
     finally:
         w0.endpoint.close()
         for p in peers:

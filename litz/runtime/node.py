@@ -305,6 +305,7 @@ class Node:
 
     def poll(self, timeout_ms: int) -> None:
         events = dict(self.poller.poll(timeout_ms))
+        self.endpoint.close_departed()  # (a process that sends nothing more still closes them)
         if self._wake_r in events:
             self._membership_events()
         if self.endpoint.router in events:

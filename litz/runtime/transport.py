@@ -197,7 +197,7 @@ class Endpoint:
 
     def forget(self, peer: str) -> None:
         """A peer left the job (its etcd registration is gone): its socket closes once
-        :data:`DEPARTED_GRACE` has passed (at a later ``forget`` or ``send``).
+        :data:`DEPARTED_GRACE` has passed (at a later ``forget``, ``send``, or a node's poll).
 
         Before, every endpoint kept a DEALER, a file descriptor and reconnection attempts (one
         every 100 ms) for every peer that ever left: a long job that scaled out and in, or
@@ -209,9 +209,12 @@ class Endpoint:
         sock = self._dealers.pop(peer, None)
         if sock is not None:
             self._departed[peer] = (time.monotonic(), sock)
-        self._close_departed()
+        self.close_departed()
 
-    def _close_departed(self) -> None:
+    def close_departed(self) -> None:
+        """Close the sockets of peers forgotten at least :data:`DEPARTED_GRACE` ago (see :meth:`forget`)."""
+        if not self._departed:  # (each poll of a node asks)
+            return
         now = time.monotonic()
         for peer, (since, sock) in list(self._departed.items()):
             if now - since >= DEPARTED_GRACE:
@@ -236,8 +239,7 @@ class Endpoint:
     def send(self, peer: str, type_name: str, **fields: Any) -> None:
         """Encode and send one message to a peer (zero-copy for array frames)."""
         frames = protocol.encode(type_name, **fields)
-        if self._departed:
-            self._close_departed()
+        self.close_departed()
         self._dealer(peer).send_multipart(frames, copy=False)
         self.messages_sent += 1
         self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
