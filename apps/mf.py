@@ -261,6 +261,7 @@ class MFDriver(litz.SSPDriver):
         self._repair: str | None = None  # after a loss: None, "wanted" or "reseeding"
         self._reseed = False  # whether the repair must push the sums of its round again (a server's loss)
         self._reseeding = 0
+        self.inexact: set[int] = set()  # executors whose rows of a round could not be rebuilt after a loss
         super().dispatch_initial_tasks()
 
     def resumed(self) -> None:
@@ -330,7 +331,9 @@ class MFDriver(litz.SSPDriver):
 
     def handle_task_completion(self, result: litz.TaskResult) -> None:
         if isinstance(result.value, dict) and result.value.get("inexact"):
-            print(f"MF: {result.value['inexact']}", file=sys.stderr, flush=True)
+            if result.executor_id not in self.inexact:  # (said once per executor)
+                print(f"MF: {result.value['inexact']}", file=sys.stderr, flush=True)
+            self.inexact.add(result.executor_id)
         if "reseed" in result.args:
             self._reseeding -= 1
             if self._reseeding == 0 and self._repair == "reseeding":
@@ -399,7 +402,8 @@ class MFDriver(litz.SSPDriver):
         print(f"test RMSE {self.test_rmse:.4f}", flush=True)  # the result line, --quiet or not
         out: dict[str, Any] = {"test_rmse": self.test_rmse, "train_rmse": self.train_rmse, "history": self.history,
                                "round_seconds": self.round_seconds, "seconds": time.perf_counter() - self._start,
-                               "devices": sorted(getattr(self, "devices", set()))}
+                               "devices": sorted(getattr(self, "devices", set())),
+                               "inexact_executors": sorted(self.inexact)}
         if self.config["return_factors"]:
             out.update(self._assemble_factors())
             out["mu"] = float(self.config["mu"])
@@ -552,8 +556,7 @@ class MFExecutor(litz.Executor):
         elif st["done"] < t - 1 and t >= 1:
             try:
                 ps_rows = self._ps_rows(t - 1, float(args["prev_tag"]))
-            except StaleSums as exc:
-                st["done"] = t - 1
+            except StaleSums as exc:  # (done stays: a retried task, or the reseed, tries again and says so)
                 return (f"executor {self.executor_id}: its rows of iteration {t - 1} cannot be rebuilt ({exc}); "
                         f"it goes on from those of its checkpoint, so the factors will not equal those of a run "
                         f"without failures")

@@ -162,17 +162,20 @@ def test_after_losing_processes_als_repairs_its_sums_and_equals_the_reference(tm
     got = out["res"].value
     assert [h["iteration"] for h in got["history"]] == list(range(1, iterations + 1))
     np.testing.assert_allclose([h["test_rmse"] for h in got["history"]], history, rtol=1e-9)
+    assert got["inexact_executors"] == []
     U, V = ref.factors()
     np.testing.assert_allclose(got["users"], U, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(got["items"], V, rtol=1e-6, atol=1e-8)
     assert processes_mentioning(job) == []
 
 
-def test_after_losing_a_worker_and_a_server_at_once_als_goes_on_and_converges(tmp_path: Path, monkeypatch) -> None:
+def test_after_losing_a_worker_and_a_server_at_once_als_goes_on_and_converges(tmp_path: Path, monkeypatch,
+                                                                                capfd) -> None:
     """A worker and a server killed together: the sums the restored executors would rebuild their rows
     from may have come back from the checkpoint too, and the factors are then not those of a run
-    without failures (in about 6 runs of 8 here). The job must not stop on it, and ALS must still
-    converge to the reference's fit."""
+    without failures (in about 6 runs of 8 here). The job must not stop on it, must say so (the
+    message was lost when the task that found it failed next on the lost server's sums), and ALS
+    must still converge to the reference's fit."""
     from tests.conftest import run_in_thread
     from tests.test_recovery import _status_when
 
@@ -197,6 +200,10 @@ def test_after_losing_a_worker_and_a_server_at_once_als_goes_on_and_converges(tm
     got = [h["test_rmse"] for h in out["res"].value["history"]]
     assert len(got) == iterations
     assert abs(got[-1] - history[-1]) < 1e-3 * history[-1], (got[-1], history[-1])
+    exact = np.allclose(got, history, rtol=1e-9, atol=0)
+    inexact = out["res"].value["inexact_executors"]
+    assert exact == (inexact == []), (exact, inexact)  # inexact exactly when an executor said so
+    assert ("cannot be rebuilt" in capfd.readouterr().err) == (not exact)
     assert processes_mentioning(job) == []
 
 
