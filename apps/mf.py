@@ -553,7 +553,7 @@ class MFExecutor(litz.Executor):
         st = self.state
         if st["done"] >= t:
             st["rows"], st["done"] = st["prev"], t - 1
-        elif st["done"] < t - 1 and t >= 1:
+        elif st["done"] < t - 1:
             try:
                 ps_rows = self._ps_rows(t - 1, float(args["prev_tag"]))
             except StaleSums as exc:  # (done stays: a retried task, or the reseed, tries again and says so)

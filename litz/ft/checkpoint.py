@@ -279,6 +279,18 @@ class CheckpointRound:
         return None
 
 
+def checked_timeout(timeout: Any) -> float:
+    """``--checkpoint-timeout`` as seconds: a positive real number (inf: no limit); ConfigError else.
+    The launcher asks before a resume reads the storage, the coordinator for a job's checkpoints."""
+    try:
+        ok = not isinstance(timeout, bool) and float(timeout) > 0
+    except (TypeError, ValueError, OverflowError):  # (a string, None, an int beyond a float)
+        ok = False
+    if not ok:
+        raise ConfigError(f"--checkpoint-timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
 class CheckpointCoordinator:
     """Decides when a checkpoint is due and tracks the round in progress."""
 
@@ -291,12 +303,10 @@ class CheckpointCoordinator:
         if policy == "full" and fraction != 1:
             raise ConfigError(f"--checkpoint-fraction {fraction:g} applies to the partial policies "
                               f"(priority, round-robin, random); --checkpoint full saves everything")
-        if not timeout > 0:
-            raise ConfigError(f"--checkpoint-timeout must be a positive number of seconds, got {timeout!r}")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigError(f"--checkpoint-keep takes a number of full checkpoints, at least 1, got {keep!r}")
         self.location = location
-        self.timeout = float(timeout)
+        self.timeout = checked_timeout(timeout)
         self.keep = keep  # the newest full checkpoints kept (older directories are removed); None: all
         self.policy = policy
         self.fraction = fraction

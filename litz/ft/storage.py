@@ -251,15 +251,22 @@ def refuse_public(location: str) -> None:
     fs, root = filesystem(location)
     if not isinstance(fs, pafs.LocalFileSystem):
         return
-    try:
-        mode = os.stat(root).st_mode
-    except OSError:
-        return
-    if mode & 0o002:
+    mode = _public_mode(root)
+    if mode is not None:
         shown = redact(location)
         raise CheckpointError(f"checkpoint directory {shown} is writable by every user (mode {mode & 0o7777:o}): "
                               f"its checkpoints hold pickles that --resume loads, so anyone could make the job run "
                               f"their code; use a directory of yours, or chmod o-w {shown}")
+
+
+def _public_mode(path: str) -> int | None:
+    """The mode of the local ``path`` if every user may write it (``o+w``); None if not, or if it is
+    missing (what is missing is reported by whoever needs it)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return mode if mode & 0o002 else None
 
 
 def refuse_checkpoint_public(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> None:
@@ -274,11 +281,8 @@ def refuse_checkpoint_public(fs: pafs.FileSystem, path: str, manifest: dict[str,
     names = [MANIFEST, *manifest.get("shards_files", []), *manifest.get("executors_files", []),
              *manifest.get("executor_rows_files", []), *([manifest["driver"]] if "driver" in manifest else [])]
     for where in [path, *(f"{path}/{name}" for name in names)]:
-        try:
-            mode = os.stat(where).st_mode
-        except OSError:
-            continue
-        if mode & 0o002:
+        mode = _public_mode(where)
+        if mode is not None:
             what = "directory" if where == path else "file"
             raise CheckpointError(f"checkpoint {what} {where} is writable by every user (mode {mode & 0o7777:o}): "
                                   f"anyone could have replaced what the job would load from it (pickles, which run "

@@ -31,7 +31,7 @@ from typing import Any
 
 from litz.api import App, Driver, Executor, JobResult
 from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProcessLost
-from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator
+from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator, checked_timeout
 from litz.ps.tables import is_int, table_index
 from litz.runtime import jobs, security, spawner, stragglers
 from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
@@ -434,13 +434,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         raise ConfigError(f"a job needs at least one executor (--executors), got {num_executors!r}")
     options = dict(options or {})
     num_shards = int(options.pop("num_shards", 64))
-    try:  # (used by a resume too, before the checkpoint policy checks it)
-        timeout_ok = not isinstance(checkpoint_timeout, bool) and float(checkpoint_timeout) > 0
-    except (TypeError, ValueError, OverflowError):
-        timeout_ok = False
-    if not timeout_ok:
-        raise ConfigError(f"--checkpoint-timeout must be a positive number of seconds, got {checkpoint_timeout!r}")
-    checkpoint_timeout = float(checkpoint_timeout)
+    checkpoint_timeout = checked_timeout(checkpoint_timeout)  # (a resume uses it before the policy is made)
     try:  # a bad straggler setting is refused before anything starts
         stragglers.from_options(options)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -143,8 +143,10 @@ class StragglerRelief:
         longest = rounds[src]
         best: tuple[float, int, str] | None = None
         for eid in sorted(held[src], reverse=True):
+            if cost[eid] <= 0.0:  # (never ran: moving it would gain nothing measurable)
+                continue
             for dst in rounds:
-                if dst == src or cost[eid] <= 0.0:
+                if dst == src:
                     continue
                 worst = max([r for i, r in rounds.items() if i not in (src, dst)]
                             + [longest - cost[eid], rounds[dst] + cost[eid]])
