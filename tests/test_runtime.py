@@ -105,12 +105,27 @@ def test_crashing_run_task_stops_job_cleanly(etcd) -> None:
     assert processes_mentioning(job) == []
 
 
-def test_bad_update_is_refused_and_nothing_applied_is_lost(etcd) -> None:
+@pytest.mark.parametrize("update_log", [True, False])
+def test_bad_update_is_refused_and_the_failed_tasks_updates_are_discarded(etcd, update_log: bool) -> None:
+    """Tasks 7 and 33 make 5 valid updates, then an invalid one: they fail, naming the key and the
+    shapes, and none of their updates reach the table (the driver does not count them; before,
+    they stayed applied), while every other task's do."""
     app = testapps.sum_app(rows=10, tasks=60, executors=4, bad=(7, 33))
-    res = litz.run(app, workers=2, servers=2, etcd=etcd.url)
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url, options={"update_log": update_log})
     failures = res.value["failures"]
     assert sorted(f[1]["seed"] for f in failures) == [7, 33]
     assert all("table 's': update of key 0 has shape (7,), expected (3,)" in f[2] for f in failures)
+    assert all("the 5 row updates it made were discarded" in f[2] for f in failures)
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+
+
+def test_a_retried_task_counts_once(etcd) -> None:
+    """``Driver.retry`` of tasks that failed after valid updates: each update of a retried task
+    lands exactly once (its failed run's are discarded), with executors sharing a worker's log."""
+    app = testapps.sum_app(rows=10, tasks=60, executors=4, bad=(3, 7, 33, 58), retry=True)
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url)
+    assert sorted(f[1]["seed"] for f in res.value["failures"]) == [3, 7, 33, 58]
+    assert res.tasks_completed == 60
     np.testing.assert_array_equal(res.value["final"], res.value["truth"])
 
 

@@ -451,6 +451,52 @@ def test_update_log_add_many_of_new_keys_then_merges() -> None:
                 np.testing.assert_array_equal(np.stack(a[1]), np.stack(b[1]))
 
 
+def test_update_log_absorb_merges_a_tasks_log_exactly() -> None:
+    """A task's own log joins the process's: keys new to it are moved, shared keys merge with the
+    combiner (in place for the built-ins, through copies for a custom one); counts follow."""
+    add = Table("a", (2,), "int64")
+    top = Table("k", (3,), "float64", combiner=Combiner.of(lambda a, b: np.sort(np.concatenate([a, b]))[:3]))
+    fresh = Table("f", (1,), "float64")
+    log, task = UpdateLog(), UpdateLog()
+    log.add_many(add, [0, 1], np.array([[1, 2], [3, 4]]))
+    log.add(top, 0, np.array([5.0, 6.0, 7.0]))
+    task.add_many(add, [1, 2], np.array([[10, 20], [30, 40]]))
+    task.add(top, 0, np.array([1.0, 6.5, 9.0]))
+    task.add(top, 1, np.array([2.0, 3.0, 4.0]))
+    task.add(fresh, "x", np.array([1.5]))
+    log.absorb(task)
+    assert not task and task.nbytes == 0 and task.updates_in == 0
+    assert log.updates_in == 3 + 5 and log.nbytes == 3 * 16 + 2 * 24 + 8
+    out = {name: dict(zip(keys, rows, strict=True)) for name, (keys, rows) in log.drain().items()}
+    assert {k: v.tolist() for k, v in out["a"].items()} == {0: [1, 2], 1: [13, 24], 2: [30, 40]}
+    assert {k: v.tolist() for k, v in out["k"].items()} == {0: [1.0, 5.0, 6.0], 1: [2.0, 3.0, 4.0]}
+    assert out["f"]["x"].tolist() == [1.5]
+
+
+def test_update_log_absorb_is_all_or_nothing_when_a_combiner_raises() -> None:
+    """A custom combiner that raises on one shared row: the process's log is exactly as it was
+    (no row of any table merged), and the error reaches the caller (the task then fails)."""
+    def picky(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if b[0] < 0:
+            raise ValueError("negative")
+        return a + b
+
+    add = Table("a", (1,), "float64")
+    custom = Table("c", (1,), "float64", combiner=Combiner.of(picky))
+    log, task = UpdateLog(), UpdateLog()
+    log.add_many(add, [0], np.array([[1.0]]))
+    log.add_many(custom, [0, 1, 2], np.array([[1.0], [2.0], [3.0]]))
+    task.add_many(add, [0, 5], np.array([[10.0], [20.0]]))
+    task.add_many(custom, [0, 1, 2, 9], np.array([[1.0], [-1.0], [1.0], [4.0]]))
+    before, nbytes = log.nbytes, log.updates_in
+    with pytest.raises(ValueError, match="negative"):
+        log.absorb(task)
+    assert (log.nbytes, log.updates_in) == (before, nbytes)
+    out = {name: dict(zip(keys, rows, strict=True)) for name, (keys, rows) in log.drain().items()}
+    assert {k: v.tolist() for k, v in out["a"].items()} == {0: [1.0]}
+    assert {k: v.tolist() for k, v in out["c"].items()} == {0: [1.0], 1: [2.0], 2: [3.0]}
+
+
 def test_update_log_copies_the_callers_array() -> None:
     t = Table("a", (2,))
     log = UpdateLog()

@@ -68,6 +68,46 @@ class UpdateLog:
         elif idx:
             table.comb.merge_many(accs, deltas[idx])
 
+    def absorb(self, other: UpdateLog) -> None:
+        """Merge everything ``other`` holds into this log and empty ``other``: all of it or, when a
+        combiner raises, none of it (this log is then as it was, and the exception propagates).
+
+        Why: a micro-task's updates go to a log of its own and join the process's log only when
+        the task returns, so a task that raises leaves no update behind (a retried task would
+        otherwise count its first run's updates twice). A combiner that is not ``atomic`` merges
+        into copies first; tables whose rows this log does not hold yet are moved over, not copied.
+        """
+        merges: list[tuple[dict[Hashable, np.ndarray], Table, list[Hashable], list[np.ndarray], np.ndarray]] = []
+        for name, theirs in other._rows.items():
+            mine = self._rows.get(name)
+            both = [key for key in theirs if key in mine] if mine else []
+            if both:
+                table = other._tables[name]
+                accs = [mine[key] for key in both]  # type: ignore[index]
+                upds = np.stack([theirs[key] for key in both])
+                if not table.comb.atomic:
+                    accs = [acc.copy() for acc in accs]
+                    table.comb.merge_many(accs, upds)  # may raise: nothing of this log changed yet
+                merges.append((mine, table, both, accs, upds))  # type: ignore[arg-type]
+        for mine, table, both, accs, upds in merges:
+            if table.comb.atomic:  # cannot raise on checked rows: merged in place
+                table.comb.merge_many(accs, upds)
+            else:
+                mine.update(zip(both, accs, strict=True))
+            for key in both:
+                del other._rows[table.name][key]
+        for name, theirs in other._rows.items():  # the keys new to this log
+            if theirs:
+                rows = self._table_rows(other._tables[name])
+                if rows:
+                    rows.update(theirs)
+                else:
+                    self._rows[name] = theirs
+                self.nbytes += len(theirs) * other._tables[name].row_nbytes
+        self.updates_in += other.updates_in
+        other._rows = {}
+        other.nbytes = other.updates_in = 0
+
     def discard(self) -> None:
         """Drop everything buffered (a rollback abandons these updates)."""
         self._rows.clear()

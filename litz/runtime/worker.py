@@ -8,7 +8,8 @@ waits for has arrived. An executor runs its tasks one at a time, in dispatch ord
 Completions are buffered and sent to the master only after every update sent before them
 has been acknowledged by the servers (DESIGN.md §2, rule 1). Updates are sent in flushes
 of the update log: when nothing is runnable, when the log is large, or when a completion
-has waited longer than the flush interval.
+has waited longer than the flush interval. A task's own updates join the log when it returns:
+a task that raises leaves none behind (its retry would otherwise count them twice).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class Task:
     executor_id: int
     version: int
     args: Any
+    # its updates until it returns (``Worker.ps_update``): a log of its own, or, without the update
+    # log, each ``ps.update`` call's rows as one message's worth
+    staged: UpdateLog | None = None
+    unmerged: list[tuple[str, list[Hashable], list[np.ndarray]]] | None = None
 
 
 @dataclass
@@ -716,21 +721,21 @@ class Worker(Node):
         except greenlet.GreenletExit:
             raise
         except BaseException:  # SystemExit from user code is a task failure too, not the worker's end
-            self.tasks_failed += 1
-            self._ran(task.executor_id)
-            tb = traceback.format_exc()
-            log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, tb)
-            self._record("failed", [task.task_id, tb], task.executor_id)
+            self._fail(task, traceback.format_exc())
         else:
             try:  # as it is now: it leaves after the updates' acknowledgement, when the next task may have changed it
                 item = [task.task_id, snapshot(value)]
             except Exception as exc:
-                self.tasks_failed += 1
-                self._record("failed", [task.task_id, self._unsendable(task.task_id, exc)], task.executor_id)
+                self._fail(task, self._unsendable(task.task_id, exc))
             else:
-                self.tasks_run += 1
-                self._record("completed", item, task.executor_id)
-            self._ran(task.executor_id)
+                try:
+                    self._commit(task)
+                except Exception:  # a custom combiner raised merging it into the log, which is as it was
+                    self._fail(task, traceback.format_exc())
+                else:
+                    self.tasks_run += 1
+                    self._ran(task.executor_id)
+                    self._record("completed", item, task.executor_id)
         slot.running = False
         slot.glet = None  # its runner parks: a rollback must not kill it
         if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
@@ -739,6 +744,30 @@ class Worker(Node):
             self._ship_due = True
         elif slot.queue:
             self._start_next(slot)
+
+    def _fail(self, task: Task, reason: str) -> None:
+        """Task ``task`` raised (or its result cannot be sent): its updates are dropped, so that the
+        tables hold none of a failed task's work (a retry would count it twice), and it is reported."""
+        dropped = task.staged.updates_in if task.staged is not None else 0
+        dropped += sum(len(keys) for _, keys, _ in task.unmerged or ())
+        task.staged = task.unmerged = None
+        if dropped:
+            reason += f"\n(the {dropped} row update{'s' if dropped > 1 else ''} it made were discarded)"
+        self.tasks_failed += 1
+        self._ran(task.executor_id)
+        log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, reason)
+        self._record("failed", [task.task_id, reason], task.executor_id)
+
+    def _commit(self, task: Task) -> None:
+        """Task ``task`` returned: its updates join the process's log (or, without it, are sent)."""
+        if task.staged is not None:
+            self.log.absorb(task.staged)
+            task.staged = None
+            if self.log.nbytes >= self.options["flush_bytes"]:
+                self.flush()
+        for name, keys, rows in task.unmerged or ():
+            self._send_updates({name: (keys, rows)})
+        task.unmerged = None
 
     def _record(self, kind: str, item: list[Any], eid: int) -> None:
         """Buffer a completion until the updates made before it are acknowledged."""
@@ -777,12 +806,18 @@ class Worker(Node):
         return out
 
     def ps_update(self, table: Table, keys: list[Hashable], deltas: np.ndarray) -> None:
+        """Checked updates, held with the task until it returns (``_commit``; dropped if it fails)."""
+        task = self.current
+        if task is None:
+            raise LitzError("ps.update called outside a micro-task")
         if self.options["update_log"]:
-            self.log.add_many(table, keys, deltas)
-            if self.log.nbytes >= self.options["flush_bytes"]:
-                self.flush()
+            if task.staged is None:
+                task.staged = UpdateLog()
+            task.staged.add_many(table, keys, deltas)
         else:
-            self._send_updates({table.name: (keys, list(deltas))})
+            if task.unmerged is None:
+                task.unmerged = []
+            task.unmerged.append((table.name, keys, [np.array(d, copy=True) for d in deltas]))
 
     # -- hub: fetches ---------------------------------------------------------------------
     def _owners(self, keys: list[Hashable]) -> list[str]:
