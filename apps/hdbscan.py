@@ -514,7 +514,10 @@ class HDBDriver(litz.Driver):
     def _after_graph(self) -> None:
         cfg = self.config
         if cfg["mst"] == "kruskal":
-            idx, dist = self.nnd.graph()
+            graph = self.nnd.graph()
+            if graph is None:  # a server was recovered during the read: refill and converge first
+                return
+            idx, dist = graph
             self.laps.lap("read graph")
             a, b, w, comps = spanning_tree(idx, dist, cfg["min_samples"], job_points(cfg)[0], cfg["min_cluster_size"])
             self._say(f"Kruskal MST in the master: {self.laps.lap('mst'):.2f} s")

@@ -183,6 +183,17 @@ def num_blocks(n_points: int, block: int = BLOCK) -> int:
     return -(-n_points // block)
 
 
+def lists_changed(value: np.ndarray, saved: np.ndarray) -> float:
+    """A row's distance from its saved self, for priority checkpoints: how many of its lists'
+    neighbours the saved row lacks, i.e. what restoring it would lose. (The default L2 would mix
+    ids, distances and flags, and its ``inf - inf`` in empty slots made every partial round fail.)"""
+    k = value.shape[-1] // 3
+    ids = value[..., :k].reshape(-1, k, 1)
+    was = saved[..., :k].reshape(-1, 1, k)
+    found = (ids == was).any(axis=2)
+    return float(((ids[..., 0] >= 0) & ~found).sum())
+
+
 def knn_table(n_points: int, k: int, name: str = "knn", *, block: int = BLOCK) -> litz.Table:
     """The neighbour-list table: ``ceil(n / block)`` rows of shape ``(block, 3k)`` float32, combiner
     :class:`KeepKNearest`. Point ``i`` is list ``i % block`` of row ``i // block``."""
@@ -191,7 +202,7 @@ def knn_table(n_points: int, k: int, name: str = "knn", *, block: int = BLOCK) -
     if n_points >= MAX_POINTS:
         raise litz.ConfigError(f"NN-Descent stores ids in float32: at most {MAX_POINTS - 1} points, got {n_points}")
     return litz.Table(name, shape=(block, 3 * k), dtype="float32", init=_empty_block, combiner=KeepKNearest(k),
-                      num_rows=num_blocks(n_points, block))
+                      num_rows=num_blocks(n_points, block), distance=lists_changed)
 
 
 def mark_table_name(table: str) -> str:
@@ -663,6 +674,7 @@ class NNDescentPhase:
         self.converged = False
         self._refilling = False  # the tasks out are a refill (initial lists again, after a loss)
         self._refill_wanted = False  # a server was lost during this round: refill after it
+        self._first_round = 0  # the rounds since the last refill count against max_rounds
         self.stats: dict[str, Any] = {"rounds": 0, "updates": [], "distances": [], "proposed": [], "sent": [],
                                       "rows_sent": [], "marked": [], "rows_read": [], "seconds": [],
                                       "candidates_proposed": 0,
@@ -760,6 +772,9 @@ class NNDescentPhase:
         if self._refilling:
             self._refilling = False
             self.stats["refills"] += 1
+            # the refilled lists need rounds of their own: a refill after the cap got one (their
+            # lists stayed near the initial ones' quality)
+            self._first_round = self.round + 1
             self._say(f"refill of the initial lists    distances {c['distances']:10d}  {seconds:.3f} s {slowest}")
         elif self.round < 0:
             if self._owned != [self.n, self.n * (self.n - 1) // 2]:
@@ -784,7 +799,7 @@ class NNDescentPhase:
                       f"candidates sent {c['sent']:9d} of {c['proposed']:10d}  blocks read {c['rows_read']:7d}  "
                       f"{seconds:.3f} s {slowest}")
             if not self._refill_wanted and (c["updates"] < self.delta * self.n * self.k
-                                            or self.round + 1 >= self.max_rounds):
+                                            or self.round + 1 - self._first_round >= self.max_rounds):
                 self.converged = True
                 self.stats["seconds_total"] = time.perf_counter() - self._t0
                 return True
@@ -806,14 +821,24 @@ class NNDescentPhase:
         ups = self.stats["updates"]
         return f"NN-Descent round {self.round + 1}/{self.max_rounds}" + (f", {ups[-1]} updates" if ups else "")
 
-    def graph(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(indices int64 (n, k), Euclidean distances float32 (n, k))``, rows sorted ascending, from the PS."""
+    def graph(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(indices int64 (n, k), Euclidean distances float32 (n, k))``, rows sorted ascending, from
+        the PS; missing neighbours (a list shorter than k) are id -1 at distance inf.
+
+        None if a server was lost and recovered while the lists were read: some came back from the
+        checkpoint (or empty). The driver's ``recovered``, called once its handler returns, then
+        refills them (pass it on to :meth:`recovered`), and ``on_complete`` says when to read again.
+        """
         nb = num_blocks(self.n, self.block)
         rows = np.empty((nb * self.block, 3 * self.k), np.float32)
         for lo in range(0, nb, READ_CHUNK):
             hi = min(nb, lo + READ_CHUNK)
             rows[lo * self.block:hi * self.block] = self.driver.ps.get_many(self.table, range(lo, hi)).reshape(
                 -1, 3 * self.k)
+        if any(r.role == "server" for r in self.driver.recoveries_pending):
+            self._say("a server was recovered while the graph was read: its lists are refilled first")
+            self.converged = False
+            return None
         rows = rows[:self.n]
         return rows[:, :self.k].astype(np.int64), np.sqrt(rows[:, self.k:2 * self.k])
 
@@ -976,12 +1001,15 @@ class NNDDriver(litz.Driver):
             return
         cfg = self.config
         t = time.perf_counter()
-        ordered, dist_ordered = self.phase.graph()
+        graph = self.phase.graph()
+        if graph is None:  # a server's lists came back from the checkpoint: refilled, then read again
+            return
+        ordered, dist_ordered = graph
         if data_fingerprint(load_points(cfg), self.perm) != self.phase.stats["data_fingerprint"]:
             raise RuntimeError("the driver's locality order differs from the executors': the graph cannot be "
                                "mapped back to the input's numbering")
         indices, distances = np.empty_like(ordered), np.empty_like(dist_ordered)
-        indices[self.perm] = self.perm[ordered]  # back to the input's numbering
+        indices[self.perm] = np.where(ordered >= 0, self.perm[ordered], -1)  # the input's numbering (-1: none)
         distances[self.perm] = dist_ordered
         read = time.perf_counter() - t
         data = load_points(cfg)

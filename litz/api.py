@@ -321,6 +321,18 @@ class Driver:
         the driver back too and calls ``resumed`` instead.)
         """
 
+    @property
+    def recoveries_pending(self) -> list[Recovery]:
+        """Partial recoveries that completed but that :meth:`recovered` has not been told of yet (it
+        is, in order, as soon as the handler running now returns).
+
+        Why: a driver's ``ps.get`` that a server's loss interrupted waits for the recovery and then
+        reads the lost shards as restored from the checkpoint. A driver about to ``finish`` with
+        what it read (a final model, a graph) checks this first: a pending server recovery means
+        some rows went back, and ``recovered`` will be its chance to redo their work."""
+        assert self._master is not None
+        return list(self._master._recovered)
+
     def handle_task_failure(self, failure: TaskFailure) -> None:
         """Called when ``run_task`` raised; the default stops the job with a TaskError."""
         raise TaskError(failure.executor_id, failure.args, failure.traceback, failure.worker)

@@ -1169,6 +1169,36 @@ def test_tables_say_what_distance_ranks_their_rows() -> None:
         store.scores("priority", 0)
 
 
+def test_built_in_distances_rank_rows_holding_infinities_and_nans() -> None:
+    """Rows with infinite or NaN entries (the empty slots of neighbour lists hold inf, a min
+    table starts at inf) are ranked, not refused: an entry equal to its saved self counts 0, one
+    that became finite or NaN counts inf. Before, ``inf - inf`` made every such row's distance NaN,
+    and every priority checkpoint of an NN-Descent job failed."""
+    from litz.ps.server import ShardStore
+    from litz.ps.tables import DISTANCES
+
+    inf, nan = np.inf, np.nan
+    for name in ("l2", "l1"):
+        d = DISTANCES[name]
+        assert d(np.array([1.0, inf, -inf]), np.array([1.0, inf, -inf])) == 0.0
+        assert d(np.array([nan, 3.0]), np.array([nan, 3.0])) == 0.0
+        assert d(np.array([2.0, inf]), np.array([inf, inf])) == inf
+        assert d(np.array([nan, 0.0]), np.array([1.0, 0.0])) == inf
+        assert d(np.array([4.0, inf]), np.array([1.0, inf])) == 3.0
+    assert DISTANCES["l2"](np.array([4.0, inf, 5.0]), np.array([1.0, inf, 1.0])) == 5.0
+
+    table = litz.Table("knn", (2, 3), "float32", init=lambda key, shape, dtype: np.full(shape, np.inf, dtype),
+                       combiner="min")
+    store = ShardStore({"knn": table}, shards=[0], num_shards=1)
+    store.update("knn", [0, 1, 2], np.full((3, 2, 3), np.inf, np.float32))
+    store.remember(store.rows_snapshot(), 1)
+    store.update("knn", [0, 1], np.array([[[1, 2, inf], [inf] * 3], [[inf] * 3, [inf, inf, 7]]], np.float32))
+    store.update("knn", [2], np.full((1, 2, 3), np.inf, np.float32))
+    entries, scores = store.scores("priority", 0)
+    got = {key: s for (_, _, key), s in zip(entries, scores, strict=True)}
+    assert got == {0: inf, 1: inf, 2: 0.0}
+
+
 def test_a_failing_distance_fails_its_partial_rounds_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
     app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0, distance=testapps.failing_distance)
     ckpt = str(tmp_path / "ckpt")

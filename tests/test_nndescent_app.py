@@ -542,9 +542,12 @@ class EmbeddingDriver(litz.Driver):
     def handle_task_completion(self, result: litz.TaskResult) -> None:
         if not self.phase.handles(result):
             self.mine.append(result.value)
-        elif self.phase.on_complete(result):
-            indices, distances = self.phase.graph()
+        elif self.phase.on_complete(result) and (graph := self.phase.graph()) is not None:
+            indices, distances = graph
             self.finish({"indices": indices, "distances": distances, "stats": self.phase.stats, "mine": self.mine})
+
+    def recovered(self, recovery: litz.Recovery) -> None:
+        self.phase.recovered(recovery)
 
 
 class EmbeddingExecutor(nd.NNDescentExecutorMixin, litz.Executor):
@@ -601,9 +604,6 @@ class LoseAProcessDriver(EmbeddingDriver):
             self.struck = True
             victim = self._master.procs[self.config["victim"]]  # test-only access to the master
             os.kill(victim["pid"], signal.SIGKILL)
-
-    def recovered(self, recovery: litz.Recovery) -> None:
-        self.phase.recovered(recovery)
 
 
 @pytest.mark.parametrize("victim", ["s1", "w1"])
@@ -739,3 +739,101 @@ def test_smallest_per_row_picks_the_m_smallest_of_every_row() -> None:
             for row, ids in zip(values, got, strict=True):
                 assert len(set(ids.tolist())) == m and (ids >= 0).all()
                 np.testing.assert_array_equal(np.sort(row[ids]), np.sort(row)[:m])
+
+
+def test_a_lists_distance_counts_the_neighbours_a_restore_would_lose() -> None:
+    """Priority checkpoints rank ``knn`` rows by how many of their neighbours the saved row lacks:
+    empty slots (id -1, distance inf) count nothing, reordering counts nothing, the id refill counts."""
+    k = 3
+    saved = nd.nk.empty_lists(2, k)
+    saved[0, :k] = [5, 7, -1]
+    value = saved.copy()
+    assert nd.lists_changed(value, saved) == 0.0
+    value[0, :k] = [7, 5, 9]  # reordered, and one slot filled
+    value[1, :k] = [1, 2, -1]
+    assert nd.lists_changed(value, saved) == 3.0
+
+
+class SlowRoundsDriver(EmbeddingDriver):
+    """Rounds slowed down so that partial checkpoints (every 0.3 s) strike while lists are filling."""
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        time.sleep(0.05)
+        super().handle_task_completion(result)
+
+
+def test_priority_checkpoints_of_the_graph_succeed(etcd, tmp_path: Path) -> None:
+    """Every partial (priority) round of an NN-Descent job is written. Before, each one failed
+    (the default L2 distance met ``inf - inf`` in empty slots: NaN), so the running checkpoint
+    stayed the first full one and a lost server's lists came back from the job's start."""
+    app = litz.App(SlowRoundsDriver, EmbeddingExecutor, tables=nd.nndescent_tables(N, K), num_executors=EXECUTORS)
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url, checkpoint_dir=str(tmp_path / "ckpt"),
+                   checkpoint_every="0.3s", checkpoint_policy="priority", checkpoint_fraction=0.25)
+    records = res.stats["master"]["checkpoints"]
+    partial = [c for c in records if c["kind"] != "full"]
+    assert partial and all(c["ok"] for c in records), records
+    assert nd.recall(nd.blobs(N, DIM), res.value["indices"], np.arange(N), K) >= 0.95
+
+
+def test_a_refill_after_the_round_cap_gets_rounds_of_its_own() -> None:
+    """The phase stopped at ``max_rounds``; a server's loss afterwards (HDBSCAN's spanning tree
+    sends it back) refills the lists, and the refilled lists get up to ``max_rounds`` rounds again
+    (before, one round: the cap counted every round since the start). Socketless: completions by hand."""
+    from types import SimpleNamespace
+
+    class Dispatcher:
+        def __init__(self) -> None:
+            self.sent: list[tuple[int, dict[str, Any]]] = []
+
+        def dispatch_task(self, executor_id: int, args: dict[str, Any]) -> None:
+            self.sent.append((executor_id, args))
+
+    n, k, executors, cap = 1000, 10, 2, 4
+    driver = Dispatcher()
+    phase = nd.NNDescentPhase(driver, n, k, num_executors=executors, max_rounds=cap)  # type: ignore[arg-type]
+
+    def complete_round(updates: int) -> bool:
+        batch, driver.sent = driver.sent, []
+        done = False
+        for e, args in batch:
+            counts = [0] * len(nd.nk.COUNTERS)
+            counts[nd.nk.COUNTERS.index("updates")] = updates
+            lo, hi = e * n // executors, (e + 1) * n // executors
+            value = {"counts": counts, "owned": hi - lo, "owned_sum": sum(range(lo, hi)), "fingerprint": "x"}
+            done = phase.on_complete(SimpleNamespace(args=args, value=value, executor_id=e)) or done
+        return done
+
+    phase.start()
+    assert not complete_round(0)  # the initial lists
+    assert [complete_round(10**6) for _ in range(cap)] == [False] * (cap - 1) + [True]
+    phase.recovered(litz.Recovery("server", ("s1",), (), tuple(range(8)), None))
+    assert {a["op"] for _, a in driver.sent} == {"init"} and all(a["refill"] for _, a in driver.sent)
+    assert not complete_round(0)  # the refill
+    assert [complete_round(10**6) for _ in range(cap)] == [False] * (cap - 1) + [True]
+    assert phase.stats["rounds"] == 2 * cap and phase.stats["refills"] == 1
+
+
+def test_a_server_lost_as_the_graph_is_read_is_refilled_before_the_job_ends(etcd, tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    """Before, the driver finished with the restored (empty) lists: recall 0.51, half the rows
+    short; now ``graph()`` sees the pending recovery, the lists are refilled and read again."""
+    killed: list[bool] = []
+    graph = nd.NNDescentPhase.graph
+
+    def kill_then_read(self: nd.NNDescentPhase) -> Any:
+        if not killed:
+            killed.append(True)
+            os.kill(self.driver._master.procs["s1"]["pid"], signal.SIGKILL)  # test-only access to the master
+        return graph(self)
+
+    monkeypatch.setattr(nd.NNDescentPhase, "graph", kill_then_read)  # the driver runs in this process
+    app = litz.App(EmbeddingDriver, EmbeddingExecutor, tables=nd.nndescent_tables(N, K), num_executors=EXECUTORS)
+    res = litz.run(app, workers=2, servers=2, etcd=etcd.url, checkpoint_dir=str(tmp_path / "ckpt"),
+                   checkpoint_every="600s", recovery="partial")
+    (rec,) = res.stats["master"]["recoveries"]
+    assert rec["lost"] == "s1"
+    out = res.value
+    assert out["stats"]["refills"] == 1
+    ind = out["indices"]
+    assert (ind >= 0).all() and all(len(np.unique(row)) == K for row in ind)
+    assert nd.recall(nd.blobs(N, DIM), ind, np.arange(N), K) >= 0.95

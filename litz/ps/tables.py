@@ -126,12 +126,26 @@ COMBINERS: dict[str, Combiner] = {
 }
 
 
+def _changes(value: np.ndarray, saved: np.ndarray) -> np.ndarray:
+    """``|value - saved|`` per entry, where an entry equal to its saved self is 0 even when it is
+    infinite or NaN (``inf - inf`` is NaN: a table of neighbour lists, whose empty slots hold
+    ``inf``, failed every priority checkpoint) and one that became or stopped being NaN is ``inf``."""
+    a = value.astype(np.float64).ravel()
+    b = np.asarray(saved, np.float64).ravel()
+    with np.errstate(invalid="ignore"):
+        d = np.abs(a - b)
+    if not np.isnan(d).any():
+        return d
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    return np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
+
+
 def _l2(value: np.ndarray, saved: np.ndarray) -> float:
-    return float(np.linalg.norm((value.astype(np.float64) - saved).ravel()))
+    return float(np.linalg.norm(_changes(value, saved)))
 
 
 def _l1(value: np.ndarray, saved: np.ndarray) -> float:
-    return float(np.abs(value.astype(np.float64) - saved).sum())
+    return float(_changes(value, saved).sum())
 
 
 def _scaled_total_variation(value: np.ndarray, saved: np.ndarray) -> float:
