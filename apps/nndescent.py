@@ -631,7 +631,11 @@ def nndescent_warmup() -> None:
 
 class NNDescentExecutorMixin:
     """Serve NN-Descent tasks: call ``self.run_nnd_task(args)`` from ``run_task`` when
-    ``NNDescentPhase.is_task(args)``, and ``nndescent_warmup()`` from ``setup``."""
+    ``NNDescentPhase.is_task(args)``, and ``nndescent_warmup()`` from ``setup``. A moved executor
+    loads its input where it lands (``ship_input``): the input holds every point, which the
+    process maps once for all its executors."""
+
+    ship_input = False
 
     def run_nnd_task(self, args: dict[str, Any]) -> dict[str, Any]:
         return nndescent_run_task(self, args)  # type: ignore[arg-type]

@@ -837,3 +837,23 @@ def test_a_server_lost_as_the_graph_is_read_is_refilled_before_the_job_ends(etcd
     ind = out["indices"]
     assert (ind >= 0).all() and all(len(np.unique(row)) == K for row in ind)
     assert nd.recall(nd.blobs(N, DIM), ind, np.arange(N), K) >= 0.95
+
+
+class MoveExecutorsDriver(EmbeddingDriver):
+    """Moves every executor of w0 to w1 as the first round starts, asking for the input from
+    memory: NN-Descent's executors load theirs where they land instead (``ship_input = False``)."""
+
+    def handle_task_completion(self, result: litz.TaskResult) -> None:
+        super().handle_task_completion(result)
+        if self.phase.round == 0 and not getattr(self, "moved", None) and not self._finished:
+            master = self._master  # test-only access to the master
+            self.moved = [e for e, w in master.state.placement.items() if w == "w0"]
+            master.move_executors(self.moved, "w1", ship_input=True)
+
+
+def test_executors_moved_mid_job_load_their_input_where_they_land(etcd) -> None:
+    app = litz.App(MoveExecutorsDriver, EmbeddingExecutor, tables=nd.nndescent_tables(N, K), num_executors=EXECUTORS)
+    res = litz.run(app, workers=2, servers=1, etcd=etcd.url)
+    assert res.total("migrations_in", "worker") == 2
+    ind = res.value["indices"]
+    assert (ind >= 0).all() and nd.recall(nd.blobs(N, DIM), ind, np.arange(N), K) >= 0.95

@@ -976,6 +976,39 @@ def test_a_source_ships_only_after_the_master_has_its_completions(settled_first:
         w.endpoint.close()
 
 
+@pytest.mark.parametrize("ship", [True, False])
+def test_an_executor_that_ships_no_input_is_sent_without_it(ship: bool) -> None:
+    """``Executor.ship_input = False``: a move that would send the input from memory sends none,
+    and the destination loads it (``load_input``); other executors' inputs still travel."""
+    import litz
+    from litz.runtime.protocol import Message, unpack_object
+    from litz.runtime.worker import Slot, Worker
+
+    class Ex(litz.Executor):
+        ship_input = ship
+
+    w = Worker("w0", "job", "127.0.0.1:1")
+    sent: list[tuple[str, str, dict]] = []
+    w.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    try:
+        w.master = "master"
+        ex = Ex()
+        ex.state, ex.input = {"count": 3}, np.arange(5)
+        w.slots[0] = Slot(ex)
+        w.dispatch(Message("migrate_out", {"mid": 1, "executors": [0], "dest": "w1", "ship_input": True},
+                           sender="master"))
+        w._ship_ready()
+        w.dispatch(Message("ship", {"mid": 1}, sender="master"))
+        [[eid, _, inp, *_]] = [f for _, k, f in sent if k == "executor_state"][0]["executors"]
+        assert eid == 0
+        if ship:
+            np.testing.assert_array_equal(unpack_object(inp), np.arange(5))
+        else:
+            assert inp is None
+    finally:
+        w.endpoint.close()
+
+
 def test_tasks_run_on_reused_runners_and_a_rollback_kills_only_the_blocked_ones() -> None:
     """A worker runs an executor's tasks one after another on one parked runner greenlet, in
     order, each reported once. A rollback kills the runner of a task blocked in ``ps.get``

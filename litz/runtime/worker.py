@@ -633,8 +633,9 @@ class Worker(Node):
             slot = self.slots.pop(e)
             saves = self.row_saves.pop(e, None)
             queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
-            payload.append([e, states[e], pack_object(slot.executor.input) if mig.ship_input else None,
-                            queued, pack_object(saves) if saves is not None else None, self._take_staged(e, saves)])
+            ship = mig.ship_input and slot.executor.ship_input  # else the destination loads it
+            payload.append([e, states[e], pack_object(slot.executor.input) if ship else None, queued,
+                            pack_object(saves) if saves is not None else None, self._take_staged(e, saves)])
             self.moved_to[e] = mig.dest
         self.endpoint.send(mig.dest, "executor_state", mid=mig.mid, executors=payload, source=self.ident)
         self.migrations_out += len(mig.executors)
