@@ -179,7 +179,8 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--executors", type=int, default=None,
                    help="logical executors (default: the app's, else 4 per worker)")
     p.add_argument("--job", default=None, help="job name (default: generated)")
-    p.add_argument("--etcd", default=None, help="etcd URL; default: start a private one on loopback")
+    p.add_argument("--etcd", default=None, help="etcd URL; default: start a private one on Unix sockets "
+                                                 "only this user can reach")
     p.add_argument("--no-cache", action="store_true", help="disable the process cache (for comparison)")
     p.add_argument("--no-update-log", action="store_true", help="send every ps.update at once (for comparison)")
     p.add_argument("--log-level", default=None, type=str.upper,
@@ -212,8 +213,9 @@ def _launch_parser() -> argparse.ArgumentParser:
                         "its last full checkpoint")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="start from the newest complete checkpoint in DIR (or the checkpoint DIR itself); "
-                        "'auto': from the newest in --checkpoint-dir if there is one, else from scratch (one "
-                        "command line for the first start and every restart)")
+                        "'auto': go on from the run that last ran in --checkpoint-dir (its newest complete "
+                        "checkpoint, as its TIMELINE.json records), else from scratch (one command line for "
+                        "the first start and every restart)")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address the job's processes listen on (default 127.0.0.1); "
                         "an address beyond loopback requires --secret-file")

@@ -401,7 +401,7 @@ def run(app: App, *, workers: int = 2, servers: int = 1, num_executors: int | No
         checkpoint_keep: int | None = None) -> JobResult:
     """Run a job to completion and return its result.
 
-    With no ``etcd``, an embedded local cluster is started (private etcd on loopback,
+    With no ``etcd``, an embedded local cluster is started (private etcd on Unix sockets,
     ``servers`` server and ``workers`` worker processes) and stopped at the end.
     ``num_executors`` defaults to the app's, else 4 per worker. ``options`` tunes the runtime
     (``cache``, ``update_log``, ``flush_interval``, ``flush_bytes``, ``frame_bytes``, ``num_shards``).
