@@ -678,6 +678,145 @@ def test_an_etcd_restart_or_outage_does_not_stop_a_job(tmp_path: Path, monkeypat
     assert processes_mentioning(job) == []
 
 
+def _revoke_lease_of(endpoint: str, key: str) -> None:
+    """Revoke the lease ``key`` is held under, from another etcd client: what etcd does to a process
+    that stalled past its lease, or lost etcd for that long (a pause, a partition)."""
+    import asyncio
+
+    from etcd3aio import Etcd3Client
+
+    async def revoke() -> None:
+        async with Etcd3Client([endpoint]) as client:
+            assert client.kv is not None and client.lease is not None
+            resp = await client.kv.get(key, timeout=5)
+            await client.lease.revoke(resp.kvs[0].lease, timeout=5)
+
+    asyncio.run(revoke())
+
+
+def test_a_master_whose_lease_lapsed_registers_again_and_the_job_goes_on(tmp_path: Path, monkeypatch) -> None:
+    """The master's lease lapses while it lives (here revoked by another client, as a master
+    stalled past its lease or cut off from etcd sees it): its keep-alive registers it again within
+    a third of the lease's time-to-live, and the workers and servers, which wait that long and a
+    second more before they take a missing master for a dead one (``MasterPresence``), stay. The
+    job finishes with exact sums and nothing recovered. Before, every worker and server left at
+    the delete (exit code 3) and the job failed with ProcessLost."""
+    from litz.runtime.etcd_server import LocalEtcd
+
+    monkeypatch.setenv("LITZ_LEASE_TTL", "3")
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "master-lapse", 4)
+    server = LocalEtcd()
+    server.start()
+    try:
+        t, out = _start(app, workers=2, servers=2, job=job, etcd=server.url, recovery="partial",
+                        checkpoint_dir=str(tmp_path / "ckpt"))
+        try:
+            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= 100)
+            pids = sorted(p["pid"] for p in st["processes"])
+            _revoke_lease_of(server.endpoint, f"/litz/{job}/procs/master/master")
+            time.sleep(3 + 2.0)  # past the grace period (the lease's time-to-live and a second)
+            done = _status_when(job, lambda s: True)["master"]["completed"]
+            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= done + 100, timeout=30)
+            assert sorted(p["pid"] for p in st["processes"]) == pids  # everyone still registered
+        finally:
+            stop.touch()
+            t.join(60)
+        assert not t.is_alive() and "error" not in out, out.get("traceback")
+        res = out["res"]
+        np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+        assert res.stats["master"]["recoveries"] == []
+    finally:
+        server.stop()
+    assert processes_mentioning(job) == []
+
+
+def test_workers_and_servers_leave_a_master_that_is_gone_but_not_one_that_comes_back(etcd) -> None:  # noqa: ANN001
+    """A worker and a server (real processes, no job yet) see the master's registration deleted.
+    Put back by the same master at once (its keep-alive after a lapsed lease), they stay past the
+    grace period; gone for good, they leave with exit code 3 once the grace period (the lease
+    time-to-live the master registered, 1 s here, and a second) is over, not before. Another
+    master under the key means ours is gone: the same. Before, they left at the first delete."""
+    from litz.runtime.launcher import LocalCluster
+    from litz.runtime.membership import Membership
+
+    master_key = "procs/master/master"
+    record = {"role": "master", "id": "master", "addr": "ipc:///nonexistent/master", "pid": os.getpid(),
+              "started": time.time(), "lease_ttl": 1}
+    for ending in ("deregistered", "replaced"):
+        job = f"master-gone-{ending}-{time.time_ns()}"
+        master = Membership(etcd.url, job)
+        master.start()
+        master.register(master_key, record, ttl=1)
+        cluster = LocalCluster(job, workers=1, servers=1, etcd=etcd.url)
+        try:
+            cluster.start()
+            deadline = time.monotonic() + 30
+            while not {"procs/worker/w0", "procs/server/s0"} <= set(master.get_prefix("procs/")):
+                assert time.monotonic() < deadline, "the worker and server never registered"
+                time.sleep(0.05)
+            master.register(master_key, record, ttl=1)  # the key is deleted (lease revoked), then put back
+            time.sleep(3.0)
+            assert [p.poll() for p in cluster.children.values()] == [None, None]
+            if ending == "deregistered":
+                master.deregister()
+            else:
+                master.register(master_key, dict(record, pid=1), ttl=1)  # (deleted, then another master's)
+            gone = time.monotonic()
+            time.sleep(0.5)
+            if ending == "deregistered":
+                assert [p.poll() for p in cluster.children.values()] == [None, None], "left before the grace"
+            codes = [p.wait(10) for p in cluster.children.values()]
+            assert codes == [3, 3], codes
+            assert ending == "replaced" or time.monotonic() - gone >= 2.0
+        finally:
+            cluster.stop(timeout=0.0)
+            master.close()
+
+
+def test_a_joined_hosts_agent_waits_for_its_master_to_come_back(etcd) -> None:  # noqa: ANN001
+    """A joined host's agent: the master's registration deleted and put back by the same master
+    keeps the host in the job; deleted while the job's last status says it ended, the host leaves
+    at once; deleted otherwise, it leaves once the grace period is over. Before, it left at the
+    first delete."""
+    from litz.runtime.launcher import LocalCluster, _HostDrain, _join_step
+    from litz.runtime.master import STATUS_KEY
+    from litz.runtime.membership import Membership
+    from litz.runtime.node import MASTER_KEY, MasterPresence
+
+    job = f"joined-master-{time.time_ns()}"
+    record = {"role": "master", "id": "master", "addr": "ipc:///nonexistent/master", "pid": os.getpid(),
+              "started": time.time(), "lease_ttl": 1}
+    cluster = LocalCluster(job, workers=1, servers=0, etcd=etcd.url, join=True)  # (not started: no process)
+    with Membership(etcd.url, job) as master, Membership(etcd.url, job) as agent:
+        master.register(MASTER_KEY, record, ttl=1)
+        agent.watch_prefix(MASTER_KEY)
+        presence = MasterPresence(agent.get(MASTER_KEY))
+        drain = _HostDrain(agent, "h")
+
+        def step_for(seconds: float) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end and not cluster.job_ended:
+                _join_step(cluster, agent, "cid", job, drain, presence)
+                time.sleep(0.05)
+
+        master.register(MASTER_KEY, record, ttl=1)  # deleted (lease revoked) and put back
+        step_for(3.0)
+        assert not cluster.job_ended
+        master.deregister()  # gone, the job not over: after the grace period (2 s)
+        gone = time.monotonic()
+        step_for(10.0)
+        assert cluster.job_ended and time.monotonic() - gone >= 2.0
+        cluster.job_ended = False
+        presence = MasterPresence(record)
+        master.register(MASTER_KEY, record, ttl=1)
+        master.put(STATUS_KEY, {"phase": "finished"})
+        master.deregister()  # the job ended: at once
+        gone = time.monotonic()
+        step_for(10.0)
+        assert cluster.job_ended and time.monotonic() - gone < 1.5
+    cluster.rundir.rmdir()
+
+
 def test_rollback_answer_waits_for_updates_sent_to_live_servers() -> None:
     """A worker told to roll back answers ``rolled_back`` only once every update it already sent
     to a live server was acknowledged (else the update could land after that server reloads the

@@ -38,7 +38,7 @@ from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import STATUS_KEY, Master, Resume, StartupTimeout
 from litz.runtime.membership import KeyHeld, Membership, lease_ttl
-from litz.runtime.node import proc_key
+from litz.runtime.node import MASTER_KEY, MasterPresence, proc_key
 from litz.runtime.transport import check_bind_host, host_name
 
 log = logging.getLogger(__name__)
@@ -574,7 +574,7 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                       join=True) as cluster:
         agent = cluster._agent
         assert agent is not None
-        master = agent.get(proc_key("master", "master"))
+        master = agent.get(MASTER_KEY)
         if not master:
             raise ConfigError(f"no running job {job!r} on etcd {etcd} (no master registered)")
         secured = master.get("secured")
@@ -587,12 +587,13 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
         cluster.prepare(numba=master.get("numba") is True)
         cid = f"join-{cluster.node}-{secrets.token_hex(3)}"
         agent.watch_prefix(f"commands/result/{cid}")
-        agent.watch_prefix(proc_key("master", "master"))
+        agent.watch_prefix(MASTER_KEY)
         agent.put(f"commands/join/{cluster.node}", {"id": cid, "agent": cluster.node, "workers": workers,
                                                      "servers": servers, "time": time.time()})
         deadline = time.monotonic() + timeout
         accepted = False
         drain = _HostDrain(agent, cluster.node)
+        presence = MasterPresence(master)
         sigterms: list[int] = []
         with _on_sigterm(lambda: sigterms.append(1)):
             while True:
@@ -601,7 +602,7 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                     return 1
                 if sigterms and accepted:
                     drain.ask()
-                if _join_step(cluster, agent, cid, job, drain):
+                if _join_step(cluster, agent, cid, job, drain, presence):
                     accepted = True
                 if cluster.exit_requested and all(p.poll() is not None for p in cluster.children.values()):
                     return 0
@@ -623,8 +624,28 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                 time.sleep(0.1)
 
 
-def _join_step(cluster: LocalCluster, agent: Membership, cid: str, job: str, drain: _HostDrain) -> bool:
-    """Handle the agent's etcd events once; True when the master accepted this host's offer."""
+#: the job's last status says it ended (``Master.publish_status(final=True)``, written before it deregisters)
+_ENDED_PHASES = ("finished", "stopped", "failed")
+
+
+def _job_over(agent: Membership) -> bool:
+    """Whether the job's last status says it ended: its master's registration then went for good, and
+    no grace period is waited out (``MasterPresence``). False when etcd cannot tell."""
+    try:
+        status = agent.get(STATUS_KEY) or {}
+    except LitzError:
+        return False
+    return status.get("phase") in _ENDED_PHASES
+
+
+def _join_step(cluster: LocalCluster, agent: Membership, cid: str, job: str, drain: _HostDrain,
+               presence: MasterPresence) -> bool:
+    """Handle the agent's etcd events once; True when the master accepted this host's offer.
+
+    The master's registration deleted ends the job for this host at once only if the job's status
+    says it ended; otherwise its lease may only have lapsed (``MasterPresence``), and ``join``
+    waits for it to come back until the grace period is over. Before, a joined host left a job
+    whose master had only stalled past its lease."""
     accepted = False
     for ev in agent.poll_events():
         if drain.answered(ev):
@@ -634,12 +655,24 @@ def _join_step(cluster: LocalCluster, agent: Membership, cid: str, job: str, dra
                 raise ConfigError(f"the job refused this host: {ev.value.get('reason')}")
             accepted = True
             log.warning("joined job %s: %s", job, ev.value.get("reason"))
-        elif ev.key == proc_key("master", "master") and ev.kind == "delete":
-            cluster.job_ended = True  # our processes leave on their own
+        elif ev.key == MASTER_KEY and ev.kind == "delete":
+            if _job_over(agent):
+                cluster.job_ended = True  # our processes leave on their own
+            else:
+                log.warning("the job's master registration is gone; waiting %.0f s for it to come back "
+                            "(a master that stalled past its lease registers again)",
+                            presence.delete(time.monotonic()))
+        elif ev.key == MASTER_KEY and ev.kind == "put" and ev.value:
+            if presence.put(ev.value):
+                log.warning("the job's master registered again; this host stays in the job")
         elif ev.key.endswith("/spawn") and ev.kind == "put" and ev.value:
             cluster.handle_spawn(ev.value)
         elif ev.key.endswith("/exit") and ev.kind == "put":
             cluster.exit_requested = True
+    if presence.gone(time.monotonic()) and not cluster.job_ended:
+        log.error("the job's master is gone (%s)", "another master registered under its key" if presence.replaced
+                  else f"its registration did not come back within {presence.grace():.0f} s")
+        cluster.job_ended = True  # our processes leave on their own
     return accepted
 
 

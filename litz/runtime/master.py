@@ -37,7 +37,7 @@ from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
 from litz.runtime import spawner, stragglers
 from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
-from litz.runtime.membership import Membership
+from litz.runtime.membership import Membership, lease_ttl
 from litz.runtime.node import PROCS, kill_job_process, proc_key
 from litz.runtime.protocol import Message, snapshot, undecodable_in
 from litz.runtime.transport import Endpoint, host_name
@@ -2505,6 +2505,8 @@ class Master:
             "pid": os.getpid(), "started": time.time(),
             "numba": spawner.numba_loaded(),  # a joining host's agent warms its zygote up for our kernels
             "secured": self.endpoint.secret is not None,  # a joining host without the secret is refused at once
+            # how long a lapsed lease of the master's may take to come back (node.MasterPresence)
+            "lease_ttl": lease_ttl(),
         })
         stats: dict[str, dict[str, Any]] = {}
         stopped: dict[str, Any] | None = None  # a `litz stop` that ended the job

@@ -25,7 +25,7 @@ import zmq
 
 from litz.errors import ConfigError, LitzError
 from litz.runtime import security
-from litz.runtime.membership import Event, Membership
+from litz.runtime.membership import Event, Membership, lease_ttl
 from litz.runtime.protocol import Message
 from litz.runtime.transport import Endpoint, host_name
 
@@ -40,12 +40,69 @@ log = logging.getLogger(__name__)
 
 PROCS = "procs/"
 LEAVE_TIMEOUT = 10.0  # seconds a retiring process waits to be owed nothing before it leaves anyway
+MASTER_KEY = "procs/master/master"
+#: seconds beyond the master's lease time-to-live that its registration may stay away (see MasterPresence)
+MASTER_GRACE_EXTRA = 1.0
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
 def proc_key(role: str, ident: str) -> str:
     return f"{PROCS}{role}/{ident}"
+
+
+class MasterPresence:
+    """Whether the job's master is still there, as its etcd registration tells (no sockets).
+
+    A deleted registration does not prove the master dead. Its lease also lapses when the master
+    only stalled past the lease's time-to-live (a paused virtual machine, swapping) or lost etcd
+    for that long (a partition): its keep-alive then grants a new lease and puts the same
+    registration back within a third of the time-to-live of coming back. Before, every worker and
+    server left at the delete (exit code 3) and the live master failed the job with ProcessLost.
+    So a delete starts a grace period of the master's time-to-live (which it writes in its
+    registration: a joined host may run with another ``--lease-ttl``) plus ``MASTER_GRACE_EXTRA``;
+    the same master (address, pid and start time) registering again within it cancels it, and
+    only its end means the master is gone. Another master under the key means the one we served
+    is gone: at once.
+    """
+
+    def __init__(self, record: dict[str, Any] | None = None) -> None:
+        self.record = record  # the master's registration, as last seen
+        self.deadline: float | None = None  # when a missing registration counts as the master gone
+        self.replaced = False  # another master registered under the key
+
+    @staticmethod
+    def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """Whether two registrations are one master process's (the keep-alive puts back the very value)."""
+        return all(a.get(k) == b.get(k) for k in ("addr", "pid", "started"))
+
+    def put(self, record: dict[str, Any]) -> bool:
+        """The master's registration was put; True if it came back during a grace period."""
+        back = self.deadline is not None
+        if back and self.record is not None and not self.same(self.record, record):
+            self.replaced = True
+            return False
+        self.deadline = None
+        self.record = record
+        return back
+
+    def delete(self, now: float) -> float:
+        """The registration was deleted at ``now``; returns the grace period started (or running)."""
+        grace = self.grace()
+        if self.deadline is None:
+            self.deadline = now + grace
+        return grace
+
+    def grace(self) -> float:
+        """The master's lease time-to-live (from its registration, else this process's) plus the extra."""
+        ttl = (self.record or {}).get("lease_ttl")
+        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
+            ttl = lease_ttl()
+        return float(ttl) + MASTER_GRACE_EXTRA
+
+    def gone(self, now: float) -> bool:
+        """Whether the master counts as gone: replaced, or away past its grace period."""
+        return self.replaced or (self.deadline is not None and now >= self.deadline)
 
 
 class Node:
@@ -72,6 +129,7 @@ class Node:
         os.set_blocking(self._wake_r, False)
         self.membership = Membership(etcd, job, on_event=self._wake)
         self.master: str | None = None
+        self.master_presence = MasterPresence()  # the master's registration comes and goes (see there)
         self.fenced: set[str] = set()  # processes declared lost: their messages are dropped
         self._looked_up: set[str] = set()  # unknown senders already looked up in etcd (see dispatch)
         self.stopping = False
@@ -113,6 +171,9 @@ class Node:
             log.warning("%s: cannot look up the address of %s: %s", self.ident, sender, exc)
 
     def _learn(self, key: str, value: dict | None) -> None:
+        if value and key == MASTER_KEY and self.master_presence.put(value):
+            log.warning("%s: the master registered again (its lease had lapsed: it stalled or lost etcd); "
+                        "staying", self.ident)
         if value and "addr" in value and "id" in value:
             self.endpoint.connect(value["id"], value["addr"])
 
@@ -254,10 +315,10 @@ class Node:
     def on_event(self, ev: Event) -> None:
         if ev.kind == "put":
             self._learn(ev.key, ev.value)
-        elif ev.kind == "delete" and ev.key.startswith(proc_key("master", "")):
-            log.error("%s: the master is gone (%s); leaving", self.ident, ev.key)
-            self.exit_code = 3
-            self.stopping = True
+        elif ev.kind == "delete" and ev.key == MASTER_KEY:
+            grace = self.master_presence.delete(time.monotonic())
+            log.warning("%s: the master's registration is gone; leaving in %.0f s unless it comes back (a "
+                        "master that stalled past its lease registers again)", self.ident, grace)
         elif ev.kind == "delete" and ev.key.startswith(PROCS):
             self.endpoint.forget(ev.key.rsplit("/", 1)[-1])
 
@@ -310,6 +371,19 @@ class Node:
             self._membership_events()
         if self.endpoint.router in events:
             self.drain()
+        self._leave_if_master_gone()
+
+    def _leave_if_master_gone(self) -> None:
+        """Leave (exit code 3) once the master counts as gone (``MasterPresence``): a dead master must
+        leave no orphans, but one whose lease only lapsed comes back and the job goes on."""
+        if self.stopping or not self.master_presence.gone(time.monotonic()):
+            return
+        p = self.master_presence
+        log.error("%s: the master is gone (%s); leaving", self.ident,
+                  "another master registered under its key" if p.replaced
+                  else f"its registration did not come back within {p.grace():.0f} s")
+        self.exit_code = 3
+        self.stopping = True
 
     def stats(self) -> dict[str, Any]:
         return {"id": self.ident, "role": self.role, **self.endpoint.counters()}
