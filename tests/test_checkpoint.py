@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -861,6 +862,70 @@ def test_litz_checkpoint_command_on_a_running_job(tmp_path: Path, monkeypatch) -
     np.testing.assert_array_equal(res["final"], res["truth"])  # checkpoints changed nothing
 
 
+def test_an_etcd_outage_as_a_commanded_checkpoint_ends_delays_its_answer_and_stops_nothing(
+        tmp_path: Path, monkeypatch) -> None:
+    """etcd goes away just before the round a `litz checkpoint` asked for is finished, and comes back
+    7 s later: the master answers the command once etcd is back, and the job trains on and ends with
+    exact sums. Before, the master wrote the answer synchronously: the write raised EtcdUnreachable
+    out of its loop and the job failed."""
+    import threading
+
+    from litz.runtime import master as master_module
+    from litz.runtime.elastic import RESULTS
+    from litz.runtime.etcd_server import LocalEtcd
+    from litz.runtime.membership import Membership
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path / "jobs"))
+    stop = tmp_path / "stop"
+    app = testapps.migrating_app(tasks=10**7, executors=4, move_prob=0.0)
+    app.driver = testapps.TimedMigratingDriver
+    app.config.update(stop_after=60.0, stop_file=str(stop))
+    job = f"ckcmd-outage-{time.time_ns()}"
+    server = LocalEtcd()
+    server.start()
+    finish = master_module.Master._finish_checkpoint
+    down = threading.Event()
+
+    def finish_in_an_outage(self: master_module.Master) -> None:
+        r = self.checkpoints.round if self.checkpoints is not None else None
+        if r is not None and r.commands and not down.is_set():
+            server._stop_process()  # etcd goes away as the round the command asked for is finished
+            down.set()
+        finish(self)
+
+    monkeypatch.setattr(master_module.Master, "_finish_checkpoint", finish_in_an_outage)
+    try:
+        t, out = run_in_thread(app, workers=2, servers=2, job=job, etcd=server.url,
+                               checkpoint_dir=str(tmp_path / "ckpt"))
+        try:
+            status_when(job, lambda s: s["master"].get("completed", 0) >= 100)
+            with Membership(server.url, job) as m:
+                m.put(master_module.CHECKPOINT_KEY, {"id": "c1", "time": time.time()})
+                assert down.wait(60), "the commanded round never finished"
+                time.sleep(7.0)  # longer than a call's deadline (5 s), which a synchronous write waited
+                assert "error" not in out, out.get("traceback")
+                # (started from this thread: etcd dies with the thread that started it)
+                server._launch(15.0)
+                deadline = time.monotonic() + 30
+                while (answer := m.get(f"{RESULTS}c1")) is None:
+                    assert time.monotonic() < deadline and "error" not in out, out.get("traceback", "no answer")
+                    time.sleep(0.1)
+            assert answer["ok"] is True, answer
+            done = status_when(job, lambda s: True)["master"]["completed"]
+            status_when(job, lambda s: s["master"].get("completed", 0) >= done + 100, timeout=30)
+        finally:
+            stop.touch()
+            t.join(60)
+        assert not t.is_alive() and "error" not in out, out.get("traceback")
+        res = out["res"]
+        np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+        [ck] = [c for c in res.stats["master"]["checkpoints"] if c["reason"] == "command c1"]
+        assert ck["ok"] and storage.has_manifest(*storage.filesystem(str(tmp_path / "ckpt"))[:1], ck["path"])
+    finally:
+        server.stop()
+    assert processes_mentioning(job) == []
+
+
 def test_processes_scaled_in_while_a_checkpoint_is_written_keep_their_files_in_it(tmp_path: Path,
                                                                                   monkeypatch) -> None:
     """A server and a worker leave (scale-in) after the snapshot, while the round still waits for a
@@ -1444,13 +1509,17 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint(tmp_path: Path, caplog
 
 
 class _Puts:
-    """The part of Membership that the master's command handlers use: answers go to ``put``."""
+    """The part of Membership that the master's command handlers use: answers go to ``put_soon``
+    (``EtcdWrites``), which lands them at once here."""
 
     def __init__(self) -> None:
         self.puts: dict[str, dict] = {}
 
-    def put(self, key: str, value: dict) -> None:
+    def put_soon(self, key: str, value: dict) -> concurrent.futures.Future[None]:
         self.puts[key] = value
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        return done
 
 
 def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> None:

@@ -40,6 +40,9 @@ AGENTS = "agents/"
 AGENT_PROCS = "procs/agent/"
 JOINS = "commands/join/"
 JOIN_TIMEOUT = 30.0  # seconds new processes have to become ready before a scale goes on without them
+#: seconds a host's offer waits for its agent's registration to be seen (another watch stream: it
+#: may come after the offer) before it is refused
+AGENT_WAIT = 5.0
 
 
 @dataclass
@@ -72,7 +75,8 @@ class Elasticity:
         self.op: ScaleOp | None = None
         self.history: list[dict[str, Any]] = []
         self._next_id: dict[str, int] = {}
-        self._joins: list[dict[str, Any]] = []  # join offers waiting for the current operation
+        # join offers waiting for the current operation, with when they came
+        self._joins: list[tuple[dict[str, Any], float]] = []
         # processes that registered but never joined (their join timed out, or failed): no message
         # of the master reaches them (a host without the job secret, say), so it waits for none
         self.unjoined: set[str] = set()
@@ -87,12 +91,25 @@ class Elasticity:
 
     def on_join(self, cmd: dict[str, Any]) -> None:
         """A node agent (``litz launch --join``) offers processes; queued while another scale runs."""
-        self._joins.append(cmd)
+        self._joins.append((cmd, time.monotonic()))
         self._next_join()
 
+    def offers_due(self) -> None:
+        """From the loop: take up an offer that waits for its agent's registration (``_next_join``)."""
+        if self._joins:
+            self._next_join()
+
     def _next_join(self) -> None:
+        """Start the next offer, if nothing else runs. An offer whose agent the master has not seen
+        register yet waits for it up to ``AGENT_WAIT`` s: the agent registers before it offers, but the
+        two reach the master on two watch streams, in either order. (Before, the agent was read from
+        etcd on the loop, which an etcd outage made fail the job.)"""
         while self.op is None and self._joins and self.m.state is not None and not self.m.recovering:
-            self._answer("join", self._joins.pop(0), self._start_join)
+            cmd, since = self._joins[0]
+            if str(cmd.get("agent", "")) not in self.m.agents and time.monotonic() - since < AGENT_WAIT:
+                return
+            self._joins.pop(0)
+            self._answer("join", cmd, self._start_join)
 
     def _answer(self, kind: str, cmd: dict[str, Any], start: Callable[[str, dict[str, Any]], str]) -> None:
         """Start a command or an offer and tell its sender, in one place so both kinds are answered
@@ -153,7 +170,7 @@ class Elasticity:
         st = self.m.state
         assert st is not None
         agent = str(cmd.get("agent", ""))
-        if not self.m.membership.get(f"procs/agent/{agent}"):
+        if agent not in self.m.agents:
             raise _Refused(f"no node agent {agent!r} is registered")
         n_workers, n_servers = cmd.get("workers", 0), cmd.get("servers", 0)
         for name, n in (("workers", n_workers), ("servers", n_servers)):
@@ -194,7 +211,7 @@ class Elasticity:
                 request[kind] = [f"{prefix}{first + i}" for i in range(n)]
                 self._next_id[prefix] = first + n
                 op.joining.update(request[kind])
-        self.m.membership.put(f"{AGENTS}{agent}/spawn", request)
+        self.m.etcd_writes.put(f"{AGENTS}{agent}/spawn", request)  # (sent again until etcd takes it)
 
     def _retire(self, op: ScaleOp, leaving: list[str]) -> None:
         """Move everything off ``leaving``; ``tick`` retires each process once it is empty."""
@@ -345,7 +362,7 @@ class Elasticity:
                              "retired": sorted(op.retiring), "lost": op.lost})
         self.op = None
         if op.drain_host is not None:  # the drained host's agents have nothing left to run: they leave
-            for key, agent in self.m.membership.get_prefix(AGENT_PROCS).items():
+            for name, agent in sorted(self.m.agents.items()):
                 if agent.get("host") == op.drain_host:
-                    self.m.membership.put(f"{AGENTS}{key.rsplit('/', 1)[-1]}/exit", {"command": op.cid})
+                    self.m.etcd_writes.put(f"{AGENTS}{name}/exit", {"command": op.cid})
         self._next_join()

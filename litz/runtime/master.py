@@ -36,7 +36,7 @@ from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator, Checkpoin
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
 from litz.runtime import spawner, stragglers
-from litz.runtime.elastic import COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
+from litz.runtime.elastic import AGENT_PROCS, COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Membership, lease_ttl
 from litz.runtime.node import PROCS, kill_job_process, proc_key
 from litz.runtime.protocol import Message, snapshot, undecodable_in
@@ -403,6 +403,92 @@ class DriverPS(ParameterServer):
         self._write = master.write
 
 
+class EtcdWrites:
+    """Writes to etcd that the master's loop makes without waiting, tried again until they land:
+    the answers to ``litz`` commands and the requests to node agents (start processes, leave).
+
+    The loop rides out etcd outages (``test_an_etcd_restart_or_outage_does_not_stop_a_job``), but
+    these writes were synchronous: one made while etcd was away (a commanded checkpoint finishing,
+    a scale or a join starting, a drain ending) held the loop for the call deadline and then raised
+    EtcdUnreachable out of it, and the whole job failed. Now each is handed to the etcd thread
+    (``Membership.put_soon``); one that fails is sent again every ``retry`` seconds, from the loop
+    (``tick``). Writes to one key land in the order they were made, one at a time: two spawn
+    requests to one agent are both seen. A write is idempotent for its readers (a command's
+    answer, a spawn request whose ids are started once, an exit request), so one whose outcome
+    was lost (it landed, then the answer timed out) may land twice."""
+
+    def __init__(self, membership: Membership, retry: float = 1.0) -> None:
+        self.membership = membership
+        self.retry = retry
+        # key -> values still to write, oldest first; the first one is the one under way
+        self._queued: dict[str, list[dict[str, Any]]] = {}
+        self._under_way: dict[str, concurrent.futures.Future[None]] = {}
+        self._next_try: dict[str, float] = {}
+        self._failing = False  # said once per outage
+
+    @property
+    def pending(self) -> int:
+        """How many writes have not landed yet."""
+        return sum(len(v) for v in self._queued.values())
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        """Write ``value`` at ``key`` soon; never waits for etcd, never raises EtcdUnreachable."""
+        self._queued.setdefault(key, []).append(value)
+        self.tick()
+
+    def tick(self) -> None:
+        """From the loop: take the outcomes of writes under way, and start the next ones (a failed
+        one again, ``retry`` s after it failed)."""
+        now = time.monotonic()
+        for key in list(self._queued):
+            fut = self._under_way.get(key)
+            if fut is not None:
+                if not fut.done():
+                    continue
+                del self._under_way[key]
+                error = None if fut.cancelled() else fut.exception()
+                if error is None and not fut.cancelled():
+                    self._queued[key].pop(0)
+                    if self._failing and not self._under_way:
+                        self._failing = False
+                        log.warning("etcd answers again: the master's pending writes go through")
+                    if not self._queued[key]:
+                        del self._queued[key]
+                        continue
+                else:
+                    if not self._failing:
+                        self._failing = True
+                        log.warning("could not write %s to etcd (%s); trying again every %.0f s", key, error,
+                                    self.retry)
+                    self._next_try[key] = now + self.retry
+            if now < self._next_try.get(key, 0.0):
+                continue
+            try:
+                self._under_way[key] = self.membership.put_soon(key, self._queued[key][0])
+            except LitzError as exc:  # closed: nothing can be written any more
+                log.warning("could not write %s to etcd: %s", key, exc)
+                del self._queued[key]
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for every write to land (the job's last answers, before it ends);
+        whether they did. What is left is said in the log."""
+        deadline = time.monotonic() + timeout
+        while self._queued and time.monotonic() < deadline:
+            self.tick()
+            waiting = list(self._under_way.values())
+            if waiting:
+                concurrent.futures.wait(waiting, timeout=max(0.0, min(0.1, deadline - time.monotonic())),
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            else:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        self.tick()
+        if self._queued:
+            log.warning("etcd did not take %d write(s) before the job ended: %s", self.pending,
+                        ", ".join(sorted(self._queued)))
+            return False
+        return True
+
+
 CHECKPOINT_KEY = "commands/checkpoint"  # `litz checkpoint` writes {"id": ...} here
 STOP_KEY = "commands/stop"  # `litz stop` writes {"id": ..., "checkpoint": bool} here
 
@@ -640,6 +726,10 @@ class Master:
         self.ps = DriverPS(self)
         self.state: MasterState | None = None  # type: ignore[assignment]
         self.procs: dict[str, dict[str, Any]] = {}
+        # node agents by name (``procs/agent/<name>``), kept from the PROCS watch: looked up without
+        # asking etcd, which the loop must never wait for (``local_agent``, joins and drains)
+        self.agents: dict[str, dict[str, Any]] = {}
+        self.etcd_writes = EtcdWrites(membership)  # answers and agents' requests, written without waiting
         self._rid = 0
         self._replies: dict[int, Message] = {}
         self._asked: dict[int, tuple[str, str]] = {}  # request id -> (whom, the reply's type), until answered
@@ -726,6 +816,7 @@ class Master:
                     out.append(msg)
         self._signalled_stop()
         self._running_read()
+        self.etcd_writes.tick()
         now = time.monotonic()
         if now - self._last_health > 0.2:
             self._last_health = now
@@ -872,7 +963,9 @@ class Master:
         self.elastic.tick()  # time-outs of scale operations
         self._relieve_stragglers()
         for ev in self.membership.poll_events():
-            if ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
+            if ev.key.startswith(AGENT_PROCS):
+                self._learn_agent(ev.key, ev.value if ev.kind == "put" else None)
+            elif ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
                 ident = ev.key.rsplit("/", 1)[-1]
                 self.endpoint.forget(ident)  # (first: a full recovery raises out of _process_lost)
                 if ident in self.state.workers or ident in self.state.servers:
@@ -890,6 +983,15 @@ class Master:
                 self.on_checkpoint_command(ev.value)
             elif ev.kind == "put" and ev.key == STOP_KEY and ev.value is not None:
                 self.on_stop_command(ev.value)
+        self.elastic.offers_due()
+
+    def _learn_agent(self, key: str, value: dict[str, Any] | None) -> None:
+        """A node agent registered (``value``) or left (None)."""
+        name = key[len(AGENT_PROCS):]
+        if value is None:
+            self.agents.pop(name, None)
+        else:
+            self.agents[name] = value
 
     def _wait(self, done: Callable[[], bool], what: str | Callable[[], str], timeout: float,
               handle: Callable[[Message], None]) -> None:
@@ -1010,10 +1112,12 @@ class Master:
             workers = sorted(v["id"] for k, v in procs.items() if k.startswith(proc_key("worker", "")))
             servers = sorted(v["id"] for k, v in procs.items() if k.startswith(proc_key("server", "")))
             if len(workers) >= self.want_workers and len(servers) >= self.want_servers:
-                for v in procs.values():
+                for k, v in procs.items():
                     if "addr" in v:
                         self.procs[v["id"]] = v
                         self.endpoint.connect(v["id"], v["addr"])
+                    elif k.startswith(AGENT_PROCS):
+                        self._learn_agent(k, v)
                 return workers[: self.want_workers], servers[: self.want_servers]
             if time.monotonic() > deadline:
                 raise LitzError(f"timed out after {self.startup_timeout:.0f} s waiting for "
@@ -1810,8 +1914,9 @@ class Master:
 
     def reply_command(self, cid: str, ok: bool, reason: str = "", **extra: Any) -> None:
         """Answer a command of the ``litz`` CLI (``litz checkpoint``, ``stop``, ``scale``), which
-        waits for ``commands/result/<id>``."""
-        self.membership.put(f"{RESULTS}{cid}", {"ok": ok, "reason": reason, "time": time.time(), **extra})
+        waits for ``commands/result/<id>``: written without waiting, and again until etcd takes it
+        (``EtcdWrites``), so an etcd outage delays the answer and never ends the job."""
+        self.etcd_writes.put(f"{RESULTS}{cid}", {"ok": ok, "reason": reason, "time": time.time(), **extra})
 
     def _commands_reason(self) -> str:
         """The reason a round begun for the waiting commands records: the stop's, if it is one of them."""
@@ -2337,10 +2442,10 @@ class Master:
         return ident in self._byes
 
     def local_agent(self) -> str | None:
-        """The node agent that starts processes for ``litz scale``: the master's host's, else the first."""
-        agents = self.membership.get_prefix(proc_key("agent", ""))
-        names = sorted(k.rsplit("/", 1)[-1] for k in agents)
-        mine = [k.rsplit("/", 1)[-1] for k, v in agents.items() if v.get("host") == host_name(self.endpoint.host)]
+        """The node agent that starts processes for ``litz scale``: the master's host's, else the first
+        (as the PROCS watch tells: no etcd read on the loop)."""
+        names = sorted(self.agents)
+        mine = [k for k in names if self.agents[k].get("host") == host_name(self.endpoint.host)]
         return (mine or names or [None])[0]
 
     def move_executors(self, executors: list[int], dest: str, ship_input: bool = True) -> list[int]:
@@ -2630,6 +2735,9 @@ class Master:
         self.stuck = sorted(p for p in targets if p in busy and p not in self._byes)
         for p, s in self._byes.items():
             stats.setdefault(p, s)
+        # the last answers (a stop's) and requests land before the master leaves, if etcd lets them
+        if self.etcd_writes.pending:
+            self.etcd_writes.flush(self.membership.timeout + 1.0)
         try:
             self.membership.deregister()
         except LitzError:
