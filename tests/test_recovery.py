@@ -586,6 +586,61 @@ def test_lost_worker_executors_resume_from_the_checkpoint_on_survivors(tmp_path:
     assert processes_mentioning(job) == []
 
 
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a corpse waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_server_declared_lost_that_comes_back_is_told_to_leave(tmp_path: Path, monkeypatch) -> None:
+    """A server stalled past its lease (SIGSTOP) on a host where the master cannot kill it (the
+    kill is made a no-op here, as for another host) is declared lost and its shards are restored
+    elsewhere. Resumed, its keep-alive registers it again: the master tells it to leave, and it
+    exits within seconds; it is not counted among the job's processes again, and the surviving
+    rows stay exact. Before, the master took its registration back into the job: it ran on as a
+    zombie until the job ended, and would have been handed to later joiners as a peer."""
+    from litz.runtime import master as master_module
+
+    monkeypatch.setenv("LITZ_LEASE_TTL", "3")
+    monkeypatch.setattr(master_module, "kill_job_process", lambda pid, ident, job: False)
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "zombie-s", 4)
+    t, out = _start(app, workers=2, servers=3, job=job, checkpoint_dir=str(tmp_path / "ckpt"),
+                    checkpoint_every="0.5s", recovery="partial")
+    pid = 0
+    try:
+        st = _status_when(job, lambda s: any(c.get("ok") for c in s["master"].get("checkpoints", [])))
+        victim = next(p for p in st["processes"] if p["id"] == "s1")
+        pid, lost_shards = victim["pid"], victim["shards"]
+        os.kill(pid, signal.SIGSTOP)
+        _status_when(job, lambda s: s["master"].get("recoveries"))
+        os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15  # its keep-alive notices within a second; then it is told
+        while _runs(pid):
+            assert time.monotonic() < deadline, "the server declared lost came back and stayed"
+            time.sleep(0.05)
+        st = _status_when(job, lambda s: True)
+        assert "s1" not in {p["id"] for p in st["processes"] if p.get("state") != "lost"}
+        done = st["master"]["completed"]
+        _status_when(job, lambda s: s["master"].get("completed", 0) >= done + 100, timeout=30)
+    finally:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        stop.touch()
+        t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("traceback")
+    res = out["res"].value
+    for seqs in res["done_seq"]:  # the driver and the executors never rolled back
+        assert sorted(seqs) == list(range(len(seqs)))
+    kept = [k for k in range(16) if shard_of(k, 64) not in lost_shards]
+    np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])  # surviving rows: exact
+    [rec] = out["res"].stats["master"]["recoveries"]
+    assert rec["lost"] == "s1"
+    assert processes_mentioning(job) == []
+
+
 _BASELINES: dict[int, float] = {}
 
 
@@ -895,6 +950,30 @@ def test_a_fenced_process_is_never_heard_again() -> None:
         assert [k for _, k, _ in sent] == ["error"]  # the same message from anyone else is handled
     finally:
         w.endpoint.close()
+
+
+def test_a_process_that_joins_is_told_whom_the_job_declared_lost_after_its_init() -> None:
+    """A process that joins after a loss learns the lost one's address from etcd, where one that
+    only stalled registers again; the ``fence`` of that loss went out before it existed. Its init
+    is followed by a fence for every lost id: after the init, which names its master (a fence from
+    anyone else is ignored)."""
+    from litz.runtime.master import Master, MasterState
+
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    m = Master(app, "j", None, workers=1, servers=1, num_executors=2)  # type: ignore[arg-type]
+    sent: list[tuple[str, str, dict]] = []
+    m.endpoint.send = lambda peer, kind, **fields: sent.append((peer, kind, fields))  # type: ignore[method-assign]
+    try:
+        m.state = MasterState(2, ["w0"], ["s0"], 4)
+        m._init_blobs = (b"app", b"tables")
+        m.lost |= {"w10", "s1", "w2"}
+        m.init_server("s5")
+        m.init_worker("w11")
+        assert [(peer, kind, f.get("ident")) for peer, kind, f in sent] == [
+            ("s5", "init_server", None), ("s5", "fence", "s1"), ("s5", "fence", "w2"), ("s5", "fence", "w10"),
+            ("w11", "init_worker", None), ("w11", "fence", "s1"), ("w11", "fence", "w2"), ("w11", "fence", "w10")]
+    finally:
+        m.endpoint.close()
 
 
 @pytest.mark.parametrize(("recovery", "kind", "victim", "when", "on"), [

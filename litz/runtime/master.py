@@ -843,6 +843,19 @@ class Master:
         with contextlib.suppress(Exception):
             self.endpoint.send(msg.sender, "shutdown", reason="declared lost: its work was recovered elsewhere")
 
+    def _registered_after_fence(self, ident: str, addr: str) -> None:
+        """A process declared lost registered again: it only stalled past its lease (here, or on
+        another host, where ``_fence`` cannot kill it) and its keep-alive put its keys back. It is
+        told to leave, and not counted as a process of the job again. Before, it was added back to
+        ``procs`` and lived on as a zombie until the job ended, handed to later joiners as a peer
+        (``init_worker``); a server, which speaks only when spoken to, never heard ``_from_fenced``."""
+        log.warning("%s registered again after it was declared lost and its work recovered elsewhere: "
+                    "it is told to leave", ident)
+        self._fenced_told.add(ident)  # (what it sends before it leaves is dropped without another word)
+        if self.endpoint.connect(ident, addr):
+            with contextlib.suppress(Exception):
+                self.endpoint.send(ident, "shutdown", reason="declared lost: its work was recovered elsewhere")
+
     def publish_status(self, phase: str, final: bool = False) -> None:
         """Write the job's status to etcd (``status`` under the job prefix) for ``litz status``.
 
@@ -972,6 +985,9 @@ class Master:
                     if ident not in self._byes:
                         self._process_lost(ident, f"process {ident} left the job (its etcd lease ended)")
             elif ev.kind == "put" and ev.key.startswith(PROCS) and ev.value and "addr" in ev.value:
+                if ev.value["id"] in self.lost:
+                    self._registered_after_fence(ev.value["id"], ev.value["addr"])
+                    continue
                 self.procs[ev.value["id"]] = ev.value
                 self.endpoint.connect(ev.value["id"], ev.value["addr"])
                 self.elastic.on_registered(ev.value["id"])
@@ -2375,6 +2391,15 @@ class Master:
         assert self.state is not None and self._init_blobs is not None
         self.endpoint.send(ident, "init_server", tables=self._init_blobs[1], shards=[],
                            num_shards=self.state.num_shards, master="master", **self._server_options())
+        self._tell_fenced(ident)
+
+    def _tell_fenced(self, ident: str) -> None:
+        """Tell a process that joins the running job whom to ignore: the processes declared lost
+        so far (``_fence`` told only those there then). It learns their addresses from etcd, where
+        one that only stalled may register again, and must not take what it sends. After the init,
+        which tells it who its master is: a ``fence`` before it is not taken (``Node.on_fence``)."""
+        for lost in sorted(self.lost, key=_id_order):
+            self.endpoint.send(ident, "fence", ident=lost)
 
     def _server_options(self) -> dict[str, bool]:
         """What a server is told of the job's checkpoints: whether it takes any (the server readies
@@ -2410,6 +2435,7 @@ class Master:
                            num_shards=self.state.num_shards, shard_map=self.state.shard_map, peers=peers,
                            options=self.options, master="master",
                            **(self._restore_fields().get("executors", {}) if self.driver is None else {}))
+        self._tell_fenced(ident)
 
     def retire(self, ident: str) -> None:
         """Tell a worker without executors, or a server without shards, to leave (scale-in).
