@@ -430,6 +430,94 @@ def test_lost_lease_and_deleted_key_are_restored(etcd: LocalEtcd, members: Calla
     assert b.get("procs/worker/w0") == {"addr": "x"}
 
 
+async def _revoke_lease_of(etcd: LocalEtcd, key: str) -> None:
+    """Revoke the lease ``key`` is held under, from another client: what a stall past the TTL does."""
+    from etcd3aio import Etcd3Client
+
+    async with Etcd3Client([etcd.endpoint]) as client:
+        assert client.kv is not None and client.lease is not None
+        resp = await client.kv.get(f"/litz/{JOB}/{key}", timeout=2)
+        await client.lease.revoke(resp.kvs[0].lease, timeout=2)
+
+
+def test_an_exclusive_key_taken_while_its_lease_was_gone_is_never_taken_back(
+        etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
+    """A launcher (a) holds a job's name exclusively; its lease lapses (revoked here, as a stall past
+    its TTL does) and another launcher (b) takes the name. a's keep-alive grants a new lease: the
+    name stays b's, a lists it in ``lost_keys`` and may not put it again; when b leaves, a does not
+    take it back. The same when the key is taken while a's lease lives on (deleted, then taken):
+    a's periodic check finds it under another lease. An exclusive key merely deleted is put back,
+    as any leased key. Before, a re-put its keys with plain puts and checked only that they existed:
+    two launchers believed they held one job name."""
+    from litz.runtime.membership import KeyHeld
+
+    a, b = members(), members()
+    a.register("launcher", {"who": "a"}, ttl=3, exclusive=True)
+    a.put("procs/agent/h", {"who": "a"}, lease=True)  # a plain leased key goes on being restored
+    asyncio.run(_revoke_lease_of(etcd, "launcher"))
+    b.register("launcher", {"who": "b"}, ttl=3, exclusive=True)
+    deadline = time.monotonic() + 5
+    while a.get("procs/agent/h") is None:  # a's keep-alive grants a new lease and puts its keys back
+        assert time.monotonic() < deadline, "a never registered again"
+        time.sleep(0.05)
+    assert a.get("launcher") == {"who": "b"}
+    assert a.lost_keys == {"launcher": {"who": "b"}}
+    with pytest.raises(KeyHeld):
+        a.put("launcher", {"who": "a"}, lease=True)
+    b.close()
+    time.sleep(3.5)  # a's keep-alive checks its keys (every third round, 1 s apart)
+    assert a.get("launcher") is None and a.lost_keys == {"launcher": {"who": "b"}}
+
+    c, d = members(), members()  # taken while the first holder's lease lives
+    c.register("launcher2", {"who": "c"}, ttl=3, exclusive=True)
+    c.put("launcher2", {"who": "c", "more": 1}, lease=True)  # a new value for a key it holds
+    assert d.get("launcher2") == {"who": "c", "more": 1}
+    d.delete("launcher2")
+    d.register("launcher2", {"who": "d"}, ttl=3, exclusive=True)
+    deadline = time.monotonic() + 5
+    while not c.lost_keys:
+        assert time.monotonic() < deadline, "c never noticed that it lost the key"
+        time.sleep(0.05)
+    assert c.lost_keys == {"launcher2": {"who": "d"}} and d.get("launcher2") == {"who": "d"}
+
+    e = members()  # deleted, and taken by no one: put back
+    e.register("launcher3", {"who": "e"}, ttl=3, exclusive=True)
+    d.delete("launcher3")
+    deadline = time.monotonic() + 5
+    while d.get("launcher3") != {"who": "e"}:
+        assert time.monotonic() < deadline, "e never put its deleted key back"
+        time.sleep(0.05)
+    assert e.lost_keys == {}
+
+
+def test_a_launcher_whose_job_name_was_taken_while_it_was_away_gives_way(
+        etcd: LocalEtcd, members: Callable[..., Membership], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher on a shared etcd holds its job's name; its lease lapses and another launcher takes
+    the name. Its agent's check (which the master calls at every health check) then fails with the
+    reason, and the job stops, rather than run on beside the other under one name."""
+    from litz.errors import LitzError
+    from litz.runtime.launcher import LAUNCHER_KEY, LocalCluster
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    monkeypatch.setenv("LITZ_LEASE_TTL", "3")
+    cluster = LocalCluster(JOB, workers=1, servers=1, etcd=etcd.url)
+    try:
+        cluster.start()
+        cluster.check()
+        asyncio.run(_revoke_lease_of(etcd, LAUNCHER_KEY))
+        other = members()
+        other.register(LAUNCHER_KEY, {"pid": 4242, "host": "elsewhere"}, ttl=3, exclusive=True)
+        deadline = time.monotonic() + 5
+        with pytest.raises(LitzError, match=f"etcd key {LAUNCHER_KEY} of job '{JOB}' was taken by another "
+                                            r"\(pid 4242 on elsewhere\)"):
+            while time.monotonic() < deadline:
+                cluster.check()
+                time.sleep(0.05)
+        assert other.get(LAUNCHER_KEY) == {"pid": 4242, "host": "elsewhere"}
+    finally:
+        cluster.stop(timeout=0.0)
+
+
 def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
     """A launcher killed with SIGKILL cannot stop its etcd: Linux must (no process left behind);
     the data directory it could not delete goes when the next local etcd starts."""

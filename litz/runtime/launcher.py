@@ -304,6 +304,7 @@ class LocalCluster:
         """
         if self._stopping:
             return
+        self.check_held()
         if self._agent is not None:
             for ev in self._agent.poll_events():
                 if ev.kind == "put" and ev.key.endswith("/spawn") and ev.value:
@@ -311,6 +312,17 @@ class LocalCluster:
                 elif ev.kind == "put" and ev.key.endswith("/exit"):
                     self.exit_requested = True
         self.check_children()
+
+    def check_held(self) -> None:
+        """LitzError if the key this agent holds exclusively (the job's name on a shared etcd, or a
+        joined host's place in the job) was taken by another launcher while this one's lease was gone
+        (it stalled past its TTL, or lost etcd that long): two jobs of one name, or two agents of one
+        host, would share their keys, so this one gives way. Before, it silently took the key back."""
+        lost = self._agent.lost_keys if self._agent is not None else {}
+        for key, holder in lost.items():
+            raise LitzError(f"this launcher's hold on etcd key {key} of job {self.job!r} was taken by another "
+                            f"(pid {holder.get('pid')} on {holder.get('host')}) while this one was cut off "
+                            "from etcd longer than its lease: it gives way and stops")
 
     def handle_spawn(self, request: Any) -> None:
         """Start the processes the master asked this agent for (each id once). ``numba``: the master's
@@ -617,6 +629,11 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
                     return 0
                 if not accepted and time.monotonic() > deadline:
                     raise ConfigError(f"the job's master did not answer this host's offer within {timeout:.0f} s")
+                try:
+                    cluster.check_held()
+                except LitzError as exc:
+                    log.error("%s", exc)
+                    return 1
                 try:
                     cluster.check_children()
                 except ProcessLost as exc:  # the master recovers it (or ends the job); the others stay

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError, WatchFilter, prefix_range_end
+from etcd3aio.kv import Compare
 from etcd3aio.watch import WatchCreateRequest, WatchRequest, WatchResponse, WatchService
 
 from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProtocolError
@@ -323,6 +324,10 @@ class Membership:
         self._ttl = 2
         self._lease_id: int | None = None
         self._leased: dict[str, bytes] = {}
+        # leased keys taken with register(exclusive=True): put back only if no one else took them
+        self._exclusive: set[str] = set()
+        # exclusive keys another holder took while our lease was gone: key -> its holder's value
+        self._lost: dict[str, dict] = {}
         self._restore_needed = False
         self._lease_lock: asyncio.Lock | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -352,6 +357,14 @@ class Membership:
     def registered(self) -> bool:
         """Whether this process holds a registration (even while its lease is being re-granted)."""
         return self._registered
+
+    @property
+    def lost_keys(self) -> dict[str, dict]:
+        """Keys registered with ``exclusive=True`` that someone else took while this process's lease
+        was gone (it stalled past its TTL, or lost etcd that long), each with its new holder's value.
+        They are no longer held, nor put back: its owner must act on the loss (a launcher whose job
+        name another launcher took stops its job)."""
+        return dict(self._lost)
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
@@ -418,6 +431,8 @@ class Membership:
 
         With ``exclusive``, only if no one else holds ``key``: :class:`KeyHeld` (with the holder's
         value) otherwise, and nothing is registered. The check and the put are one etcd transaction.
+        After a lost lease such a key is put back only if it is still free (or ours); if someone else
+        took it meanwhile it is given up, logged as an error and listed in :attr:`lost_keys`.
 
         The keep-alive runs every ``ttl/3`` s on the etcd thread.  If the lease is lost (etcd restarted
         with a lease gone, or this process stalled past the TTL) or the key disappears, the lease is granted
@@ -623,39 +638,75 @@ class Membership:
         self._registered = True
         self._ttl = ttl
         self._leased = {} if exclusive else {key: data}
+        self._exclusive = set()
+        self._lost = {}
         try:
             await self._grant_and_put_all()
             if exclusive:
                 await self._put_if_free(key, data)
                 self._leased[key] = data
+                self._exclusive.add(key)
         except BaseException:
             if self._lease_id is not None:  # a lease granted for nothing (exclusive: the key is held) goes now
                 with contextlib.suppress(Exception):
                     await self._deregister()
             self._registered = False
             self._leased = {}
+            self._exclusive = set()
             self._lease_id = None
             raise
         self._keepalive_task = asyncio.get_running_loop().create_task(
             self._keepalive_loop(), name=f"litz-lease-{self._job}"
         )
 
-    async def _put_if_free(self, key: str, data: bytes) -> None:
+    async def _put_if_free(self, key: str, data: bytes, timeout: float | None = None) -> None:
         """Put ``key`` under this registration's lease in one transaction with the check that no one
-        holds it; KeyHeld otherwise. A retried transaction whose first try did succeed finds the key
-        under this very lease, which counts as success."""
+        holds it; KeyHeld otherwise. A key already under this very lease (a retried transaction whose
+        first try did succeed, or a new value for a key we hold) is put in a second transaction, with
+        the check that it still is."""
         kv = self._kv_client().kv
         assert kv is not None and self._lease_id is not None
         full, lease_id = self._full(key), self._lease_id
         resp = await self._retry(lambda t: kv.txn([kv.txn_compare_create_revision(full, 0)],
                                                   [kv.txn_op_put(full, data, lease=lease_id)],
-                                                  [kv.txn_op_get(full)], timeout=t))
+                                                  [kv.txn_op_get(full)], timeout=t), timeout)
         if resp.succeeded:
             return
         held = resp.responses[0].response_range.kvs
         if held and held[0].lease == lease_id:
-            return
+            ours = Compare(result=Compare.EQUAL, target=Compare.LEASE, key=full.encode(), lease=lease_id)
+            resp = await self._retry(lambda t: kv.txn([ours], [kv.txn_op_put(full, data, lease=lease_id)],
+                                                      [kv.txn_op_get(full)], timeout=t), timeout)
+            if resp.succeeded:
+                return
+            held = resp.responses[0].response_range.kvs
         raise KeyHeld(key, self._decode(held[0].key, held[0].value) if held else {})
+
+    def _lose(self, key: str, holder: dict) -> None:
+        """An exclusive key was taken by someone else while our lease was gone: give it up (never take
+        it back: two holders of a job's name would share its keys) and say so."""
+        self._leased.pop(key, None)
+        self._exclusive.discard(key)
+        self._lost[key] = holder
+        _log.error("etcd %s: %s was taken by %s while this process's lease was gone (it stalled past its "
+                   "TTL, or lost etcd that long); it is not taken back", self._url, key, holder)
+
+    async def _put_leased(self, key: str, data: bytes, timeout: float | None = None) -> None:
+        """Put one of our leased keys under the current lease: an exclusive one only if it is free or
+        still ours (else it is lost, ``_lose``), any other one as it is. Without a lease (a put raced
+        with its expiry) nothing: the keep-alive's next round grants one and puts every key."""
+        if self._lease_id is None:
+            return
+        if key in self._exclusive:
+            try:
+                await self._put_if_free(key, data, timeout)
+            except KeyHeld as exc:
+                self._lose(key, exc.holder)
+            return
+        kv = self._kv_client().kv
+        assert kv is not None
+        lease_id = self._lease_id
+        await self._retry(lambda t: kv.put(self._full(key), data, lease=lease_id, timeout=t), timeout)
 
     async def _grant_and_put_all(self, timeout: float | None = None) -> None:
         """Grant a fresh lease and put every leased key with it (first registration and after a loss)."""
@@ -668,8 +719,9 @@ class Membership:
             self._lease_id = grant.ID
             self._restore_needed = True
             for key, data in list(self._leased.items()):
-                full = self._full(key)
-                await self._retry(lambda t, k=full, d=data: kv.put(k, d, lease=grant.ID, timeout=t), timeout)
+                # an exclusive key with the create-revision check: a plain put took back a job's name
+                # that another launcher had taken while this one was away
+                await self._put_leased(key, data, timeout)
             self._restore_needed = False
 
     async def _deregister(self, timeout: float | None = None) -> None:
@@ -683,6 +735,7 @@ class Membership:
         self._registered = False
         self._lease_id = None
         self._leased = {}
+        self._exclusive = set()
         if lease_id is not None:
             lease_svc = self._kv_client().lease
             assert lease_svc is not None
@@ -714,17 +767,25 @@ class Membership:
         return int(resp.TTL)
 
     async def _restore_missing_keys(self, timeout: float) -> None:
-        """Put back leased keys that disappeared (deleted by someone, or lost with the data directory)."""
+        """Put back leased keys that disappeared (deleted by someone, or lost with the data directory).
+
+        An exclusive key found under another lease was taken by someone else (our lease was gone a
+        while, and its keys with it): it is lost (``_lose``), not put back. It used to be checked
+        only for existence: a key deleted by its new holder was then taken back."""
         kv = self._kv_client().kv
         assert kv is not None
         lease_id = self._lease_id
         if lease_id is None:
             return
         for key, data in list(self._leased.items()):
-            resp = await kv.get(self._full(key), count_only=True, timeout=timeout)
-            if resp.count == 0 and key in self._leased:
+            resp = await kv.get(self._full(key), timeout=timeout)
+            if key not in self._leased:
+                continue
+            if not resp.kvs:
                 _log.warning("etcd %s: registered key %s disappeared; putting it back", self._url, key)
-                await kv.put(self._full(key), data, lease=lease_id, timeout=timeout)
+                await self._put_leased(key, data, timeout)
+            elif key in self._exclusive and resp.kvs[0].lease != lease_id:
+                self._lose(key, self._decode(resp.kvs[0].key, resp.kvs[0].value))
 
     async def _keepalive_loop(self) -> None:
         """Renew the lease every ttl/3 s; re-grant and re-put when it is lost; never gives up.
@@ -790,11 +851,18 @@ class Membership:
             return
         if not self._registered:
             raise LitzError(f"put({key!r}, lease=True) needs register() first: there is no lease to use")
+        if key in self._lost:  # taken by someone else: never put back under our lease
+            raise KeyHeld(key, self._lost[key])
         self._leased[key] = data
         lease_id = self._lease_id
         if lease_id is not None:
             try:
-                await self._retry(lambda t: kv.put(self._full(key), data, lease=lease_id, timeout=t))
+                if key in self._exclusive:
+                    await self._put_leased(key, data)
+                    if key in self._lost:
+                        raise KeyHeld(key, self._lost[key])
+                else:
+                    await self._retry(lambda t: kv.put(self._full(key), data, lease=lease_id, timeout=t))
                 return
             except Exception as exc:
                 if not _is_lease_not_found(exc):
