@@ -518,6 +518,36 @@ def test_a_launcher_whose_job_name_was_taken_while_it_was_away_gives_way(
         cluster.stop(timeout=0.0)
 
 
+def test_a_joined_hosts_drain_request_rides_out_an_etcd_outage(etcd: LocalEtcd,
+                                                                 members: Callable[..., Membership]) -> None:
+    """SIGTERM on a joined host asks the master to drain it (``_HostDrain.ask``, from ``join``'s
+    loop). Asked while etcd does not answer, the request is made again once it does, and the
+    master's answer to it is taken. Before, ask() raised EtcdUnreachable out of ``join``, which then
+    stopped the host's processes instead of draining them."""
+    from litz.runtime.elastic import RESULTS, SCALE_KEY
+    from litz.runtime.launcher import _HostDrain
+
+    agent = members(connect_timeout=1.0)
+    drain = _HostDrain(agent, "h", retry=0.2)
+    etcd._stop_process()
+    drain.ask()  # etcd away: said, and asked again later
+    assert not drain.waiting
+    etcd._launch(15.0)
+    deadline = time.monotonic() + 15
+    while not drain.waiting:
+        assert time.monotonic() < deadline, "the drain was never asked again"
+        time.sleep(0.1)
+        drain.ask()
+    master = members()
+    assert master.get(SCALE_KEY)["id"] == drain.cid and master.get(SCALE_KEY)["drain_host"] == "h"
+    master.put(f"{RESULTS}{drain.cid}", {"ok": True, "reason": "draining host h"})
+    deadline = time.monotonic() + 10
+    while not drain.accepted:
+        assert time.monotonic() < deadline, "the master's answer was not taken"
+        for ev in agent.wait_events(0.2):
+            drain.answered(ev)
+
+
 def test_local_etcd_dies_with_a_killed_launcher(tmp_path: Path) -> None:
     """A launcher killed with SIGKILL cannot stop its etcd: Linux must (no process left behind);
     the data directory it could not delete goes when the next local etcd starts."""

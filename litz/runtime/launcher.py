@@ -705,18 +705,34 @@ class _HostDrain:
         self.holds_nothing = False  # the master says none of this host's processes is in the job
         self._asked_at = -float("inf")
         self._refusal: str | None = None
+        self._watched = False  # the answer to ``cid`` is watched
+        self._unsent = False  # the request ``cid`` could not be written (etcd unreachable)
 
     def ask(self) -> None:
-        """Ask (again): not while a request waits for its answer, and ``retry`` s after a refusal."""
+        """Ask (again): not while a request waits for its answer, and ``retry`` s after a refusal,
+        or after a try that etcd did not answer (the same request then goes out again: an etcd blip
+        as the host is told to leave must not end it, since ``join`` would stop its processes
+        instead of draining them)."""
         since = time.monotonic() - self._asked_at
         if self.accepted or since < self.retry or (self.waiting and since < self.patience):
             return
         if self.cid is None:
             log.warning("SIGTERM: asking the master to drain this host (%s)", self.host)
-        self.cid = f"drain-{self.host}-{secrets.token_hex(3)}"
-        self.agent.watch_prefix(f"{RESULTS}{self.cid}")
-        self.agent.put(SCALE_KEY, {"id": self.cid, "drain_host": self.host, "time": time.time()})
+        if self.cid is None or not self._unsent:
+            self.cid = f"drain-{self.host}-{secrets.token_hex(3)}"
+            self._watched = False
         self._asked_at = time.monotonic()
+        try:
+            if not self._watched:
+                self.agent.watch_prefix(f"{RESULTS}{self.cid}")
+                self._watched = True
+            self.agent.put(SCALE_KEY, {"id": self.cid, "drain_host": self.host, "time": time.time()})
+        except EtcdUnreachable as exc:
+            self._unsent = True
+            log.warning("cannot ask the master to drain this host yet (%s); trying again in %.0f s", exc,
+                        self.retry)
+            return
+        self._unsent = False
         self.waiting = True
 
     def answered(self, ev: Any) -> bool:
