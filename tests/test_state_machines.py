@@ -200,6 +200,65 @@ def test_a_reply_with_a_hint_is_used_when_etcd_cannot_name_the_new_owner(kind: s
             n.endpoint.close()
 
 
+def test_a_hint_naming_an_unknown_server_is_looked_up_off_the_loop_and_once() -> None:
+    """A reply's hint names a server the worker does not know yet: its registration is read on a
+    thread, not on the loop (an etcd read held the loop, and every task, up to 5 s during an
+    outage), the route stays through the old server meanwhile, and a server not found is not
+    asked for again at every hint. Once found, the next hint is followed."""
+    import threading
+    import time
+
+    from litz.runtime.protocol import Message
+    from litz.runtime.transport import Endpoint
+    from litz.runtime.worker import Worker
+
+    w0 = Worker("w0", "job", "127.0.0.1:1")
+    s9 = Endpoint("s9", secret=None)
+    asked: list[str] = []
+    registered: dict[str, dict] = {}
+    slow = threading.Event()
+
+    def get(key: str) -> dict | None:
+        asked.append(key)
+        slow.wait(2.0)  # an etcd that does not answer at once
+        return registered.get(key)
+
+    w0.membership.get = get  # type: ignore[method-assign]
+
+    def hint(rid: int) -> None:
+        w0._sent_to[rid] = "s0"
+        started = time.monotonic()
+        w0._learn_moves(Message("get_reply", {"rid": rid, "values": [], "errors": [], "moved": {"1": "s9"}},
+                                sender="s0"))
+        assert time.monotonic() - started < 0.5, "the look-up held the loop"
+
+    def settle() -> None:
+        deadline = time.monotonic() + 5
+        while w0._server_lookups:
+            assert time.monotonic() < deadline, "the look-up never ended"
+            w0.poll(20)
+
+    try:
+        w0.shard_map = ["s0", "s0"]
+        hint(1)
+        hint(2)  # under way: not asked again
+        assert asked == ["procs/server/s9"] and w0.shard_map == ["s0", "s0"]  # the old route forwards
+        slow.set()
+        settle()
+        hint(3)  # not found a moment ago: not asked again yet
+        assert asked == ["procs/server/s9"] and w0.shard_map == ["s0", "s0"]
+        registered["procs/server/s9"] = {"id": "s9", "addr": s9.address, "role": "server"}
+        w0._unknown_servers.clear()  # (as UNKNOWN_SERVER_WAIT later)
+        hint(4)
+        settle()
+        assert "s9" in w0.endpoint.peers
+        hint(5)
+        assert w0.shard_map == ["s0", "s9"] and len(asked) == 2
+    finally:
+        w0.endpoint.close()
+        s9.close()
+
+
 def test_a_peer_that_left_leaves_no_socket_behind(monkeypatch) -> None:  # noqa: ANN001
     """Every endpoint kept a DEALER (a file descriptor, and reconnection attempts every 100 ms) for
     every peer that ever left; a long job that scaled in and out grew them without bound. A node

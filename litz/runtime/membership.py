@@ -354,6 +354,11 @@ class Membership:
         return self._prefix
 
     @property
+    def started(self) -> bool:
+        """Whether ``start()`` succeeded and ``close()`` was not called: calls may be made."""
+        return self._loop is not None and not self._closed
+
+    @property
     def registered(self) -> bool:
         """Whether this process holds a registration (even while its lease is being re-granted)."""
         return self._registered

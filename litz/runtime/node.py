@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from litz.errors import ConfigError, LitzError
+from litz.errors import ConfigError
 from litz.runtime import security
 from litz.runtime.membership import Event, Membership, lease_ttl
 from litz.runtime.protocol import Message
@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 PROCS = "procs/"
 LEAVE_TIMEOUT = 10.0  # seconds a retiring process waits to be owed nothing before it leaves anyway
 MASTER_KEY = "procs/master/master"
+#: seconds before a failed look-up of an unknown sender's address is tried again: the first wait,
+#: doubled after each failure up to the last
+LOOKUP_RETRY = (0.5, 8.0)
+#: messages of one unknown sender held while its address is looked up; more are handled at once
+MAX_PARKED = 1000
 #: seconds beyond the master's lease time-to-live that its registration may stay away (see MasterPresence)
 MASTER_GRACE_EXTRA = 1.0
 _PR_SET_PDEATHSIG = 1
@@ -132,6 +137,10 @@ class Node:
         self.master_presence = MasterPresence()  # the master's registration comes and goes (see there)
         self.fenced: set[str] = set()  # processes declared lost: their messages are dropped
         self._looked_up: set[str] = set()  # unknown senders already looked up in etcd (see dispatch)
+        # messages from unknown senders whose addresses are being looked up, in order (see dispatch)
+        self._parked: dict[str, list[Message]] = {}
+        self._looking_up: set[str] = set()  # senders whose look-up is under way
+        self._lookup_retry: dict[str, tuple[float, float]] = {}  # failed look-ups: (when again, wait)
         self.stopping = False
         self.exit_code = 0
         self.poller = zmq.Poller()
@@ -155,20 +164,64 @@ class Node:
         })
 
     def _look_up_peers(self, sender: str) -> None:
-        """Read every registration now: a message came from a process whose registration event
-        has not reached us yet, and the answer needs its address.
+        """Read every registration, off the loop: a message came from a process whose registration
+        event has not reached us yet, and the answer needs its address.
 
         The master registers and then sends ``init_*``; a process that took its snapshot of the
         registrations before that learns the master from the watch, and ZeroMQ can deliver the
         init before etcd delivers the event. etcd's reads are linearizable, so a registration
         made before the message was sent is seen. Once per unknown sender: a stranger's
-        messages do not cost a read each."""
-        self._looked_up.add(sender)
-        try:
-            for key, value in self.membership.get_prefix(PROCS).items():
+        messages do not cost a read each.
+
+        On a thread of its own (not the background thread, which may be stuck in a checkpoint
+        write), while the sender's messages wait (``dispatch``): the read used to block the loop,
+        and every task of the process with it, for up to the call deadline (5 s) during an etcd
+        outage; and the sender was marked looked up before the read, so after a failed one its
+        message was handled without an address and could not be answered. A failed read is tried
+        again (``LOOKUP_RETRY``); the sender's registration event, if it comes first, ends the wait."""
+        if sender in self._looking_up:
+            return
+        self._looking_up.add(sender)
+
+        def then(found: dict[str, dict] | None, error: BaseException | None) -> None:
+            self._looking_up.discard(sender)
+            if error is not None:
+                wait = self._lookup_retry.get(sender, (0.0, LOOKUP_RETRY[0] / 2))[1] * 2
+                wait = min(max(wait, LOOKUP_RETRY[0]), LOOKUP_RETRY[1])
+                self._lookup_retry[sender] = (time.monotonic() + wait, wait)
+                log.warning("%s: cannot look up the address of %s (%s); its messages wait, trying again in %.1f s",
+                            self.ident, sender, error, wait)
+                return
+            self._lookup_retry.pop(sender, None)
+            self._looked_up.add(sender)
+            for key, value in (found or {}).items():
                 self._learn(key, value)
-        except LitzError as exc:  # the handler's answer will fail and say so; the process goes on
-            log.warning("%s: cannot look up the address of %s: %s", self.ident, sender, exc)
+            self._release_parked(sender)  # (still unknown: a stranger; the handler's answer fails and says so)
+
+        def run() -> None:
+            try:
+                found, error = self.membership.get_prefix(PROCS), None
+            except BaseException as exc:  # handed to ``then``
+                found, error = None, exc
+            self._to_loop(then, found, error)
+
+        threading.Thread(target=run, daemon=True, name=f"{self.ident}-lookup").start()
+
+    def _retry_lookups(self) -> None:
+        """Look up again the senders whose look-up failed, once their wait is over."""
+        if not self._lookup_retry:
+            return
+        now = time.monotonic()
+        for sender, (when, _) in list(self._lookup_retry.items()):
+            if sender not in self._parked:  # its registration event came meanwhile
+                del self._lookup_retry[sender]
+            elif now >= when:
+                self._look_up_peers(sender)
+
+    def _release_parked(self, sender: str) -> None:
+        """Handle, in order, the messages of ``sender`` that waited for its address."""
+        for msg in self._parked.pop(sender, []):
+            self._handle(msg)
 
     def _learn(self, key: str, value: dict | None) -> None:
         if value and key == MASTER_KEY and self.master_presence.put(value):
@@ -176,6 +229,8 @@ class Node:
                         "staying", self.ident)
         if value and "addr" in value and "id" in value:
             self.endpoint.connect(value["id"], value["addr"])
+            if value["id"] in self._parked and value["id"] in self.endpoint.peers:
+                self._release_parked(value["id"])  # its registration came before the look-up's answer
 
     def _membership_events(self) -> None:
         try:
@@ -333,9 +388,27 @@ class Node:
                 self.dispatch(msg)
 
     def dispatch(self, msg: Message) -> None:
-        if msg.sender not in self.endpoint.peers and msg.sender not in self._looked_up:
-            self._look_up_peers(msg.sender)
+        """Handle ``msg``; one from a sender whose address is unknown waits, with the sender's later
+        ones, until its look-up ends (``_look_up_peers``)."""
         if msg.sender in self.fenced:
+            log.debug("%s: dropped %r from %s, which was declared lost", self.ident, msg.type, msg.sender)
+            return
+        parked = self._parked.get(msg.sender)
+        if parked is not None and msg.sender in self.endpoint.peers:  # its address came another way
+            self._release_parked(msg.sender)
+            parked = None
+        if parked is None and msg.sender not in self.endpoint.peers and msg.sender not in self._looked_up \
+                and self.membership.started:  # (a node driven without etcd, by a test: nothing to ask)
+            parked = self._parked[msg.sender] = []
+            self._look_up_peers(msg.sender)
+        if parked is not None and len(parked) < MAX_PARKED:
+            parked.append(msg)
+            return
+        self._handle(msg)
+
+    def _handle(self, msg: Message) -> None:
+        """Call the handler of ``msg`` (an error is answered, never raised)."""
+        if msg.sender in self.fenced:  # (fenced while it waited for its look-up)
             log.debug("%s: dropped %r from %s, which was declared lost", self.ident, msg.type, msg.sender)
             return
         handler = getattr(self, f"on_{msg.type}", None)
@@ -371,6 +444,7 @@ class Node:
             self._membership_events()
         if self.endpoint.router in events:
             self.drain()
+        self._retry_lookups()
         self._leave_if_master_gone()
 
     def _leave_if_master_gone(self) -> None:

@@ -15,6 +15,7 @@ a task that raises leaves none behind (its retry would otherwise count them twic
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import traceback
 from collections import deque
@@ -36,6 +37,9 @@ from litz.runtime.node import Node, exit_process, main, proc_key
 from litz.runtime.protocol import Message, pack_object, snapshot, undecodable_in, unpack_object
 
 log = logging.getLogger(__name__)
+
+#: seconds a server named in a hint that could not be looked up (unknown, or etcd away) is not asked for again
+UNKNOWN_SERVER_WAIT = 5.0
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "cache": True,  # use the version-tagged process cache
@@ -142,6 +146,8 @@ class Worker(Node):
         self._replaces: dict[int, int] = {}  # rid of an update sent again -> the rid it stands for
         self._parts: dict[int, int] = {}  # original rid -> parts still unanswered (when sent again)
         self._gone: set[str] = set()  # servers that left: never route to them again
+        self._server_lookups: set[str] = set()  # servers named in hints, being looked up (_look_up_server)
+        self._unknown_servers: dict[str, float] = {}  # servers not found in etcd -> until when not asked again
         self._route_acks: list[tuple[str, int, set[str]]] = []  # (master, rid, gone) to answer
         # completion barrier: update rids not yet acknowledged, and completions waiting on them
         self._unacked: set[int] = set()
@@ -869,15 +875,39 @@ class Worker(Node):
         for shard, server in (msg.get("moved") or {}).items():
             if server in self._gone:  # a hint older than the server's departure
                 continue
-            if server not in self.endpoint.peers:  # joined too recently for our etcd watch: ask etcd once
-                try:
-                    self._learn(server, self.membership.get(proc_key("server", server)))
-                except LitzError as exc:  # before, the reply was dropped with it, and its task hung
-                    log.warning("cannot look up %s, to which shard %s moved (%s): the old route forwards",
-                                server, shard, exc)
-                if server not in self.endpoint.peers:  # (sending there would fail: no address)
-                    continue
+            if server not in self.endpoint.peers:  # joined too recently for our etcd watch: ask etcd
+                self._look_up_server(server, shard)  # meanwhile the old route forwards
+                continue  # (sending there would fail: no address)
             self.shard_map[int(shard)] = server
+
+    def _look_up_server(self, server: str, shard: str) -> None:
+        """Read the registration of ``server``, named in a hint, off the loop; its address lets later
+        hints be followed. It was read on the loop: during an etcd outage every hint of an unknown
+        server held the loop, and every task of the process, for the call deadline (5 s). A server
+        not found, or a read that failed, is not asked for again for ``UNKNOWN_SERVER_WAIT`` s: the
+        hints keep coming while the old route forwards."""
+        if server in self._server_lookups or time.monotonic() < self._unknown_servers.get(server, 0.0):
+            return
+        self._server_lookups.add(server)
+
+        def then(value: dict | None, error: BaseException | None) -> None:
+            self._server_lookups.discard(server)
+            if value:
+                self._learn(proc_key("server", server), value)
+                return
+            self._unknown_servers[server] = time.monotonic() + UNKNOWN_SERVER_WAIT
+            if error is not None:  # before, the reply was dropped with it, and its task hung
+                log.warning("cannot look up %s, to which shard %s moved (%s): the old route forwards",
+                            server, shard, error)
+
+        def run() -> None:
+            try:
+                value, error = self.membership.get(proc_key("server", server)), None
+            except BaseException as exc:  # handed to ``then``
+                value, error = None, exc
+            self._to_loop(then, value, error)
+
+        threading.Thread(target=run, daemon=True, name=f"{self.ident}-lookup-{server}").start()
 
     def on_routes(self, msg: Message) -> None:
         """Servers left: route their shards as the master says, and answer once nothing waits on them.
