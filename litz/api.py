@@ -273,7 +273,8 @@ class Driver:
         ``handle_task_failure``); returns the new task id. Use this rather than ``dispatch_task``:
         a helper that keeps books by task id (``SSPDriver``, ``BlockRotationDriver``) carries the
         task's place over to the new id (with ``dispatch_task`` its completion was unknown to them:
-        a KeyError ended the job). The failed run's updates were discarded: the retry starts from a clean slate."""
+        a KeyError ended the job). The failed run's parameter-server updates were discarded; what it changed in
+        the executor's own state before it raised was not undone."""
         new = self.dispatch_task(failure.executor_id, failure.args)
         self._retried(failure.task_id, new)
         return new

@@ -182,7 +182,9 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", default=None, help="etcd URL; default: start a private one on Unix sockets "
                                                  "only this user can reach")
     p.add_argument("--no-cache", action="store_true", help="disable the process cache (for comparison)")
-    p.add_argument("--no-update-log", action="store_true", help="send every ps.update at once (for comparison)")
+    p.add_argument("--no-update-log", action="store_true",
+                   help="no update log: each ps.update call of a task is its own message, sent when the "
+                        "task returns (for comparison)")
     p.add_argument("--log-level", default=None, type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="log level of the Litz processes (default WARNING)")

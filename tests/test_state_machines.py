@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import random
 import re
+import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -556,6 +558,37 @@ def test_update_log_absorb_is_all_or_nothing_when_a_combiner_raises() -> None:
     assert {k: v.tolist() for k, v in out["c"].items()} == {0: [1.0], 1: [2.0], 2: [3.0]}
 
 
+def test_update_log_absorb_is_all_or_nothing_when_an_atomic_combiner_raises() -> None:
+    """An ``atomic`` combiner may raise (before it writes a row of its call): a table merged before
+    it must not keep the task's rows. Before, built-in and atomic tables merged in place as they
+    came, and a later table's refusal left the earlier ones merged (and sent)."""
+    class Refusing(Combiner):
+        name = "refusing"
+        atomic = True
+
+        def merge_into(self, acc: np.ndarray, upd: np.ndarray) -> np.ndarray:
+            raise AssertionError("merge_many is what the log calls")
+
+        def merge_many(self, accs: list[np.ndarray], upds: np.ndarray) -> None:
+            if (upds < 0).any():
+                raise ValueError("negative")
+            for acc, upd in zip(accs, upds, strict=True):
+                acc += upd
+
+    add = Table("a", (1,), "float64")
+    z = Table("z", (1,), "float64", combiner=Refusing())
+    log, task = UpdateLog(), UpdateLog()
+    log.add_many(add, [0], np.array([[10.0]]))
+    log.add_many(z, [0], np.array([[5.0]]))
+    task.add_many(add, [0], np.array([[10.0]]))
+    task.add_many(z, [0], np.array([[-1.0]]))
+    with pytest.raises(ValueError, match="negative"):
+        log.absorb(task)
+    out = {name: dict(zip(keys, rows, strict=True)) for name, (keys, rows) in log.drain().items()}
+    assert {name: {k: v.tolist() for k, v in rows.items()} for name, rows in out.items()} == \
+        {"a": {0: [10.0]}, "z": {0: [5.0]}}
+
+
 def test_update_log_copies_the_callers_array() -> None:
     t = Table("a", (2,))
     log = UpdateLog()
@@ -1066,6 +1099,121 @@ def test_an_executor_that_ships_no_input_is_sent_without_it(ship: bool) -> None:
             assert inp is None
     finally:
         w.endpoint.close()
+
+
+def test_master_presence_counts_another_master_as_gone_even_without_a_delete() -> None:
+    """The master's registration put back by its own keep-alive (same address, pid, start) ends a
+    grace period; another master's record means the one served is gone, whether its put followed a
+    delete or overwrote the key (a job name taken over by another launcher). Before, an overwrite
+    was adopted silently and the node went on serving the other master."""
+    from litz.runtime.node import MasterPresence
+
+    ours = {"addr": "tcp://10.0.0.1:5000", "pid": 7, "started": 1.0, "lease_ttl": 2}
+    theirs = {**ours, "pid": 8, "started": 2.0}
+    p = MasterPresence()
+    assert p.put(ours) is False and not p.gone(0.0)
+    assert p.delete(10.0) == 3.0 and not p.gone(12.9) and p.gone(13.0)
+    assert p.put(dict(ours)) is True and not p.gone(100.0)  # came back: the grace is over
+    assert p.put(theirs) is False and p.gone(0.0)  # overwritten by another master: gone at once
+
+
+class _SlowRegistry:
+    """A node's membership whose reads of the registrations wait until released (an etcd that
+    answers slowly), counting them and the threads reading at once."""
+
+    started = True
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.reads = self.reading = self.most_at_once = 0
+        self.registrations: dict[str, dict] = {}
+
+    def get_prefix(self, prefix: str) -> dict[str, dict]:
+        with self.lock:
+            self.reads += 1
+            self.reading += 1
+            self.most_at_once = max(self.most_at_once, self.reading)
+        self.release.wait(10)
+        with self.lock:
+            self.reading -= 1
+        return dict(self.registrations)
+
+    def poll_events(self) -> list:
+        return []
+
+
+def _node_with(registry: _SlowRegistry) -> Any:
+    from litz.ps.server import ServerNode
+
+    node = ServerNode("s0", "job", "127.0.0.1:1")
+    node.membership = registry  # type: ignore[assignment]
+    handled: list[tuple[str, int]] = []
+    node._handle = lambda msg: handled.append((msg.sender, msg["n"]))  # type: ignore[method-assign]
+    return node, handled
+
+
+def _drain_background(node: Any, until: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not until():
+        assert time.monotonic() < deadline
+        node._membership_events()
+        node._retry_lookups()
+        time.sleep(0.005)
+
+
+def test_unknown_senders_share_one_lookup_and_their_messages_keep_their_order(monkeypatch) -> None:
+    """Messages of senders whose address is unknown wait for a read of the registrations made off
+    the loop: one read at a time whatever the number of senders (before, a thread and a read each:
+    200 senders, 200 threads), at most ``MAX_PARKED_SENDERS`` senders waiting (the others are
+    handled at once), and past ``MAX_PARKED`` a sender's messages are dropped, never handled ahead of
+    the ones that wait (before, the 1,001st overtook the first 1,000)."""
+    from litz.runtime import node as node_mod
+    from litz.runtime.protocol import Message
+
+    monkeypatch.setattr(node_mod, "MAX_PARKED", 5)
+    monkeypatch.setattr(node_mod, "MAX_PARKED_SENDERS", 40)
+    registry = _SlowRegistry()
+    node, handled = _node_with(registry)
+    try:
+        for i in range(50):
+            for n in range(7 if i == 0 else 1):
+                node.dispatch(Message("get", {"n": n}, sender=f"w{i}"))
+        assert registry.reads == 1 and node.messages_dropped == 2  # w0's 6th and 7th
+        assert handled == [(f"w{i}", 0) for i in range(40, 50)]  # past the cap: at once
+        registry.release.set()
+        _drain_background(node, lambda: not node._parked)
+        # one read at a time; a second for the senders that came after the first began
+        assert registry.most_at_once == 1 and registry.reads == 2
+        assert handled[10:15] == [("w0", n) for n in range(5)]
+        assert sorted(handled[15:]) == sorted((f"w{i}", 0) for i in range(1, 40))
+    finally:
+        node.endpoint.close()
+
+
+def test_messages_waiting_for_an_address_are_released_when_it_comes_another_way() -> None:
+    """A sender whose address the node learns otherwise (an init's peers, a migration's
+    destination) while its look-up still waits on etcd: its messages are handled, in order, at
+    the loop's next turn, not only when the read answers."""
+    from litz.runtime.protocol import Message
+    from litz.runtime.transport import Endpoint
+
+    registry = _SlowRegistry()
+    node, handled = _node_with(registry)
+    peer = Endpoint("w7")
+    try:
+        for n in range(3):
+            node.dispatch(Message("get", {"n": n}, sender="w7"))
+        assert handled == []
+        node.endpoint.connect("w7", peer.address)
+        node._retry_lookups()
+        assert handled == [("w7", 0), ("w7", 1), ("w7", 2)]
+    finally:
+        registry.release.set()
+        peer.close()
+        node.endpoint.close()
 
 
 def test_tasks_run_on_reused_runners_and_a_rollback_kills_only_the_blocked_ones() -> None:

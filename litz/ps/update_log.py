@@ -74,28 +74,25 @@ class UpdateLog:
 
         Why: a micro-task's updates go to a log of its own and join the process's log only when
         the task returns, so a task that raises leaves no update behind (a retried task would
-        otherwise count its first run's updates twice). A combiner that is not ``atomic`` merges
-        into copies first; tables whose rows this log does not hold yet are moved over, not copied.
+        otherwise count its first run's updates twice). Rows both logs hold merge into copies, and
+        the copies replace this log's rows only once every table merged: any combiner may raise
+        (an ``atomic`` one before it writes a row of its call, but an earlier table's call would
+        have been merged in place already). Tables whose rows this log does not hold yet are moved
+        over, not copied.
         """
-        merges: list[tuple[dict[Hashable, np.ndarray], Table, list[Hashable], list[np.ndarray], np.ndarray]] = []
+        merged: list[tuple[dict[Hashable, np.ndarray], str, list[Hashable], list[np.ndarray]]] = []
         for name, theirs in other._rows.items():
             mine = self._rows.get(name)
             both = [key for key in theirs if key in mine] if mine else []
             if both:
-                table = other._tables[name]
-                accs = [mine[key] for key in both]  # type: ignore[index]
-                upds = np.stack([theirs[key] for key in both])
-                if not table.comb.atomic:
-                    accs = [acc.copy() for acc in accs]
-                    table.comb.merge_many(accs, upds)  # may raise: nothing of this log changed yet
-                merges.append((mine, table, both, accs, upds))  # type: ignore[arg-type]
-        for mine, table, both, accs, upds in merges:
-            if table.comb.atomic:  # cannot raise on checked rows: merged in place
-                table.comb.merge_many(accs, upds)
-            else:
-                mine.update(zip(both, accs, strict=True))
+                accs = [mine[key].copy() for key in both]  # type: ignore[index]
+                other._tables[name].comb.merge_many(accs, np.stack([theirs[key] for key in both]))  # may raise
+                merged.append((mine, name, both, accs))  # type: ignore[arg-type]
+        for mine, name, both, accs in merged:
+            mine.update(zip(both, accs, strict=True))
+            theirs = other._rows[name]
             for key in both:
-                del other._rows[table.name][key]
+                del theirs[key]
         for name, theirs in other._rows.items():  # the keys new to this log
             if theirs:
                 rows = self._table_rows(other._tables[name])

@@ -44,8 +44,12 @@ MASTER_KEY = "procs/master/master"
 #: seconds before a failed look-up of an unknown sender's address is tried again: the first wait,
 #: doubled after each failure up to the last
 LOOKUP_RETRY = (0.5, 8.0)
-#: messages of one unknown sender held while its address is looked up; more are handled at once
+#: messages of one unknown sender held while its address is looked up; more are dropped (logged):
+#: handled at once, they would overtake the held ones and their answers could not be sent
 MAX_PARKED = 1000
+#: unknown senders whose messages may wait at once; a message of any other is handled at once
+#: (without an address its answer fails, as a stranger's does)
+MAX_PARKED_SENDERS = 64
 #: seconds beyond the master's lease time-to-live that its registration may stay away (see MasterPresence)
 MASTER_GRACE_EXTRA = 1.0
 _PR_SET_PDEATHSIG = 1
@@ -84,8 +88,8 @@ class MasterPresence:
     def put(self, record: dict[str, Any]) -> bool:
         """The master's registration was put; True if it came back during a grace period."""
         back = self.deadline is not None
-        if back and self.record is not None and not self.same(self.record, record):
-            self.replaced = True
+        if self.record is not None and not self.same(self.record, record):
+            self.replaced = True  # (with or without a delete first: a put may overwrite the key)
             return False
         self.deadline = None
         self.record = record
@@ -139,8 +143,10 @@ class Node:
         self._looked_up: set[str] = set()  # unknown senders already looked up in etcd (see dispatch)
         # messages from unknown senders whose addresses are being looked up, in order (see dispatch)
         self._parked: dict[str, list[Message]] = {}
-        self._looking_up: set[str] = set()  # senders whose look-up is under way
+        self._lookup_wanted: set[str] = set()  # senders waiting for a read of the registrations
+        self._lookup_reading: set[str] | None = None  # the senders the read under way answers for
         self._lookup_retry: dict[str, tuple[float, float]] = {}  # failed look-ups: (when again, wait)
+        self.messages_dropped = 0  # from unknown senders, past MAX_PARKED (see dispatch)
         self.stopping = False
         self.exit_code = 0
         self.poller = zmq.Poller()
@@ -179,24 +185,40 @@ class Node:
         outage; and the sender was marked looked up before the read, so after a failed one its
         message was handled without an address and could not be answered. A failed read is tried
         again (``LOOKUP_RETRY``); the sender's registration event, if it comes first, ends the wait."""
-        if sender in self._looking_up:
+        self._lookup_wanted.add(sender)
+        self._start_lookup()
+
+    def _start_lookup(self) -> None:
+        """Start one read for every sender whose look-up is due, unless one is under way (it then
+        starts after it: a read begun before a sender's message arrived may miss its registration).
+        One read and one thread at a time, whatever the number of unknown senders."""
+        if self._lookup_reading is not None or not self._lookup_wanted:
             return
-        self._looking_up.add(sender)
+        now = time.monotonic()
+        due = {s for s in self._lookup_wanted if self._lookup_retry.get(s, (0.0, 0.0))[0] <= now}
+        if not due:
+            return
+        self._lookup_wanted -= due
+        self._lookup_reading = due
 
         def then(found: dict[str, dict] | None, error: BaseException | None) -> None:
-            self._looking_up.discard(sender)
+            covered, self._lookup_reading = self._lookup_reading or set(), None
             if error is not None:
-                wait = self._lookup_retry.get(sender, (0.0, LOOKUP_RETRY[0] / 2))[1] * 2
-                wait = min(max(wait, LOOKUP_RETRY[0]), LOOKUP_RETRY[1])
-                self._lookup_retry[sender] = (time.monotonic() + wait, wait)
-                log.warning("%s: cannot look up the address of %s (%s); its messages wait, trying again in %.1f s",
-                            self.ident, sender, error, wait)
-                return
-            self._lookup_retry.pop(sender, None)
-            self._looked_up.add(sender)
-            for key, value in (found or {}).items():
-                self._learn(key, value)
-            self._release_parked(sender)  # (still unknown: a stranger; the handler's answer fails and says so)
+                for sender in covered:
+                    wait = self._lookup_retry.get(sender, (0.0, LOOKUP_RETRY[0] / 2))[1] * 2
+                    wait = min(max(wait, LOOKUP_RETRY[0]), LOOKUP_RETRY[1])
+                    self._lookup_retry[sender] = (time.monotonic() + wait, wait)
+                    self._lookup_wanted.add(sender)
+                log.warning("%s: cannot look up the address of %s (%s); their messages wait, trying again",
+                            self.ident, ", ".join(sorted(covered)), error)
+            else:
+                for key, value in (found or {}).items():
+                    self._learn(key, value)
+                for sender in covered:
+                    self._lookup_retry.pop(sender, None)
+                    self._looked_up.add(sender)
+                    self._release_parked(sender)  # (still unknown: a stranger; its answer fails and says so)
+            self._start_lookup()
 
         def run() -> None:
             try:
@@ -208,15 +230,17 @@ class Node:
         threading.Thread(target=run, daemon=True, name=f"{self.ident}-lookup").start()
 
     def _retry_lookups(self) -> None:
-        """Look up again the senders whose look-up failed, once their wait is over."""
-        if not self._lookup_retry:
+        """From the loop: release the messages of senders whose address came another way (an init's
+        peers, a migration's destination), forget look-ups no message waits for any more, and start
+        the ones whose wait after a failure is over."""
+        if not self._parked and not self._lookup_wanted:
             return
-        now = time.monotonic()
-        for sender, (when, _) in list(self._lookup_retry.items()):
-            if sender not in self._parked:  # its registration event came meanwhile
-                del self._lookup_retry[sender]
-            elif now >= when:
-                self._look_up_peers(sender)
+        for sender in [s for s in self._parked if s in self.endpoint.peers]:
+            self._release_parked(sender)
+        for sender in [s for s in self._lookup_wanted if s not in self._parked]:
+            self._lookup_wanted.discard(sender)
+            self._lookup_retry.pop(sender, None)
+        self._start_lookup()
 
     def _release_parked(self, sender: str) -> None:
         """Handle, in order, the messages of ``sender`` that waited for its address."""
@@ -398,11 +422,19 @@ class Node:
             self._release_parked(msg.sender)
             parked = None
         if parked is None and msg.sender not in self.endpoint.peers and msg.sender not in self._looked_up \
-                and self.membership.started:  # (a node driven without etcd, by a test: nothing to ask)
+                and self.membership.started and len(self._parked) < MAX_PARKED_SENDERS:
+            # (a node driven without etcd, by a test: nothing to ask)
             parked = self._parked[msg.sender] = []
             self._look_up_peers(msg.sender)
-        if parked is not None and len(parked) < MAX_PARKED:
-            parked.append(msg)
+        if parked is not None:
+            if len(parked) < MAX_PARKED:
+                parked.append(msg)
+            else:
+                self.messages_dropped += 1
+                if self.messages_dropped == 1 or self.messages_dropped % 1000 == 0:
+                    log.error("%s: dropped %r from %s: %d messages of it already wait for its address "
+                              "(%d dropped so far)", self.ident, msg.type, msg.sender, MAX_PARKED,
+                              self.messages_dropped)
             return
         self._handle(msg)
 

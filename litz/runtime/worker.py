@@ -736,13 +736,18 @@ class Worker(Node):
                 self._fail(task, self._unsendable(task.task_id, exc))
             else:
                 try:
-                    self._commit(task)
-                except Exception:  # a custom combiner raised merging it into the log, which is as it was
+                    if task.staged is not None:
+                        self.log.absorb(task.staged)
+                except Exception:  # a combiner raised merging it into the log, which is as it was
                     self._fail(task, traceback.format_exc())
                 else:
+                    task.staged = None
+                    self._send_unmerged(task)
                     self.tasks_run += 1
                     self._ran(task.executor_id)
                     self._record("completed", item, task.executor_id)
+                    if self.log.nbytes >= self.options["flush_bytes"]:
+                        self.flush()
         slot.running = False
         slot.glet = None  # its runner parks: a rollback must not kill it
         if self._scoring.rounds:  # before anything else runs or it leaves: a partial checkpoint waits for it
@@ -765,13 +770,9 @@ class Worker(Node):
         log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, reason)
         self._record("failed", [task.task_id, reason], task.executor_id)
 
-    def _commit(self, task: Task) -> None:
-        """Task ``task`` returned: its updates join the process's log (or, without it, are sent)."""
-        if task.staged is not None:
-            self.log.absorb(task.staged)
-            task.staged = None
-            if self.log.nbytes >= self.options["flush_bytes"]:
-                self.flush()
+    def _send_unmerged(self, task: Task) -> None:
+        """Without the update log: send the updates of task ``task``, which returned, one message's
+        worth per ``ps.update`` call as it made them."""
         for name, keys, rows in task.unmerged or ():
             self._send_updates({name: (keys, rows)})
         task.unmerged = None
