@@ -168,6 +168,17 @@ def run_in_thread(app: object, **kw: object) -> tuple[threading.Thread, JobOutco
     return out.thread, out
 
 
+def ended_exact(t: threading.Thread, out: JobOutcome) -> Any:
+    """The result of an open-ended job of :func:`run_in_thread`, once told to stop and joined: it
+    ended without an error, and the driver's truth equals the final table (every update once)."""
+    import numpy as np
+
+    assert not t.is_alive() and "error" not in out, out.get("traceback")
+    res = out["res"]
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    return res
+
+
 def status_when(job: str, cond: Callable[[dict], Any], timeout: float = 120.0, out: dict | None = None) -> dict:
     """Poll ``litz status`` of ``job`` until ``cond(status)`` holds; the status then.
 

@@ -6,9 +6,11 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,13 +20,24 @@ from litz.cli import job_status
 from litz.errors import ConfigError
 from litz.ft import storage
 from litz.ps.tables import shard_of
+from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import describe_recovering
 from tests import testapps
-from tests.conftest import processes_mentioning, wait_running
+from tests.conftest import ended_exact, processes_mentioning, wait_running
 from tests.conftest import run_in_thread as _start
 from tests.conftest import status_when as _status_when
 from tests.s3_server import location as s3_location
 from tests.test_mlr_app import needs_data
+
+
+def _ended_without_rollback(t: threading.Thread, out: dict) -> dict:
+    """The driver's result of a joined job that ended without an error, having checked that the
+    driver and the executors never rolled back (each one's completions numbered without a gap)."""
+    assert not t.is_alive() and "error" not in out, out.get("traceback")
+    res = out["res"].value
+    for seqs in res["done_seq"]:
+        assert sorted(seqs) == list(range(len(seqs)))
+    return res
 
 
 def _open_ended_job(tmp_path: Path, monkeypatch, name: str, executors: int,  # noqa: ANN001
@@ -71,10 +84,7 @@ def test_killed_server_is_recovered_partially_and_nothing_else_rolls_back(
     finally:
         stop.touch()
         t.join(60)
-    assert not t.is_alive() and "error" not in out, out.get("error")
-    res = out["res"].value
-    for seqs in res["done_seq"]:  # the driver and the executors never rolled back
-        assert sorted(seqs) == list(range(len(seqs)))
+    res = _ended_without_rollback(t, out)
     rows = range(16)
     kept = [k for k in rows if shard_of(k, 64) not in lost_shards]
     lost = [k for k in rows if shard_of(k, 64) in lost_shards]
@@ -630,10 +640,7 @@ def test_a_server_declared_lost_that_comes_back_is_told_to_leave(tmp_path: Path,
                 os.kill(pid, signal.SIGCONT)
         stop.touch()
         t.join(60)
-    assert not t.is_alive() and "error" not in out, out.get("traceback")
-    res = out["res"].value
-    for seqs in res["done_seq"]:  # the driver and the executors never rolled back
-        assert sorted(seqs) == list(range(len(seqs)))
+    res = _ended_without_rollback(t, out)
     kept = [k for k in range(16) if shard_of(k, 64) not in lost_shards]
     np.testing.assert_array_equal(res["final"][kept], res["truth"][kept])  # surviving rows: exact
     [rec] = out["res"].stats["master"]["recoveries"]
@@ -695,39 +702,47 @@ def test_an_etcd_restart_or_outage_does_not_stop_a_job(tmp_path: Path, monkeypat
     Litz's clients try every second at most. Nor may the outage slow the job down: the master
     wrote its status (twice a second) waiting on etcd each time for the call deadline, and the
     job ran 656 tasks in those 10 s against 1,200 a second before them."""
-    from litz.runtime.etcd_server import LocalEtcd
     from litz.runtime.membership import lease_ttl
 
     if ttl is not None:
         monkeypatch.setenv("LITZ_LEASE_TTL", ttl)
-    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "etcd-restart", 4)
+
+    def restart(server: LocalEtcd, job: str, st: dict) -> None:
+        if down:  # the job's speed before the outage
+            c0, t0 = st["master"]["completed"], time.monotonic()
+            time.sleep(2.0)
+            c1 = _status_when(job, lambda s: True)["master"]["completed"]
+            rate = (c1 - c0) / (time.monotonic() - t0)
+        server.restart(down=down)
+        if down:  # the first status published once etcd is back counts the tasks run meanwhile
+            during = _status_when(job, lambda s: s["master"]["completed"] > c1)["master"]["completed"] - c1
+            assert during >= 0.3 * rate * down, (during, rate)
+        time.sleep(lease_ttl() + 1.0)  # longer than a process lease's time-to-live
+
+    _goes_on_through(tmp_path, monkeypatch, "etcd-restart", restart, 300)
+
+
+def _goes_on_through(tmp_path: Path, monkeypatch, name: str,  # noqa: ANN001
+                     disturb: Callable[[LocalEtcd, str, dict], None], more: int, **run: Any) -> None:
+    """An open-ended job on an etcd of its own, disturbed (``disturb(etcd, job, status)``) once 100
+    tasks completed: it runs ``more`` tasks after, with every process still the one it started
+    with, then ends with exact sums, nothing recovered and no process left."""
+    job, stop, app = _open_ended_job(tmp_path, monkeypatch, name, 4)
     server = LocalEtcd()
     server.start()
     try:
-        t, out = _start(app, workers=2, servers=2, job=job, etcd=server.url)
+        t, out = _start(app, workers=2, servers=2, job=job, etcd=server.url, **run)
         try:
             st = _status_when(job, lambda s: s["master"].get("completed", 0) >= 100)
             pids = sorted(p["pid"] for p in st["processes"])
-            if down:  # the job's speed before the outage
-                c0, t0 = st["master"]["completed"], time.monotonic()
-                time.sleep(2.0)
-                c1 = _status_when(job, lambda s: True)["master"]["completed"]
-                rate = (c1 - c0) / (time.monotonic() - t0)
-            server.restart(down=down)
-            if down:  # the first status published once etcd is back counts the tasks run meanwhile
-                during = _status_when(job, lambda s: s["master"]["completed"] > c1)["master"]["completed"] - c1
-                assert during >= 0.3 * rate * down, (during, rate)
-            time.sleep(lease_ttl() + 1.0)  # longer than a process lease's time-to-live
-            done = st["master"]["completed"]
-            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= done + 300, timeout=30)
+            disturb(server, job, st)
+            done = _status_when(job, lambda s: True)["master"]["completed"]
+            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= done + more, timeout=30)
             assert sorted(p["pid"] for p in st["processes"]) == pids  # everyone still registered
         finally:
             stop.touch()
             t.join(60)
-        assert not t.is_alive() and "error" not in out, out.get("error")
-        res = out["res"]
-        np.testing.assert_array_equal(res.value["final"], res.value["truth"])
-        assert res.stats["master"]["recoveries"] == []
+        assert ended_exact(t, out).stats["master"]["recoveries"] == []
     finally:
         server.stop()
     assert processes_mentioning(job) == []
@@ -756,33 +771,15 @@ def test_a_master_whose_lease_lapsed_registers_again_and_the_job_goes_on(tmp_pat
     second more before they take a missing master for a dead one (``MasterPresence``), stay. The
     job finishes with exact sums and nothing recovered. Before, every worker and server left at
     the delete (exit code 3) and the job failed with ProcessLost."""
-    from litz.runtime.etcd_server import LocalEtcd
 
     monkeypatch.setenv("LITZ_LEASE_TTL", "3")
-    job, stop, app = _open_ended_job(tmp_path, monkeypatch, "master-lapse", 4)
-    server = LocalEtcd()
-    server.start()
-    try:
-        t, out = _start(app, workers=2, servers=2, job=job, etcd=server.url, recovery="partial",
-                        checkpoint_dir=str(tmp_path / "ckpt"))
-        try:
-            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= 100)
-            pids = sorted(p["pid"] for p in st["processes"])
-            _revoke_lease_of(server.endpoint, f"/litz/{job}/procs/master/master")
-            time.sleep(3 + 2.0)  # past the grace period (the lease's time-to-live and a second)
-            done = _status_when(job, lambda s: True)["master"]["completed"]
-            st = _status_when(job, lambda s: s["master"].get("completed", 0) >= done + 100, timeout=30)
-            assert sorted(p["pid"] for p in st["processes"]) == pids  # everyone still registered
-        finally:
-            stop.touch()
-            t.join(60)
-        assert not t.is_alive() and "error" not in out, out.get("traceback")
-        res = out["res"]
-        np.testing.assert_array_equal(res.value["final"], res.value["truth"])
-        assert res.stats["master"]["recoveries"] == []
-    finally:
-        server.stop()
-    assert processes_mentioning(job) == []
+
+    def lapse(server: LocalEtcd, job: str, st: dict) -> None:
+        _revoke_lease_of(server.endpoint, f"/litz/{job}/procs/master/master")
+        time.sleep(3 + 2.0)  # past the grace period (the lease's time-to-live and a second)
+
+    _goes_on_through(tmp_path, monkeypatch, "master-lapse", lapse, 100, recovery="partial",
+                     checkpoint_dir=str(tmp_path / "ckpt"))
 
 
 def test_workers_and_servers_leave_a_master_that_is_gone_but_not_one_that_comes_back(etcd) -> None:  # noqa: ANN001

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import litz
+from litz.ps.server import ServerNode
+from litz.runtime.transport import Endpoint
 from tests import testapps
 from tests.conftest import processes_mentioning
 
@@ -189,15 +191,20 @@ def test_an_init_that_overtakes_the_masters_registration_event_is_answered(etcd)
             node.membership.poll_events()  # (taken away: the init overtakes it)
             node.dispatch(Message("init_server", {"tables": cloudpickle.dumps([litz.Table("t", (2,))]),
                                                   "shards": [0, 1], "num_shards": 2, "master": "master"}, "master"))
-            deadline = time.monotonic() + 5
-            while not master.router.poll(0):  # the look-up is made off the loop, which goes on
-                assert time.monotonic() < deadline, "the answer never came"
-                node.poll(20)
-            reply = master.recv()
-            assert reply is not None and reply.type == "ready" and reply.get("error") is None
+            _expect_ready(node, master, 5, "the answer never came")  # the look-up is made off the loop
     finally:
         master.close()
         node.close()
+
+
+def _expect_ready(node: ServerNode, master: Endpoint, timeout: float, why: str) -> None:
+    """Turn ``node``'s loop until ``master`` has its answer to ``init_server``: ``ready``, no error."""
+    deadline = time.monotonic() + timeout
+    while not master.router.poll(0):
+        assert time.monotonic() < deadline, why
+        node.poll(20)
+    reply = master.recv()
+    assert reply is not None and reply.type == "ready" and reply.get("error") is None
 
 
 def test_a_message_from_an_unknown_sender_in_an_etcd_outage_waits_for_its_address(tmp_path) -> None:  # noqa: ANN001
@@ -235,12 +242,7 @@ def test_a_message_from_an_unknown_sender_in_an_etcd_outage_waits_for_its_addres
                 node.poll(20)
             assert not master.router.poll(0) and "master" in node._lookup_retry
             server._launch(15.0)
-            deadline = time.monotonic() + 20
-            while not master.router.poll(0):
-                assert time.monotonic() < deadline, "the init was never answered"
-                node.poll(20)
-            reply = master.recv()
-            assert reply is not None and reply.type == "ready" and reply.get("error") is None
+            _expect_ready(node, master, 20, "the init was never answered")
     finally:
         master.close()
         node.close()
