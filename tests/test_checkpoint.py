@@ -1527,6 +1527,50 @@ class _Puts:
         return done
 
 
+def test_etcd_events_after_a_loss_that_rolls_back_wait_for_the_next_pass() -> None:
+    """A loss under full recovery raises (a rollback) out of the master's pass over its etcd
+    events: the events after it in the same batch (here a `litz checkpoint` command) are handled
+    on the next pass. Before, the rest of the batch was dropped with it (a second loss noticed
+    in the same batch, or a command, was never handled)."""
+    from litz.runtime.master import CHECKPOINT_KEY, Master, MasterState
+    from litz.runtime.membership import Event
+
+    class Events(_Puts):
+        def __init__(self, batches: list[list[Event]]) -> None:
+            super().__init__()
+            self.batches = batches
+
+        def poll_events(self) -> list[Event]:
+            return self.batches.pop(0) if self.batches else []
+
+    class Rollback(Exception):
+        pass
+
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    events = Events([[Event("delete", "procs/worker/w0", None), Event("put", CHECKPOINT_KEY, {"id": "c1"}),
+                      Event("delete", "procs/worker/w1", None)]])
+    m = Master(app, "j", events, workers=2, servers=1, num_executors=2)  # type: ignore[arg-type]
+    try:
+        m.state = MasterState(2, ["w0", "w1"], ["s0"])
+        seen: list[str] = []
+
+        def lost(ident: str, reason: str) -> None:
+            seen.append(ident)
+            raise Rollback(ident)
+
+        m._process_lost = lost  # type: ignore[method-assign]
+        m.on_checkpoint_command = lambda value: seen.append(value["id"])  # type: ignore[method-assign]
+        with pytest.raises(Rollback):
+            m._check_health()
+        assert seen == ["w0"]
+        with pytest.raises(Rollback):
+            m._check_health()
+        assert seen == ["w0", "c1", "w1"]
+        m._check_health()
+    finally:
+        m.endpoint.close()
+
+
 def test_stop_commands_and_sigterms_without_a_running_job(tmp_path: Path) -> None:
     from litz.runtime.elastic import RESULTS
     from litz.runtime.master import Master

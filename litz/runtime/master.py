@@ -12,6 +12,7 @@ parameters before the completed task's updates were applied (DESIGN.md §2).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import itertools
@@ -37,7 +38,7 @@ from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
 from litz.runtime import spawner, stragglers
 from litz.runtime.elastic import AGENT_PROCS, COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
-from litz.runtime.membership import Membership, lease_ttl
+from litz.runtime.membership import Event, Membership, lease_ttl
 from litz.runtime.node import PROCS, kill_job_process, proc_key
 from litz.runtime.protocol import Message, snapshot, undecodable_in
 from litz.runtime.transport import Endpoint, host_name
@@ -735,6 +736,7 @@ class Master:
         self._asked: dict[int, tuple[str, str]] = {}  # request id -> (whom, the reply's type), until answered
         self._deferred: list[Message] = []
         self._byes: dict[str, dict[str, Any]] = {}
+        self._events: collections.deque[Event] = collections.deque()  # etcd events not handled yet
         self._unresponsive: set[str] = set()  # never answered the initialisation: not waited for again
         # workers still in a task the finished job abandoned when it ended (``shutdown``): the
         # launcher kills them rather than wait seconds for them to leave
@@ -975,7 +977,12 @@ class Master:
                 self._process_lost(exc.ident, str(exc))
         self.elastic.tick()  # time-outs of scale operations
         self._relieve_stragglers()
-        for ev in self.membership.poll_events():
+        # one event at a time from a queue: a loss under full recovery raises (a rollback) out of
+        # this loop, and the events after it in the batch (another loss, a command) wait for the
+        # next pass instead of being dropped with the batch
+        self._events.extend(self.membership.poll_events())
+        while self._events:
+            ev = self._events.popleft()
             if ev.key.startswith(AGENT_PROCS):
                 self._learn_agent(ev.key, ev.value if ev.kind == "put" else None)
             elif ev.kind == "delete" and ev.key.startswith(PROCS) and self.state is not None:
