@@ -764,7 +764,7 @@ class Worker(Node):
         dropped += sum(len(keys) for _, keys, _ in task.unmerged or ())
         task.staged = task.unmerged = None
         if dropped:
-            reason += f"\n(the {dropped} row update{'s' if dropped > 1 else ''} it made were discarded)"
+            reason += f"\n(the {dropped} row update{'s it made were' if dropped > 1 else ' it made was'} discarded)"
         self.tasks_failed += 1
         self._ran(task.executor_id)
         log.error("task %d on executor %d failed:\n%s", task.task_id, task.executor_id, reason)
