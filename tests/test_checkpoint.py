@@ -517,6 +517,28 @@ def test_an_unusable_checkpoint_directory_is_refused_before_the_job_starts(tmp_p
             litz.run(app, workers=1, servers=1, **kwargs)
 
 
+def test_checkpoint_files_and_directories_are_never_made_writable_by_every_user(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """Under a umask of 0, a ``ckpt-*`` directory and the files written in it are created without
+    ``o+w`` in the first place, not made so and chmodded after (``_not_public``, disabled here to
+    see what creation alone gives): in that window anyone could open a file for writing, and the
+    descriptor stays writable after the chmod, or add entries to the directory."""
+    monkeypatch.setattr(storage, "_not_public", lambda fs, path: None)
+    root = tmp_path / "ckpt"
+    old = os.umask(0)
+    try:
+        storage.prepare_root(str(root))
+        fs, path = storage.filesystem(str(root))
+        ck = storage.new_checkpoint_dir(fs, path)
+        storage.write_bytes(fs, f"{ck}/driver.pkl", b"(pickle)")
+        storage.write_shards(fs, f"{ck}/shards-0.arrow", [("t", 0, 1, np.zeros(1))])
+        storage.write_manifest(fs, ck, _full_manifest(shards_files=["shards-0.arrow"]))
+    finally:
+        os.umask(old)
+    made = [Path(ck), *Path(ck).rglob("*")]
+    assert len(made) >= 4 and {p.name: oct(p.stat().st_mode & 0o777) for p in made if p.stat().st_mode & 0o002} == {}
+
+
 def test_resume_refuses_a_checkpoint_whose_directory_or_files_every_user_may_write(tmp_path: Path) -> None:
     """Only the root given was checked for ``o+w``: a ``ckpt-*`` directory, or its driver.pkl, that
     every user may write (made under a umask of 0) was resumed from, though anyone could have

@@ -144,7 +144,18 @@ def _not_public(fs: pafs.FileSystem, path: str) -> None:
             os.chmod(path, mode & 0o7775)
 
 
+def _create_private(fs: pafs.FileSystem, path: str) -> None:
+    """Create the local file ``path`` empty and not writable by every user, whatever the umask,
+    before pyarrow opens it (which keeps the mode of a file that exists). Made ``o+w`` under a
+    umask of 0 and only then chmodded (:func:`_not_public`), a file could be opened for writing by
+    anyone in between, and such a descriptor stays writable after the chmod."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        with contextlib.suppress(FileExistsError):  # (one that exists keeps its mode: ours, or not a file)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o664))
+
+
 def _write_table(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
+    _create_private(fs, path)
     with fs.open_output_stream(path) as out, pa.ipc.new_file(out, table.schema) as writer:
         writer.write_table(table)
     _not_public(fs, path)
@@ -228,6 +239,7 @@ def read_executor_rows(fs: pafs.FileSystem, path: str, executors: set[int]) -> d
 
 
 def write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    _create_private(fs, path)
     with fs.open_output_stream(path) as out:
         out.write(data)
     _not_public(fs, path)
@@ -365,7 +377,10 @@ def new_checkpoint_dir(fs: pafs.FileSystem, root: str, last: str | None = None) 
         seq = max(seqs) + 1 if seqs else 0
     path = f"{root}/ckpt-{seq:06d}"
     try:
-        fs.create_dir(path, recursive=True)
+        if isinstance(fs, pafs.LocalFileSystem):  # made never o+w, not chmodded after (see _create_private)
+            _make_local_dirs(path)
+        else:
+            fs.create_dir(path, recursive=True)
         _not_public(fs, path)
     except OSError as exc:  # full, read-only or vanished storage; pyarrow raises OSError for them all
         raise CheckpointError(f"cannot create checkpoint directory {path}: {exc}") from exc
