@@ -687,8 +687,7 @@ def _join_step(cluster: LocalCluster, agent: Membership, cid: str, job: str, dra
         elif ev.key.endswith("/exit") and ev.kind == "put":
             cluster.exit_requested = True
     if presence.gone(time.monotonic()) and not cluster.job_ended:
-        log.error("the job's master is gone (%s)", "another master registered under its key" if presence.replaced
-                  else f"its registration did not come back within {presence.grace():.0f} s")
+        log.error("the job's master is gone (%s)", presence.why_gone())
         cluster.job_ended = True  # our processes leave on their own
     return accepted
 

@@ -862,12 +862,9 @@ class Membership:
         lease_id = self._lease_id
         if lease_id is not None:
             try:
-                if key in self._exclusive:
-                    await self._put_leased(key, data)
-                    if key in self._lost:
-                        raise KeyHeld(key, self._lost[key])
-                else:
-                    await self._retry(lambda t: kv.put(self._full(key), data, lease=lease_id, timeout=t))
+                await self._put_leased(key, data)
+                if key in self._lost:  # (an exclusive key found taken)
+                    raise KeyHeld(key, self._lost[key])
                 return
             except Exception as exc:
                 if not _is_lease_not_found(exc):

@@ -109,6 +109,12 @@ class MasterPresence:
             ttl = lease_ttl()
         return float(ttl) + MASTER_GRACE_EXTRA
 
+    def why_gone(self) -> str:
+        """Why the master counts as gone, for the log."""
+        if self.replaced:
+            return "another master registered under its key"
+        return f"its registration did not come back within {self.grace():.0f} s"
+
     def gone(self, now: float) -> bool:
         """Whether the master counts as gone: replaced, or away past its grace period."""
         return self.replaced or (self.deadline is not None and now >= self.deadline)
@@ -220,14 +226,7 @@ class Node:
                     self._release_parked(sender)  # (still unknown: a stranger; its answer fails and says so)
             self._start_lookup()
 
-        def run() -> None:
-            try:
-                found, error = self.membership.get_prefix(PROCS), None
-            except BaseException as exc:  # handed to ``then``
-                found, error = None, exc
-            self._to_loop(then, found, error)
-
-        threading.Thread(target=run, daemon=True, name=f"{self.ident}-lookup").start()
+        self.on_thread(lambda: self.membership.get_prefix(PROCS), then, "lookup")
 
     def _retry_lookups(self) -> None:
         """From the loop: release the messages of senders whose address came another way (an init's
@@ -252,9 +251,7 @@ class Node:
             log.warning("%s: the master registered again (its lease had lapsed: it stalled or lost etcd); "
                         "staying", self.ident)
         if value and "addr" in value and "id" in value:
-            self.endpoint.connect(value["id"], value["addr"])
-            if value["id"] in self._parked and value["id"] in self.endpoint.peers:
-                self._release_parked(value["id"])  # its registration came before the look-up's answer
+            self.endpoint.connect(value["id"], value["addr"])  # (its waiting messages: _retry_lookups)
 
     def _membership_events(self) -> None:
         try:
@@ -313,14 +310,21 @@ class Node:
                 log.error("%s: failed to handle %r from %s", self.ident, msg.type, msg.sender, exc_info=error)
                 self.reply_error(msg, f"{type(error).__name__}: {error}")
 
+        self.on_thread(read, then, "restore")
+
+    def on_thread(self, work: Callable[[], Any], then: Callable[[Any, BaseException | None], None],
+                  name: str) -> None:
+        """Run ``work()`` on a thread of its own, then ``then(result, error)`` on the loop: for what may
+        wait long on another service (a checkpoint store, etcd) while the loop goes on serving. Not on
+        the background thread, which a hung checkpoint write may hold."""
         def run() -> None:
             try:
-                value, error = read(), None
+                value, error = work(), None
             except BaseException as exc:  # handed to ``then``
                 value, error = None, exc
             self._to_loop(then, value, error)
 
-        threading.Thread(target=run, daemon=True, name=f"{self.ident}-restore").start()
+        threading.Thread(target=run, daemon=True, name=f"{self.ident}-{name}").start()
 
     def part_refused(self, msg: Message) -> bool:
         """Whether this process cannot take part in checkpoint ``msg`` (a ``checkpoint`` or
@@ -484,10 +488,7 @@ class Node:
         leave no orphans, but one whose lease only lapsed comes back and the job goes on."""
         if self.stopping or not self.master_presence.gone(time.monotonic()):
             return
-        p = self.master_presence
-        log.error("%s: the master is gone (%s); leaving", self.ident,
-                  "another master registered under its key" if p.replaced
-                  else f"its registration did not come back within {p.grace():.0f} s")
+        log.error("%s: the master is gone (%s); leaving", self.ident, self.master_presence.why_gone())
         self.exit_code = 3
         self.stopping = True
 

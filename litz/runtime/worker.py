@@ -15,7 +15,6 @@ a task that raises leaves none behind (its retry would otherwise count them twic
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import traceback
 from collections import deque
@@ -901,14 +900,7 @@ class Worker(Node):
                 log.warning("cannot look up %s, to which shard %s moved (%s): the old route forwards",
                             server, shard, error)
 
-        def run() -> None:
-            try:
-                value, error = self.membership.get(proc_key("server", server)), None
-            except BaseException as exc:  # handed to ``then``
-                value, error = None, exc
-            self._to_loop(then, value, error)
-
-        threading.Thread(target=run, daemon=True, name=f"{self.ident}-lookup-{server}").start()
+        self.on_thread(lambda: self.membership.get(proc_key("server", server)), then, f"lookup-{server}")
 
     def on_routes(self, msg: Message) -> None:
         """Servers left: route their shards as the master says, and answer once nothing waits on them.
