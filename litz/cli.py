@@ -449,14 +449,16 @@ def job_status(job: str, etcd: str | None = None) -> dict[str, Any]:
             # "joining": registered but not (yet) admitted by the master, e.g. still starting;
             # "unjoined": its join timed out or failed (a host without the job secret, say), the
             # job went on without it; "lost": declared lost, its work recovered elsewhere (its
-            # registration lasts until its lease ends)
+            # registration lasts until its lease ends); "left": retired by a scale-in, its
+            # registration still there (its lease ends by itself if etcd was down as it left)
             held = executors if entry["role"] == "worker" else shards
             entry["state"] = ("lost" if entry["id"] in status.get("lost", ()) else
+                              "left" if entry["id"] in status.get("left", ()) else
                               "member" if entry["id"] in held else
                               "unjoined" if entry["id"] in status.get("unjoined", ()) else "joining")
             entry["executors" if entry["role"] == "worker" else "shards"] = held.get(entry["id"], [])
         processes.append(entry)
-    summary = {k: v for k, v in status.items() if k not in ("executors", "shards", "lost", "unjoined")}
+    summary = {k: v for k, v in status.items() if k not in ("executors", "shards", "lost", "left", "unjoined")}
     return {"job": job, "etcd": url, "master": summary, "processes": processes}
 
 
@@ -548,7 +550,7 @@ def status(argv: list[str]) -> int:
             extra = f"executors {_ranges(proc['executors'])} ({len(proc['executors'])})"
         elif "shards" in proc:
             extra = f"shards {_ranges(proc['shards'])} ({len(proc['shards'])})"
-        if proc.get("state") in ("joining", "unjoined", "lost"):
+        if proc.get("state") in ("joining", "unjoined", "lost", "left"):
             extra += f" {proc['state']}"
         print(f"  {proc['role']:<7} {proc['id']:<16} host {proc['host']:<16} pid {proc['pid']:<8} {extra}")
     return 0

@@ -289,3 +289,74 @@ def test_the_job_end_does_not_wait_for_processes_a_scale_is_still_waiting_for() 
     m.shutdown(stats, timeout=3.0)
     assert time.monotonic() - started < 1.0
     assert stats == {"w0": {"role": "worker", "tasks_run": 3}}
+
+
+@pytest.mark.parametrize("direction", ["out", "in"])
+def test_an_etcd_outage_as_a_scale_starts_delays_it_and_stops_nothing(tmp_path: Path, monkeypatch,
+                                                                      direction: str) -> None:
+    """etcd goes away just as the master starts a scale operation and comes back 7 s later (longer
+    than a call's 5 s deadline and than the processes' lease TTL). Scale-out: the node agent's spawn
+    request waits for etcd, then the new worker starts, registers and takes executors. Scale-in: a
+    server's shards move off it and it leaves, all through the job's own sockets, while etcd is
+    down. Either way the operation completes, the master's answer reaches etcd once it is back, no
+    process is declared lost, and the job trains on to exact sums."""
+    import threading
+
+    import numpy as np
+
+    from litz.runtime.elastic import RESULTS, SCALE_KEY, Elasticity
+    from litz.runtime.etcd_server import LocalEtcd
+    from litz.runtime.membership import Membership
+
+    server = LocalEtcd()
+    server.start()
+    down = threading.Event()
+    starts = Elasticity._spawn if direction == "out" else Elasticity._retire
+
+    def start_in_an_outage(self: Elasticity, *a: Any, **kw: Any) -> None:
+        starts(self, *a, **kw)
+        if not down.is_set():
+            server._stop_process()  # etcd goes away as the operation starts
+            down.set()
+
+    monkeypatch.setattr(Elasticity, "_spawn" if direction == "out" else "_retire", start_in_an_outage)
+    job, stop, t, out = _start_timed(tmp_path, monkeypatch, f"scale-outage-{direction}", 10**7, 6, workers=2,
+                                     servers=2 if direction == "in" else 1, etcd=server.url)
+    try:
+        wait_running(job, out)
+        with Membership(server.url, job) as m:
+            cmd = {"workers": 3} if direction == "out" else {"servers": 1}
+            m.put(SCALE_KEY, {"id": "c1", **cmd, "time": time.time()})
+            assert down.wait(60), "the scale operation never started"
+            time.sleep(7.0)
+            assert "error" not in out, out.get("traceback")
+            server._launch(15.0)  # (from this thread: etcd dies with the thread that started it)
+            deadline = time.monotonic() + 40
+            while (answer := m.get(f"{RESULTS}c1")) is None:
+                assert time.monotonic() < deadline and "error" not in out, out.get("traceback", "no answer")
+                time.sleep(0.1)
+        assert answer["ok"] is True, answer
+        st = status_when(job, lambda s: any(h.get("command") == "c1" for h in s["master"].get("scale_history", [])),
+                         timeout=40, out=out)
+        [done] = [h for h in st["master"]["scale_history"] if h["command"] == "c1"]
+        assert not done.get("lost"), done
+        if direction == "out":
+            assert done["workers"] == ["w0", "w1", "w2"]
+            assert sorted(len(v) for v in _workers(st).values()) == [2, 2, 2]
+        else:
+            assert done["servers"] == ["s0"]
+            # s1's registration may outlive it until its lease ends (etcd was down as it left)
+            servers = {p["id"]: (p["state"], p["shards"]) for p in st["processes"] if p["role"] == "server"}
+            assert servers["s0"] == ("member", list(range(64))) and servers.get("s1", ("left", []))[0] == "left"
+        status_when(job, lambda s: s["master"]["completed"] > st["master"]["completed"] + 100, timeout=30, out=out)
+    finally:
+        stop.touch()
+        t.join(60)
+        server.stop()
+    assert "error" not in out, out.get("traceback")
+    res = out["res"]
+    assert not res.stats["master"].get("recoveries"), res.stats["master"]["recoveries"]
+    np.testing.assert_array_equal(res.value["final"], res.value["truth"])
+    for seqs in res.value["done_seq"]:
+        assert sorted(seqs) == list(range(len(seqs)))
+    assert processes_mentioning(job) == []

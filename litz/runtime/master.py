@@ -918,6 +918,8 @@ class Master:
             status["last_straggler_move"] = self.straggler_moves[-1]
         if self.lost:
             status["lost"] = sorted(self.lost, key=_id_order)
+        if self._byes:  # their registrations last until their leases end when etcd could not be told
+            status["left"] = sorted(self._byes, key=_id_order)
         if self.elastic.unjoined:  # their agents stop them when the job ends (they cannot hear the master)
             status["unjoined"] = sorted(self.elastic.unjoined, key=_id_order)
         if (rec := self._restoring) is not None:

@@ -19,11 +19,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
-from litz.errors import ConfigError
+from litz.errors import ConfigError, EtcdUnreachable
 from litz.runtime import security
 from litz.runtime.membership import Event, Membership, lease_ttl
 from litz.runtime.protocol import Message
@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # every worker and server process of every job used to pay for it at start.
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PROCS = "procs/"
 LEAVE_TIMEOUT = 10.0  # seconds a retiring process waits to be owed nothing before it leaves anyway
@@ -52,6 +54,9 @@ MAX_PARKED = 1000
 MAX_PARKED_SENDERS = 64
 #: seconds beyond the master's lease time-to-live that its registration may stay away (see MasterPresence)
 MASTER_GRACE_EXTRA = 1.0
+# seconds a starting process keeps trying to reach etcd (an outage as a scale-out spawns it): as long
+# as the master waits for a new process to become ready (elastic.JOIN_TIMEOUT)
+START_WAIT = 30.0
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -166,14 +171,35 @@ class Node:
             pass
 
     def start(self) -> None:
-        self.membership.start()
+        """Connect to etcd, learn the registered processes and register this one.
+
+        Each step is tried again while etcd does not answer, up to ``START_WAIT`` s in all: a process
+        a scale-out starts during an etcd outage (the node agent took the request just before)
+        used to exit after one call's deadline (5 s), and the scale went on without it."""
+        deadline = time.monotonic() + START_WAIT
+        self._patiently("connect", self.membership.start, deadline)
         self.membership.watch_prefix(PROCS)
-        for key, value in self.membership.get_prefix(PROCS).items():
+        for key, value in self._patiently("read the registrations", lambda: self.membership.get_prefix(PROCS),
+                                          deadline).items():
             self._learn(key, value)
-        self.membership.register(proc_key(self.role, self.ident), {
+        self._patiently("register", lambda: self.membership.register(proc_key(self.role, self.ident), {
             "role": self.role, "id": self.ident, "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
-        })
+        }), deadline)
+
+    def _patiently(self, what: str, call: Callable[[], T], deadline: float) -> T:
+        """``call()``, again every half second while etcd is unreachable, until ``deadline``."""
+        warned = False
+        while True:
+            try:
+                return call()
+            except EtcdUnreachable as exc:
+                if time.monotonic() + 0.5 >= deadline:
+                    raise
+                if not warned:
+                    log.warning("%s: %s; trying again until %.0f s have passed", self.ident, exc, START_WAIT)
+                    warned = True
+            time.sleep(0.5)
 
     def _look_up_peers(self, sender: str) -> None:
         """Read every registration, off the loop: a message came from a process whose registration
