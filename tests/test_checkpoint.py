@@ -1539,6 +1539,8 @@ class _Puts:
     """The part of Membership that the master's command handlers use: answers go to ``put_soon``
     (``EtcdWrites``), which lands them at once here."""
 
+    lost_any = False  # (no registration of the master's was taken)
+
     def __init__(self) -> None:
         self.puts: dict[str, dict] = {}
 

@@ -444,8 +444,9 @@ def test_an_exclusive_key_taken_while_its_lease_was_gone_is_never_taken_back(
         etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
     """A launcher (a) holds a job's name exclusively; its lease lapses (revoked here, as a stall past
     its TTL does) and another launcher (b) takes the name. a's keep-alive grants a new lease: the
-    name stays b's, a lists it in ``lost_keys`` and may not put it again; when b leaves, a does not
-    take it back. The same when the key is taken while a's lease lives on (deleted, then taken):
+    name stays b's, a lists it in ``lost_keys`` and may not put it again, nor put back its other
+    leased key (b's side of the job may hold it: a launcher's host record); when b leaves, a does
+    not take it back. The same when the key is taken while a's lease lives on (deleted, then taken):
     a's periodic check finds it under another lease. An exclusive key merely deleted is put back,
     as any leased key. Before, a re-put its keys with plain puts and checked only that they existed:
     two launchers believed they held one job name."""
@@ -453,17 +454,21 @@ def test_an_exclusive_key_taken_while_its_lease_was_gone_is_never_taken_back(
 
     a, b = members(), members()
     a.register("launcher", {"who": "a"}, ttl=3, exclusive=True)
-    a.put("procs/agent/h", {"who": "a"}, lease=True)  # a plain leased key goes on being restored
+    a.put("procs/agent/h", {"who": "a"}, lease=True)  # a plain key under the same lease
     asyncio.run(_revoke_lease_of(etcd, "launcher"))
     b.register("launcher", {"who": "b"}, ttl=3, exclusive=True)
     deadline = time.monotonic() + 5
-    while a.get("procs/agent/h") is None:  # a's keep-alive grants a new lease and puts its keys back
+    while not a.lost_any:  # a's keep-alive grants a new lease and finds the name taken
         assert time.monotonic() < deadline, "a never registered again"
         time.sleep(0.05)
     assert a.get("launcher") == {"who": "b"}
     assert a.lost_keys == {"launcher": {"who": "b"}}
     with pytest.raises(KeyHeld):
         a.put("launcher", {"who": "a"}, lease=True)
+    with pytest.raises(KeyHeld, match="launcher"):
+        a.put("procs/agent/h", {"who": "a"}, lease=True)
+    time.sleep(1.5)
+    assert a.get("procs/agent/h") is None  # not put back (before: a plain put, whoever held it)
     b.close()
     time.sleep(3.5)  # a's keep-alive checks its keys (every third round, 1 s apart)
     assert a.get("launcher") is None and a.lost_keys == {"launcher": {"who": "b"}}

@@ -825,6 +825,61 @@ def test_workers_and_servers_leave_a_master_that_is_gone_but_not_one_that_comes_
             master.close()
 
 
+def test_a_worker_or_server_whose_registration_a_newer_job_took_leaves_and_never_takes_it_back(
+        etcd, monkeypatch) -> None:  # noqa: ANN001
+    """A worker and a server (real processes) lose their leases (a stall past the TTL, or etcd cut
+    off that long), and a newer job of the same name registers processes of their ids meanwhile.
+    Their keep-alives grant new leases but do not put the keys back over the newcomers' (before, a
+    plain put did: the newer job's master then sent its work to the stale process), and they leave
+    with exit code 3. The master of such a split gives way too (its loop raises, saying why)."""
+    from litz.errors import LitzError
+    from litz.runtime.launcher import LocalCluster
+    from litz.runtime.master import Master
+    from litz.runtime.membership import KeyHeld, Membership
+
+    monkeypatch.setenv("LITZ_LEASE_TTL", "3")
+    job = f"split-{time.time_ns()}"
+    record = {"role": "master", "id": "master", "addr": "ipc:///nonexistent/master", "pid": os.getpid(),
+              "started": time.time(), "lease_ttl": 3}
+    keys = ("procs/worker/w0", "procs/server/s0")
+    with Membership(etcd.url, job) as master, Membership(etcd.url, job) as newer_w, \
+            Membership(etcd.url, job) as newer_s:
+        master.register("procs/master/master", record)
+        cluster = LocalCluster(job, workers=1, servers=1, etcd=etcd.url)
+        try:
+            cluster.start()
+            deadline = time.monotonic() + 30
+            while not set(keys) <= set(master.get_prefix("procs/")):
+                assert time.monotonic() < deadline, "the worker and server never registered"
+                time.sleep(0.05)
+            for key, newer in zip(keys, (newer_w, newer_s), strict=True):
+                while True:  # (should the process's keep-alive win the race, once more)
+                    _revoke_lease_of(etcd.endpoint, f"/litz/{job}/{key}")
+                    try:
+                        newer.register(key, {"id": key[-2:], "pid": 4242, "host": "newer"}, exclusive=True)
+                        break
+                    except KeyHeld:
+                        assert time.monotonic() < deadline
+            codes = [p.wait(15) for p in cluster.children.values()]
+            assert codes == [3, 3], codes
+            assert [master.get(key)["pid"] for key in keys] == [4242, 4242]
+        finally:
+            cluster.stop(timeout=0.0)
+
+    class Split:
+        lost_any = True
+        lost_keys = {"procs/master/master": {"pid": 4242, "host": "newer"}}
+
+    m = Master(testapps.migrating_app(tasks=10, executors=2, move_prob=0.0), "j", Split(),  # type: ignore[arg-type]
+               workers=1, servers=1, num_executors=2)
+    try:
+        with pytest.raises(LitzError, match=r"registration procs/master/master was taken by pid 4242 on newer "
+                                            r"\(another master of job 'j'\).*gives way"):
+            m._check_health()
+    finally:
+        m.endpoint.close()
+
+
 def test_a_joined_hosts_agent_waits_for_its_master_to_come_back(etcd) -> None:  # noqa: ANN001
     """A joined host's agent: the master's registration deleted and put back by the same master
     keeps the host in the job; deleted while the job's last status says it ended, the host leaves

@@ -39,7 +39,7 @@ from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
 from litz.runtime import spawner, stragglers
 from litz.runtime.elastic import AGENT_PROCS, COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Event, Membership, lease_ttl
-from litz.runtime.node import PROCS, kill_job_process, proc_key
+from litz.runtime.node import PROCS, kill_job_process, proc_key, register_exclusively
 from litz.runtime.protocol import Message, snapshot, undecodable_in
 from litz.runtime.transport import Endpoint, host_name
 
@@ -971,6 +971,11 @@ class Master:
             log.warning("the job status is published again")
 
     def _check_health(self) -> None:
+        if self.membership.lost_any:  # (exclusive: register_exclusively)
+            [(key, holder)] = list(self.membership.lost_keys.items())[:1]
+            raise LitzError(f"the master's registration {key} was taken by pid {holder.get('pid')} on "
+                            f"{holder.get('host')} (another master of job {self.job!r}) while this one was cut off "
+                            "from etcd longer than its lease: it gives way and stops")
         while self.health_check is not None:  # each failure is reported once: all of them, in turn
             try:
                 self.health_check()
@@ -2640,7 +2645,7 @@ class Master:
         started = time.monotonic()
         self.membership.watch_prefix(PROCS)
         self.membership.watch_prefix(COMMANDS)
-        self.membership.register(proc_key("master", "master"), {
+        register_exclusively(self.membership, proc_key("master", "master"), {
             "role": "master", "id": "master", "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
             "pid": os.getpid(), "started": time.time(),
             "numba": spawner.numba_loaded(),  # a joining host's agent warms its zygote up for our kernels

@@ -364,6 +364,11 @@ class Membership:
         return self._registered
 
     @property
+    def lost_any(self) -> bool:
+        """Whether :attr:`lost_keys` has any (cheap: for a loop that asks on every pass)."""
+        return bool(self._lost)
+
+    @property
     def lost_keys(self) -> dict[str, dict]:
         """Keys registered with ``exclusive=True`` that someone else took while this process's lease
         was gone (it stalled past its TTL, or lost etcd that long), each with its new holder's value.
@@ -437,7 +442,9 @@ class Membership:
         With ``exclusive``, only if no one else holds ``key``: :class:`KeyHeld` (with the holder's
         value) otherwise, and nothing is registered. The check and the put are one etcd transaction.
         After a lost lease such a key is put back only if it is still free (or ours); if someone else
-        took it meanwhile it is given up, logged as an error and listed in :attr:`lost_keys`.
+        took it meanwhile it is given up, logged as an error and listed in :attr:`lost_keys`, and no
+        other key of the registration is put back (nor can be put with ``put(lease=True)``): the
+        registration belongs to the newer holder's side of a split.
 
         The keep-alive runs every ``ttl/3`` s on the etcd thread.  If the lease is lost (etcd restarted
         with a lease gone, or this process stalled past the TTL) or the key disappears, the lease is granted
@@ -723,10 +730,15 @@ class Membership:
             grant = await self._retry(lambda t: lease_svc.grant(self._ttl, timeout=t), timeout)
             self._lease_id = grant.ID
             self._restore_needed = True
-            for key, data in list(self._leased.items()):
-                # an exclusive key with the create-revision check: a plain put took back a job's name
-                # that another launcher had taken while this one was away
-                await self._put_leased(key, data, timeout)
+            # exclusive keys first, with the create-revision check: a plain put took back a job's name
+            # that another launcher had taken while this one was away. Once one is lost the others
+            # are not put back either: they belong to the job whose name it was (a launcher's host
+            # record, say, which the newer job's launcher of that host has written)
+            for key in sorted(self._leased, key=lambda k: k not in self._exclusive):
+                if self._lost:
+                    break
+                if key in self._leased:
+                    await self._put_leased(key, self._leased[key], timeout)
             self._restore_needed = False
 
     async def _deregister(self, timeout: float | None = None) -> None:
@@ -782,10 +794,13 @@ class Membership:
         lease_id = self._lease_id
         if lease_id is None:
             return
-        for key, data in list(self._leased.items()):
+        for key in sorted(self._leased, key=lambda k: k not in self._exclusive):  # (as _grant_and_put_all)
+            if self._lost:
+                break
             resp = await kv.get(self._full(key), timeout=timeout)
             if key not in self._leased:
                 continue
+            data = self._leased[key]
             if not resp.kvs:
                 _log.warning("etcd %s: registered key %s disappeared; putting it back", self._url, key)
                 await self._put_leased(key, data, timeout)
@@ -856,8 +871,9 @@ class Membership:
             return
         if not self._registered:
             raise LitzError(f"put({key!r}, lease=True) needs register() first: there is no lease to use")
-        if key in self._lost:  # taken by someone else: never put back under our lease
-            raise KeyHeld(key, self._lost[key])
+        if self._lost:  # an exclusive key taken by someone else: nothing more goes under our lease
+            lost = key if key in self._lost else next(iter(self._lost))
+            raise KeyHeld(lost, self._lost[lost])
         self._leased[key] = data
         lease_id = self._lease_id
         if lease_id is not None:

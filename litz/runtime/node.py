@@ -25,7 +25,7 @@ import zmq
 
 from litz.errors import ConfigError, EtcdUnreachable
 from litz.runtime import security
-from litz.runtime.membership import Event, Membership, lease_ttl
+from litz.runtime.membership import Event, KeyHeld, Membership, lease_ttl
 from litz.runtime.protocol import Message
 from litz.runtime.transport import Endpoint, host_name
 
@@ -182,10 +182,10 @@ class Node:
         for key, value in self._patiently("read the registrations", lambda: self.membership.get_prefix(PROCS),
                                           deadline).items():
             self._learn(key, value)
-        self._patiently("register", lambda: self.membership.register(proc_key(self.role, self.ident), {
-            "role": self.role, "id": self.ident, "host": host_name(self.endpoint.host), "addr": self.endpoint.address,
-            "pid": os.getpid(), "started": time.time(),
-        }), deadline)
+        record = {"role": self.role, "id": self.ident, "host": host_name(self.endpoint.host),
+                  "addr": self.endpoint.address, "pid": os.getpid(), "started": time.time()}
+        self._patiently("register", lambda: register_exclusively(self.membership, proc_key(self.role, self.ident),
+                                                                 record), deadline)
 
     def _patiently(self, what: str, call: Callable[[], T], deadline: float) -> T:
         """``call()``, again every half second while etcd is unreachable, until ``deadline``."""
@@ -508,6 +508,20 @@ class Node:
             self.drain()
         self._retry_lookups()
         self._leave_if_master_gone()
+        self._leave_if_replaced()
+
+    def _leave_if_replaced(self) -> None:
+        """Leave (exit code 3) if another process took this one's registration while its lease was
+        gone (it stalled, or was cut off from etcd, past its TTL, and a newer job of the same name
+        started a process of the same id meanwhile): the key is not taken back (``Membership``), and
+        this process must not serve the other job's peers, which now reach its namesake."""
+        if self.stopping or not self.membership.lost_any:
+            return
+        [(key, holder)] = list(self.membership.lost_keys.items())[:1]
+        log.error("%s: its registration %s was taken by pid %s on %s while this process was cut off from etcd "
+                  "longer than its lease; leaving", self.ident, key, holder.get("pid"), holder.get("host"))
+        self.exit_code = 3
+        self.stopping = True
 
     def _leave_if_master_gone(self) -> None:
         """Leave (exit code 3) once the master counts as gone (``MasterPresence``): a dead master must
@@ -572,6 +586,23 @@ class Node:
             self.endpoint.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+
+def register_exclusively(membership: Membership, key: str, record: dict[str, Any]) -> None:
+    """Register ``key`` only if no other process holds it (``exclusive``), waiting up to a lease's
+    time-to-live for a holder to go: a process of the same id killed a moment ago (``--resume`` right
+    after a ``kill -9``) holds its key until its lease ends. ``KeyHeld`` if it is still held then.
+    Exclusive, so that a process cut off from etcd past its lease never takes its key back from a
+    newer job of the same name (it leaves instead: ``Node._leave_if_replaced``)."""
+    deadline = time.monotonic() + lease_ttl() + 1.0
+    while True:
+        try:
+            membership.register(key, record, exclusive=True)
+            return
+        except KeyHeld:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.25)
 
 
 def kill_job_process(pid: int, ident: str, job: str) -> bool:
