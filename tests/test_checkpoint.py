@@ -569,12 +569,54 @@ def test_resume_refuses_a_checkpoint_whose_directory_or_files_every_user_may_wri
         mode = public.stat().st_mode & 0o7777
         public.chmod(mode | 0o002)
         what = "directory" if public.is_dir() else "file"
-        why = f"checkpoint {what} {public} is writable by every user .mode {mode | 0o002:o}.*chmod -R o-w {newer}"
+        why = f"checkpoint {what} {public} is writable by every user .mode {mode | 0o002:o}.*chmod -R go-w {newer}"
         with pytest.raises(storage.CheckpointError, match=why):
             Resume.find(str(root), app, None, 64)
         with pytest.raises(storage.CheckpointError, match=why):  # not skipped: an older one is no answer
             Resume.newest_usable(str(root), app, None, 64, app.driver())
         public.chmod(mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give files to another user (chown)")
+def test_resume_refuses_a_checkpoint_another_user_owns_or_its_group_may_write(tmp_path: Path) -> None:
+    """A checkpoint root another user made first (under ``/tmp``, say) with their own ``driver.pkl``
+    in a ``ckpt-*``, all ``755``/``644``: ``--resume auto`` loaded it and ran their code as this
+    user, because only ``o+w`` was refused. Now the root, the chosen ``ckpt-*`` and every file the
+    job loads must be this user's (or root's); the ``ckpt-*`` and its files not writable by their
+    group either. What a job writes is its owner's alone (``0700``/``0600``): the model is not
+    readable by other users."""
+    from litz.runtime.master import Resume
+
+    root = tmp_path / "ckpt"
+    storage.prepare_root(str(root))
+    storage.write_timeline(str(root), None)
+    fs, path = storage.filesystem(str(root))
+    ck = storage.new_checkpoint_dir(fs, path)
+    storage.write_bytes(fs, f"{ck}/driver.pkl", b"(pickle)")
+    storage.write_manifest(fs, ck, _full_manifest())
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (root, Path(ck), *Path(ck).iterdir())}
+    assert modes == {"ckpt": 0o700, Path(ck).name: 0o700, "driver.pkl": 0o600, storage.MANIFEST: 0o600}, modes
+    app = testapps.migrating_app(tasks=10, executors=2, move_prob=0.0)
+    nobody = 65534
+    for theirs, why in ((root, f"checkpoint directory {root} belongs to .*uid {nobody}.*, not to you.*its owner could "
+                               "make the job run their code"),
+                        (Path(ck), f"checkpoint directory {ck} belongs to .*uid {nobody}"),
+                        (Path(ck, "driver.pkl"), f"checkpoint file {ck}/driver.pkl belongs to .*uid {nobody}.*"
+                                                 "resume only from checkpoints your own jobs wrote")):
+        os.chown(theirs, nobody, -1)
+        for find in (lambda: Resume.find(str(root), app, None, 64),
+                     lambda: Resume.newest_usable(str(root), app, None, 64, app.driver())):
+            with pytest.raises(storage.CheckpointError, match=why):
+                find()
+        os.chown(theirs, 0, -1)
+    Path(ck, "driver.pkl").chmod(0o620)
+    with pytest.raises(storage.CheckpointError, match=f"checkpoint file {ck}/driver.pkl is writable by its group "
+                                                      f".mode 620.*chmod -R go-w {ck}"):
+        Resume.find(str(root), app, None, 64)
+    Path(ck, "driver.pkl").chmod(0o600)
+    root.chmod(0o770)  # the root's group may write it: its ckpt-* and their files are still checked
+    storage.refuse_public(str(root))
+    storage.refuse_checkpoint_public(fs, ck, storage.read_manifest(fs, ck))
 
 
 class _StorageVanishingDriver(testapps.MigratingDriver):

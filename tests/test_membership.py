@@ -648,3 +648,31 @@ def test_lease_ttl_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("LITZ_LEASE_TTL", bad)
         with pytest.raises(ConfigError, match="LITZ_LEASE_TTL"):
             lease_ttl()
+
+
+def test_values_that_are_not_json_objects_are_skipped_or_refused_naming_the_key(
+        etcd: LocalEtcd, members: Callable[..., Membership]) -> None:
+    """Anyone who can write a shared etcd can put any value under a job's prefix. A JSON list put as
+    ``commands/checkpoint`` reached the master as an event and failed the job on ``value.get``
+    (an error of Litz's own). Now a value that is not a JSON object is refused where it is read:
+    a watch event of it is skipped, a prefix read leaves it out, and a read of that one key says
+    which key holds what; the other values are unaffected."""
+    from etcd3aio import Etcd3Client
+
+    from litz.errors import ProtocolError
+
+    m = members()
+    m.watch_prefix("commands/")
+
+    async def put_raw() -> None:
+        async with Etcd3Client([etcd.endpoint]) as client:
+            assert client.kv is not None
+            for key, raw in (("checkpoint", b"[1]"), ("stop", b'"x"'), ("scale", b'{"id": "c1"}')):
+                await client.kv.put(f"/litz/{JOB}/commands/{key}", raw, timeout=2)
+
+    asyncio.run(put_raw())
+    events = _events_until(m, _has("put", "commands/scale"), timeout=3)
+    assert [(e.key, e.value) for e in events if e.kind == "put"] == [("commands/scale", {"id": "c1"})]
+    assert m.get_prefix("commands/") == {"commands/scale": {"id": "c1"}}
+    with pytest.raises(ProtocolError, match=r"value of /litz/.*/commands/checkpoint is not a JSON object: \[1\]"):
+        m.get("commands/checkpoint")

@@ -112,6 +112,16 @@ def test_non_loopback_without_secret_is_refused_before_binding(host: str) -> Non
         Endpoint("x", host=host, secret=None)
 
 
+def test_without_ipc_a_job_without_a_secret_is_refused_not_put_on_loopback_tcp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A libzmq without ``ipc://`` (not Linux's) made an endpoint without a secret listen on plain
+    loopback TCP, which every local user can reach unauthenticated. It is refused, saying why."""
+    has = zmq.has
+    monkeypatch.setattr(zmq, "has", lambda what: what != "ipc" and has(what))
+    with pytest.raises(ConfigError, match="no ipc:// transport.*give the job a secret"):
+        Endpoint("x", secret=None)
+
+
 def test_cluster_without_secret_is_refused_and_a_secret_allows_it(secret_file: Path) -> None:
     with pytest.raises(ConfigError, match="requires a job secret"):
         Endpoint("x", cluster=True, secret=None)
@@ -329,14 +339,27 @@ def test_an_agent_takes_only_spawn_requests_of_ids_the_master_makes(caplog: pyte
     """Spawn requests reach a host's agent through etcd, which anyone who can reach a shared etcd
     may write. An id names the new process's log file: ``/home/x/app`` or ``../x`` made the agent
     truncate or create files elsewhere as the job's user, and a list of thousands forked thousands
-    of processes. Such a request is refused whole, with a warning; the master's are taken."""
+    of processes. Such a request is refused whole, with a warning; the master's are taken. So were
+    requests of fresh ids without end, each within the cap: the host's live processes of the job
+    are capped too (dead ones do not count)."""
     import shutil
 
     from litz.runtime.launcher import MAX_SPAWN, LocalCluster
 
+    class Alive:
+        code: int | None = None
+
+        def poll(self) -> int | None:
+            return self.code
+
     cluster = LocalCluster("spawn-check", workers=1, servers=1)
     started: list[tuple[str, str]] = []
-    cluster._spawn = lambda module, ident, numba=False: started.append((module, ident))  # type: ignore[method-assign]
+
+    def spawn(module: str, ident: str, numba: bool = False) -> None:
+        started.append((module, ident))
+        cluster.children[ident] = Alive()  # type: ignore[assignment]
+
+    cluster._spawn = spawn  # type: ignore[method-assign]
     try:
         for bad in ({"workers": ["/tmp/victim"]}, {"workers": ["../escaped"]}, {"servers": ["w1"]},
                     {"workers": "w1"}, ["w1"], {"workers": [1]},
@@ -347,6 +370,16 @@ def test_an_agent_takes_only_spawn_requests_of_ids_the_master_makes(caplog: pyte
         assert caplog.text.count("ignored a spawn request") == 7, caplog.text
         cluster.handle_spawn({"workers": ["w3"], "servers": ["s2"], "numba": False, "command": 4})
         assert [ident for _, ident in started] == ["w3", "s2"]
+        for first in range(10, 10 + MAX_SPAWN, 100):  # fresh ids, 100 a request: 2 + 254 taken, then no more
+            cluster.handle_spawn({"workers": [f"w{i}" for i in range(first, first + 100)]})
+        assert len(started) == 202 and "at most 256 in all" in caplog.text
+        cluster.handle_spawn({"workers": [f"w{i}" for i in range(500, 554)]})  # 202 + 54 = 256: taken
+        cluster.handle_spawn({"workers": ["w600"]})
+        assert len(started) == 256
+        cluster.children["w500"].code = 0  # one left: room for one more
+        cluster.handle_spawn({"workers": ["w600", "w601"]})
+        cluster.handle_spawn({"workers": ["w602"]})
+        assert len(started) == 257 and started[-1][1] == "w602"
     finally:
         shutil.rmtree(cluster.rundir, ignore_errors=True)
 
@@ -395,6 +428,63 @@ def test_a_member_is_heard(secured: Endpoint, secret_file: Path) -> None:
         assert secured.counters()["auth_refused"] == 0
     finally:
         member.close()
+
+
+def test_a_member_sends_frames_bigger_than_a_secured_socket_takes(secured: Endpoint, secret_file: Path) -> None:
+    """A secured socket takes frames of at most ``MAX_FRAME`` bytes (``ZMQ_MAXMSGSIZE``: a stranger's
+    handshake may not make it buffer gigabytes). A member's bigger frames (an array, a header with
+    a pickle in it) go as pieces and arrive whole; small messages are sent as they are."""
+    from litz.runtime.transport import MAX_FRAME
+
+    member = Endpoint("member", secret=load_secret(secret_file))
+    try:
+        member.connect("guarded", secured.address)
+        big = np.arange(MAX_FRAME // 8 * 3 + 5, dtype=np.float64)
+        blob = os.urandom(MAX_FRAME + 1)
+        member.send("guarded", "stats", rid=1, stats={"big": big, "blob": (blob,), "empty": np.zeros((0, 3)),
+                                                      "small": np.ones(4, np.int16)})
+        member.send("guarded", "stats", rid=2, stats={"small": np.ones(4, np.int16)})
+        got = []
+        while len(got) < 2:
+            assert secured.router.poll(10_000), "nothing arrived"
+            got.append(secured.recv())
+        first, second = got
+        assert first is not None and first["rid"] == 1 and second is not None and second["rid"] == 2
+        np.testing.assert_array_equal(first["stats"]["big"], big)
+        assert first["stats"]["blob"] == (blob,) and first["stats"]["empty"].shape == (0, 3)
+        np.testing.assert_array_equal(first["stats"]["small"], np.ones(4, np.int16))
+        assert secured.counters()["bad_messages"] == 0
+    finally:
+        member.close()
+
+
+def test_a_stranger_declaring_a_huge_frame_in_its_handshake_is_cut_off(secured: Endpoint) -> None:
+    """Before CURVE has checked anything, libzmq buffered a frame of whatever size the peer
+    declared (a worker went from 68 MB to 2.1 GB for one connection declaring 8 GiB). A secured
+    socket now drops such a connection at the frame's header, whatever is streamed after it."""
+    import socket
+    import struct
+
+    host, port = secured.address.removeprefix("tcp://").rsplit(":", 1)
+    conn = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+    try:
+        greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" * 32
+        conn.sendall(greeting + b"\x06" + struct.pack(">Q", 8 << 30))  # a long command frame of 8 GiB
+        sent, cut = 0, False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sent < 256 << 20:
+            try:
+                conn.sendall(b"\0" * (1 << 20))
+                sent += 1 << 20
+            except OSError:  # reset by the peer
+                cut = True
+                break
+        if not cut:  # (all of it may fit in the kernel's buffers before the reset is seen)
+            with suppress(OSError):
+                cut = conn.recv(1 << 16, socket.MSG_PEEK) == b"" or conn.recv(1 << 16) == b""
+        assert cut, f"the connection was still open after {sent >> 20} MiB of one frame"
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("outsider", ["no secret", "different secret"])

@@ -134,24 +134,25 @@ def warm_up() -> None:
 
 
 def _not_public(fs: pafs.FileSystem, path: str) -> None:
-    """Take every user's write permission off the local file or directory ``path`` just made: under a
-    umask of 0 (a container's default) it was made ``o+w``, and :func:`refuse_checkpoint_public`
-    refuses to resume from such a checkpoint (anyone could replace its pickles). Other stores have
-    their own access control."""
+    """Take the group's and every user's write permission off the local file or directory ``path``
+    just made, if it has them (one that existed before keeps its mode when it is opened):
+    :func:`refuse_checkpoint_public` refuses to resume from such a checkpoint (others could replace
+    its pickles). Other stores have their own access control."""
     if isinstance(fs, pafs.LocalFileSystem):
         mode = os.stat(path).st_mode
-        if mode & 0o002:
-            os.chmod(path, mode & 0o7775)
+        if mode & 0o022:
+            os.chmod(path, mode & 0o7755)
 
 
 def _create_private(fs: pafs.FileSystem, path: str) -> None:
-    """Create the local file ``path`` empty and not writable by every user, whatever the umask,
-    before pyarrow opens it (which keeps the mode of a file that exists). Made ``o+w`` under a
-    umask of 0 and only then chmodded (:func:`_not_public`), a file could be opened for writing by
-    anyone in between, and such a descriptor stays writable after the chmod."""
+    """Create the local file ``path`` empty and readable and writable by its owner alone, whatever
+    the umask, before pyarrow opens it (which keeps the mode of a file that exists). Made ``o+w``
+    under a umask of 0 and only then chmodded (:func:`_not_public`), a file could be opened for
+    writing by anyone in between, and such a descriptor stays writable after the chmod. Not
+    readable by others either: a checkpoint holds the whole model and the driver's state."""
     if isinstance(fs, pafs.LocalFileSystem):
         with contextlib.suppress(FileExistsError):  # (one that exists keeps its mode: ours, or not a file)
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o664))
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def _write_table(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
@@ -254,57 +255,77 @@ def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
 
 
 def refuse_public(location: str) -> None:
-    """Refuse a local checkpoint directory that every user may write (``o+w``, sticky or not): its
-    checkpoints hold pickles (the driver's state, executors' states) that ``--resume`` and a full
-    recovery load, so anyone could plant a newer checkpoint, or replace a file, and have the job
-    run their code. A missing directory is made later, not ``o+w`` (:func:`prepare_root`). Network
-    stores (S3) have their own access control. The checkpoint chosen in it is checked as well
-    (:func:`refuse_checkpoint_public`)."""
+    """Refuse a local checkpoint directory that another user owns, or that every user may write
+    (``o+w``, sticky or not): its checkpoints hold pickles (the driver's state, executors' states)
+    that ``--resume`` and a full recovery load, so its owner, or anyone, could plant a newer
+    checkpoint, or replace a file, and have the job run their code (``--resume auto`` in a
+    directory someone else made first under ``/tmp`` did). Root may own it (``/srv/ckpt`` made for
+    the user). A missing directory is made later, the user's own and not ``o+w``
+    (:func:`prepare_root`). Network stores (S3) have their own access control. The checkpoint
+    chosen in it is checked as well (:func:`refuse_checkpoint_public`)."""
     fs, root = filesystem(location)
     if not isinstance(fs, pafs.LocalFileSystem):
         return
-    mode = _public_mode(root)
-    if mode is not None:
-        shown = redact(location)
-        raise CheckpointError(f"checkpoint directory {shown} is writable by every user (mode {mode & 0o7777:o}): "
-                              f"its checkpoints hold pickles that --resume loads, so anyone could make the job run "
-                              f"their code; use a directory of yours, or chmod o-w {shown}")
+    shown = redact(location)
+    why = _untrusted(root, group_may_write=True)
+    if why is not None:
+        raise CheckpointError(f"checkpoint directory {shown} {why}: its checkpoints hold pickles that --resume loads, "
+                              f"so {'anyone' if 'every user' in why else 'its owner'} could make the job run their "
+                              f"code; use a directory of yours"
+                              + (f", or chmod o-w {shown}" if "every user" in why else ""))
 
 
-def _public_mode(path: str) -> int | None:
-    """The mode of the local ``path`` if every user may write it (``o+w``); None if not, or if it is
-    missing (what is missing is reported by whoever needs it)."""
+def _untrusted(path: str, *, group_may_write: bool) -> str | None:
+    """Why the job must not load what the local ``path`` holds (a phrase: ``belongs to …``, ``is
+    writable by …``), or None: it is missing (what is missing is reported by whoever needs it), or
+    it belongs to this user or root and neither every user (nor, unless ``group_may_write``, its
+    group) may write it. Symbolic links are followed: what counts is what would be read."""
     try:
-        mode = os.stat(path).st_mode
+        st = os.stat(path)
     except OSError:
         return None
-    return mode if mode & 0o002 else None
+    if st.st_uid not in (os.geteuid(), 0):
+        try:
+            import pwd
+
+            owner = f"user {pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
+        except (ImportError, KeyError):
+            owner = f"uid {st.st_uid}"
+        return f"belongs to {owner}, not to you (uid {os.geteuid()})"
+    if st.st_mode & 0o002:
+        return f"is writable by every user (mode {st.st_mode & 0o7777:o})"
+    if not group_may_write and st.st_mode & 0o020:
+        return f"is writable by its group (mode {st.st_mode & 0o7777:o})"
+    return None
 
 
 def refuse_checkpoint_public(fs: pafs.FileSystem, path: str, manifest: dict[str, Any]) -> None:
     """Refuse the local checkpoint ``path`` chosen to resume from if its directory, or a file of it
-    that the job will load (its manifest and every file the manifest lists), may be written by
-    every user: :func:`refuse_public` checks only the directory given, and anyone could have
-    replaced the driver's or executors' pickles in a ``ckpt-*`` made ``o+w`` (a umask of 0) under
-    a private root. Whoever owns it: every user may change such a file. A file that is missing is
-    left to :func:`verify_files`, which names it."""
+    that the job will load (its manifest and every file the manifest lists), belongs to another
+    user or may be written by others than its owner (its group included: a job makes them
+    ``0700``/``0600``): :func:`refuse_public` checks only the directory given, and another user
+    could have replaced the driver's or executors' pickles in a ``ckpt-*`` made ``o+w`` (a umask
+    of 0) under a private root, or planted a ``ckpt-*`` of their own in a root their group may
+    write. A file that is missing is left to :func:`verify_files`, which names it."""
     if not isinstance(fs, pafs.LocalFileSystem):
         return
     names = [MANIFEST, *manifest.get("shards_files", []), *manifest.get("executors_files", []),
              *manifest.get("executor_rows_files", []), *([manifest["driver"]] if "driver" in manifest else [])]
     for where in [path, *(f"{path}/{name}" for name in names)]:
-        mode = _public_mode(where)
-        if mode is not None:
+        why = _untrusted(where, group_may_write=False)
+        if why is not None:
             what = "directory" if where == path else "file"
-            raise CheckpointError(f"checkpoint {what} {where} is writable by every user (mode {mode & 0o7777:o}): "
-                                  f"anyone could have replaced what the job would load from it (pickles, which run "
-                                  f"code); check it, then chmod -R o-w {path} to resume from it")
+            fix = (f"check it, then chmod -R go-w {path} to resume from it" if "writable" in why else
+                   "resume only from checkpoints your own jobs wrote")
+            raise CheckpointError(f"checkpoint {what} {where} {why}: others could have replaced what the job "
+                                  f"would load from it (pickles, which run code); {fix}")
 
 
 def _make_local_dirs(path: str) -> None:
-    """``os.makedirs`` with no directory made ``o+w``: under a umask of 0 (a container's default) the
-    parents it made were, and anyone could have renamed the checkpoint root away and put theirs in
-    its place (its pickles then loaded by ``--resume``); and the root made so was refused."""
+    """``os.makedirs`` with every directory it makes the user's alone (``0700``): under a umask of 0 (a
+    container's default) the parents it made were ``o+w``, and anyone could have renamed the
+    checkpoint root away and put theirs in its place (its pickles then loaded by ``--resume``);
+    and the root made so was refused."""
     missing = []
     while path and not os.path.exists(path):
         missing.append(path)
@@ -314,7 +335,7 @@ def _make_local_dirs(path: str) -> None:
         path = parent
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):  # (made meanwhile by another process)
-            os.mkdir(directory, 0o775)  # (never o+w; the umask may take more off, as for any directory)
+            os.mkdir(directory, 0o700)  # (the user's alone, whatever the umask: see _create_private)
 
 
 def prepare_root(location: str) -> None:

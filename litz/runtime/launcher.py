@@ -50,7 +50,8 @@ def new_job_name() -> str:
     return f"litz-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-#: The most processes one spawn request may ask an agent for (a scale-out adds a few at a time).
+#: The most processes one spawn request may ask an agent for (a scale-out adds a few at a time), and
+#: the most of the job's processes an agent keeps alive on its host at once (requests past it refused)
 MAX_SPAWN = 256
 _SPAWN_IDS = {"workers": re.compile(r"w[0-9]{1,9}"), "servers": re.compile(r"s[0-9]{1,9}")}
 
@@ -332,8 +333,16 @@ class LocalCluster:
         The request comes through etcd, which anyone who can reach a shared etcd may write: only
         ids as the master makes them (``w12``, ``s3``; an id names the process's log file, and
         ``/home/x/app`` or ``../x`` would have truncated files elsewhere) and at most
-        ``MAX_SPAWN`` at once are taken; anything else is refused with a warning."""
+        ``MAX_SPAWN`` at once are taken, and only while the host runs fewer than ``MAX_SPAWN`` of
+        the job's processes in all (requests of fresh ids, each within the cap, forked without end
+        before); anything else is refused with a warning."""
         problem = _spawn_problem(request)
+        if problem is None:
+            new = {i for kind in _SPAWN_IDS for i in request.get(kind, []) if i not in self.children}
+            alive = sum(1 for proc in self.children.values() if proc.poll() is None)
+            if alive + len(new) > MAX_SPAWN:
+                problem = (f"{len(new)} more processes beside the {alive} this host runs for the job "
+                           f"(at most {MAX_SPAWN} in all)")
         if problem is not None:
             log.warning("agent of job %s: ignored a spawn request: %s", self.job, problem)
             return

@@ -904,7 +904,13 @@ class Membership:
         assert kv is not None
         full = self._full(prefix)
         resp = await self._retry(lambda t: kv.get(full, range_end=prefix_range_end(full), timeout=t))
-        return {self._relative(item.key): self._decode(item.key, item.value) for item in resp.kvs}
+        out: dict[str, dict] = {}
+        for item in resp.kvs:
+            try:
+                out[self._relative(item.key)] = self._decode(item.key, item.value)
+            except ProtocolError as exc:  # (as a watch event of it is: one bad value hides no other)
+                _log.warning("%s; skipped", exc)
+        return out
 
     async def _delete(self, key: str) -> None:
         """Delete a key and forget it as a leased key, so the keep-alive does not put it back."""
@@ -1023,9 +1029,14 @@ class Membership:
         return raw_key.decode("utf-8", errors="replace")[len(self._prefix) :]
 
     def _decode(self, raw_key: bytes, raw: bytes) -> dict:
-        """Decode a JSON value; anything else under our prefix was not written by Litz."""
+        """Decode a JSON object; anything else under our prefix was not written by Litz (a JSON list or
+        number put by hand made the master fail on ``value.get``: it is refused here, once for all)."""
         try:
-            return json.loads(raw.decode("utf-8"))
+            value = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             key = raw_key.decode("utf-8", errors="replace")
             raise ProtocolError(f"etcd {self._url}: value of {key} is not UTF-8 JSON ({exc})") from exc
+        if not isinstance(value, dict):
+            key = raw_key.decode("utf-8", errors="replace")
+            raise ProtocolError(f"etcd {self._url}: value of {key} is not a JSON object: {str(value)[:80]}")
+        return value

@@ -23,6 +23,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from litz.errors import ConfigError, ProtocolError
@@ -58,7 +59,63 @@ def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if secret is not None:
         security.apply_curve(sock, secret, server=kind == zmq.ROUTER)
+        if kind == zmq.ROUTER:
+            # Anyone who reaches the port may start a handshake, and libzmq buffers a frame of
+            # whatever size the peer declares before CURVE has checked anything: one connection
+            # declaring 8 GiB took a worker from 68 MB to 2.1 GB. Frames are capped (peers of
+            # the job split bigger ones, ``_chunked``), and so is the time a handshake may take.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + CURVE_OVERHEAD)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     return sock
+
+
+#: The largest frame a secured socket takes (``ZMQ_MAXMSGSIZE``); a bigger one goes as pieces.
+MAX_FRAME = 1 << 20
+#: Bytes CURVE adds to a frame on the wire (a MESSAGE command's name, flags, nonce and MAC: 33), which
+#: the limit counts, with room to spare
+CURVE_OVERHEAD = 256
+#: Milliseconds a peer has to complete its handshake on a secured socket (libzmq's default: 30 s).
+HANDSHAKE_MS = 10_000
+#: First frame of a message whose frames were cut into pieces (a header starts with 0x92).
+_CHUNKED = b"\x00litz-pieces"
+
+
+def _nbytes(frame: Any) -> int:
+    return len(frame) if isinstance(frame, bytes) else frame.nbytes
+
+
+def _chunked(frames: list[Any]) -> list[Any]:
+    """``frames`` as they may go to a secured socket: as they are if none is over ``MAX_FRAME``,
+    else ``[_CHUNKED, [pieces of each frame], *pieces]``, each piece a view (no copy) of at most
+    ``MAX_FRAME`` bytes. Only messages that big pay (``_unchunked`` joins them: one copy)."""
+    if all(_nbytes(f) <= MAX_FRAME for f in frames):
+        return frames
+    counts: list[int] = []
+    pieces: list[Any] = []
+    for frame in frames:
+        raw = memoryview(frame).cast("B") if isinstance(frame, bytes) else memoryview(frame.reshape(-1).view("u1"))
+        cut = [raw[i:i + MAX_FRAME] for i in range(0, len(raw), MAX_FRAME)] or [raw]
+        counts.append(len(cut))
+        pieces.extend(cut)
+    return [_CHUNKED, msgpack.packb(counts), *pieces]
+
+
+def _unchunked(frames: list[Any]) -> list[Any]:
+    """The frames ``_chunked`` cut, joined again (frames that were not cut: as they are)."""
+    if len(frames) < 2 or bytes(frames[0].buffer[:1]) != b"\x00" or frames[0].bytes != _CHUNKED:
+        return frames
+    try:
+        counts = msgpack.unpackb(frames[1].bytes)
+    except Exception as exc:  # msgpack raises several types for garbage input
+        raise ProtocolError(f"undecodable piece counts ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(counts, list) and all(type(c) is int and c > 0 for c in counts)
+            and sum(counts) == len(frames) - 2):
+        raise ProtocolError(f"piece counts {str(counts)[:80]} do not match the {len(frames) - 2} pieces sent")
+    out, at = [], 2
+    for count in counts:
+        out.append(b"".join(f.buffer for f in frames[at:at + count]))
+        at += count
+    return out
 
 
 #: Seconds a departed peer's socket is kept (Endpoint.forget): long after any message to it is due.
@@ -148,7 +205,11 @@ class Endpoint:
         try:
             if secret is not None:  # the authenticator must be ready before the first peer can knock
                 self._watch = security.guard(self.router, self.ctx, secret, label=ident)
-            if secret is None and zmq.has("ipc"):
+            elif not zmq.has("ipc"):  # plain TCP on loopback would let every local user in
+                raise ConfigError("this libzmq has no ipc:// transport, which a job without a secret needs "
+                                  "(Unix sockets that only your user may reach): give the job a secret "
+                                  "(--secret-file), so that its processes authenticate each other over TCP")
+            if secret is None:
                 self._socket_dir = security.socket_dir()
                 address = security.private_address(ident, self._socket_dir)
                 self.router.bind(address)
@@ -240,9 +301,9 @@ class Endpoint:
         """Encode and send one message to a peer (zero-copy for array frames)."""
         frames = protocol.encode(type_name, **fields)
         self.close_departed()
-        self._dealer(peer).send_multipart(frames, copy=False)
+        self._dealer(peer).send_multipart(_chunked(frames) if self.secret is not None else frames, copy=False)
         self.messages_sent += 1
-        self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        self.bytes_sent += sum(_nbytes(f) for f in frames)
 
     def recv(self, flags: int = 0) -> Message | None:
         """Receive one message; a malformed one is logged and dropped (returns None)."""
@@ -250,7 +311,7 @@ class Endpoint:
         self.messages_received += 1
         sender = frames[0].bytes.decode(errors="replace")
         try:
-            return protocol.decode(frames[1:], sender)
+            return protocol.decode(_unchunked(frames[1:]) if self.secret is not None else frames[1:], sender)
         except ProtocolError as exc:
             self.bad_messages += 1
             log.warning("%s: dropped a malformed message from %r: %s", self.ident, sender, exc)
