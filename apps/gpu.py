@@ -29,14 +29,21 @@ TOOLKITS = ("numba", "cupy")
 CUPY_STANDIN = "LITZ_CUPY_STANDIN"
 
 
+_cuda_import_error = "ImportError"  # why ``numba.cuda`` did not import (cuda_module), when it did not
+
+
 @functools.cache
 def cuda_module() -> Any:
     """``numba.cuda``, or None if this numba build has none. Imported on first use, not with the apps:
     it costs about 60 ms, which every worker process would pay for nothing on the CPU. It imports
     without a GPU or a CUDA toolkit."""
+    global _cuda_import_error
     try:
         from numba import cuda
-    except ImportError:  # pragma: no cover - depends on the numba build
+    except Exception as exc:  # pragma: no cover - depends on the numba build (not only ImportError: an
+        # AttributeError of a numba-cuda that does not fit this NumPy, say; --device auto then takes
+        # the CPU and --device cuda is refused, saying why, instead of either raising it)
+        _cuda_import_error = f"{type(exc).__name__}: {exc}"
         return None
     _restore_numpy_names()
     return cuda
@@ -88,7 +95,7 @@ def why_unavailable(toolkit: str = "numba") -> str | None:
         raise ValueError(f"unknown GPU toolkit {toolkit!r} (choose from {', '.join(TOOLKITS)})")
     cuda = cuda_module()
     if cuda is None:
-        return "this numba has no CUDA support"
+        return f"this numba has no CUDA support (numba.cuda does not import: {_cuda_import_error})"
     try:
         if not cuda.is_available():
             return ("no CUDA GPU is visible to this process (numba.cuda.is_available() is False; "
@@ -117,6 +124,14 @@ def _why_no_cupy() -> str | None:
             return "no CUDA GPU is visible to this process (CuPy counts none)"
         if int((cupy.arange(4, dtype=cupy.float64) * 2).sum()) != 12:
             raise RuntimeError("a small computation gave a wrong result")
+        # what MF's kernels call beyond that: a sparse product (cuSPARSE) and a batched solve
+        # (cuSOLVER), libraries a CUDA install may lack where the driver and NVRTC are there
+        import cupyx.scipy.sparse
+
+        a = cupyx.scipy.sparse.csr_matrix(cupy.eye(2, dtype=cupy.float64))
+        x = cupy.linalg.solve(cupy.stack([cupy.eye(2) * 2] * 2), (a @ cupy.ones((2, 1)))[None].repeat(2, 0))
+        if not bool(cupy.allclose(x, 0.5)):
+            raise RuntimeError("a small sparse product and solve gave a wrong result")
     except Exception as exc:  # no driver, or a driver older than CuPy's CUDA
         return f"CuPy cannot compute on a GPU here ({type(exc).__name__}: {exc})"
     return None

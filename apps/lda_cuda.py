@@ -94,14 +94,24 @@ def _resample(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any, z: 
     s = 0.0
     for k in range(K):
         s += (ndk[d, k] + alpha) * (rows[w, k] + beta) / (totals[k] + vbeta)
-    u = _uniform(seed, t) * s
-    new = K - 1  # if concurrent moves shrank the weights since they were summed, the walk ends here
+    r = _uniform(seed, t)
+    u = r * s
+    new = -1
     acc = 0.0
     for k in range(K):
         acc += (ndk[d, k] + alpha) * (rows[w, k] + beta) / (totals[k] + vbeta)
         if u < acc:
             new = k
             break
+    if new < 0:  # concurrent moves shrank the weights since they were summed: the same draw, scaled to
+        u = r * acc  # the sum this walk saw (always ending on the last topic leaned the chain towards it)
+        new = K - 1
+        acc = 0.0
+        for k in range(K):
+            acc += (ndk[d, k] + alpha) * (rows[w, k] + beta) / (totals[k] + vbeta)
+            if u < acc:
+                new = k
+                break
     cuda.atomic.add(ndk, (d, new), 1)
     cuda.atomic.add(rows, (w, new), 1)
     cuda.atomic.add(totals, new, 1)

@@ -22,7 +22,7 @@ import numpy as np
 import litz
 from apps import gpu
 from apps.datasets import fashion_mnist_files, load_fashion_mnist, load_fashion_mnist_preconditioned, partition_rows
-from apps.mlr_kernels import DEFAULTS, evaluate, lr_at, sgd_steps, warmup
+from apps.mlr_kernels import DEFAULTS, evaluate, gpu_batch_too_big, lr_at, sgd_steps, warmup
 from apps.options import require_at_least, require_finite, seed
 
 NUM_CLASSES = 10
@@ -226,6 +226,13 @@ def make_app(argv: list[str]) -> litz.App:
     require_at_least(args, epochs=1, staleness=0, tasks_per_epoch=1, rows_per_task=0, batch_size=1,
                      precondition_rank=0, blocks=1, train_rows=0)
     require_finite(args, positive=("lr",), non_negative=("lr_decay", "l2"))
+    too_big = gpu_batch_too_big(dim, NUM_CLASSES, args.batch_size)
+    if too_big and args.device == "cuda":  # (every task would fail)
+        raise litz.ConfigError(too_big)
+    if too_big and args.device == "auto":  # a GPU cannot run it: the CPU does (said where one would have)
+        if gpu.available():
+            print(f"--device auto: {too_big}: the SGD steps run on the CPU", file=sys.stderr)
+        args.device = "cpu"
     gpu.check_device(args.device)
     for split in ("train", "test"):  # the data is read by the processes: refuse before starting one
         fashion_mnist_files(split)

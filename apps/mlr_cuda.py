@@ -48,7 +48,7 @@ import numba
 import numpy as np
 
 from apps.gpu import cuda_module, simulated
-from apps.mlr_kernels import _LOGIT_FLOOR, check_sgd_inputs
+from apps.mlr_kernels import _LOGIT_FLOOR, SHARED_BYTES, check_sgd_inputs, diverged, gpu_batch_too_big, shared_floats
 
 cuda = cuda_module()  # the apps import this module only where a GPU is wanted
 
@@ -56,15 +56,6 @@ cuda = cuda_module()  # the apps import this module only where a GPU is wanted
 THREADS = 384
 #: Classes at most (a thread keeps one accumulator per class, in registers).
 MAX_CLASSES = 32
-#: Dynamic shared memory a block may take without a per-kernel opt-in, on every CUDA GPU.
-SHARED_BYTES = 48 * 1024
-
-
-def shared_floats(d: int, K: int, batch_size: int, threads: int) -> int:
-    """float32 words of shared memory the kernel takes: the batch's logits, the weights, and the
-    logits' partial sums when a row's features are split over several threads."""
-    chunks = max(1, threads // batch_size)
-    return batch_size * K + (d + 1) * K + (threads * K if chunks > 1 else 0)
 
 
 if cuda is not None:
@@ -293,9 +284,7 @@ def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int
         threads = max(32, threads // 2 // 32 * 32)  # fewer threads need fewer partial sums
     need = shared_floats(data.d, K, int(batch_size), threads) * 4
     if need > SHARED_BYTES:
-        raise ValueError(f"the GPU kernel keeps the weights and a batch's logits in shared memory: {need} bytes "
-                         f"for {data.d + 1} x {K} weights and batches of {batch_size}, more than "
-                         f"{SHARED_BYTES}; use --device cpu")
+        raise ValueError(gpu_batch_too_big(data.d, K, int(batch_size)))  # (make_app refuses it first)
     with data.lock:
         io = data.io(W.size, rows.shape[0], threads)
         io.rows.host[:] = rows
@@ -304,6 +293,8 @@ def sgd_steps(W: np.ndarray, data: DeviceRows, rows: np.ndarray, batch_size: int
         _kernel(K)[1, threads, 0, need](io.W.device, data.X, data.y, io.rows.device, int(batch_size), float(lr),
                                      float(l2), io.stats.device)
         io.down.device.copy_to_host(io.down.host)
-        W.reshape(-1)[:] = io.W.host
         totals = io.stats.host.sum(axis=0)
+        if not (np.isfinite(totals[0]) and np.isfinite(io.W.host).all()):  # (as the CPU's steps: W unchanged)
+            raise diverged(lr, l2)
+        W.reshape(-1)[:] = io.W.host
     return float(totals[0]), int(round(totals[1]))

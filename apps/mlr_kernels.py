@@ -332,6 +332,35 @@ def _check_xy(W: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
         raise TypeError("y must be an int64 array of shape (n,)")
 
 
+def diverged(lr: float, l2: float) -> FloatingPointError:
+    """The error of SGD steps whose weights stopped being finite, on the CPU or the GPU alike."""
+    return FloatingPointError(f"SGD diverged: the weights are no longer finite (learning rate {lr}, l2 {l2}); "
+                              "use a smaller --lr")
+
+
+#: Dynamic shared memory a block of the GPU kernel (apps/mlr_cuda.py) may take without a per-kernel
+#: opt-in, on every CUDA GPU. Here, not there: ``make_app`` checks a batch against it without CUDA.
+SHARED_BYTES = 48 * 1024
+
+
+def shared_floats(d: int, K: int, batch_size: int, threads: int) -> int:
+    """float32 words of shared memory the GPU kernel takes: the batch's logits, the weights, and the
+    logits' partial sums when a row's features are split over several threads."""
+    chunks = max(1, threads // batch_size)
+    return batch_size * K + (d + 1) * K + (threads * K if chunks > 1 else 0)
+
+
+def gpu_batch_too_big(d: int, K: int, batch_size: int) -> str | None:
+    """Why the GPU kernel cannot take batches of ``batch_size`` rows of ``d`` features and ``K``
+    classes (its shared memory, even with the fewest threads, 32), or None."""
+    need = shared_floats(d, K, batch_size, 32) * 4
+    if need <= SHARED_BYTES:
+        return None
+    return (f"the GPU kernel keeps the weights and a batch's logits in shared memory: {need} bytes for "
+            f"{d + 1} x {K} weights and batches of {batch_size}, more than {SHARED_BYTES}; use a smaller "
+            "--batch-size or --device cpu")
+
+
 def check_sgd_inputs(W: np.ndarray, d: int, n: int, rows: np.ndarray, batch_size: int) -> None:
     """What an SGD call needs of ``W``, ``rows`` and ``batch_size`` on any device (``d`` features,
     ``n`` data rows): raises on a mismatch instead of converting, for the reason in :func:`_check_xy`.
@@ -372,8 +401,7 @@ def sgd_steps(
             W, read_only(X), read_only(y), rows_ro, int(batch_size), float(lr), float(l2)
         )
     except ZeroDivisionError:  # every probability of a row underflowed: its logits are not finite
-        raise FloatingPointError(f"SGD diverged: the weights are no longer finite (learning rate {lr}, l2 {l2}); "
-                                 "use a smaller --lr") from None
+        raise diverged(lr, l2) from None
     return float(loss), int(correct)
 
 

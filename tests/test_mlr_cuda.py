@@ -66,6 +66,46 @@ def test_device_cuda_is_refused_without_a_gpu_and_auto_trains_on_the_cpu(etcd) -
     assert out["test_accuracy"] >= 0.7
 
 
+def test_a_batch_too_big_for_the_gpu_kernel_is_refused_at_once_or_runs_on_the_cpu_with_auto() -> None:
+    """The GPU kernel keeps a batch's logits and the weights in 48 KB of shared memory: batches of
+    more than about 443 rows do not fit. ``--device cuda`` with one passed ``make_app`` and then
+    every task failed; ``--device auto`` on a GPU worker failed the same. Now ``cuda`` is refused
+    before the job starts (with or without a GPU here) and ``auto`` takes the CPU."""
+    assert mk.gpu_batch_too_big(784, 10, 443) is None
+    with pytest.raises(litz.ConfigError, match="shared memory: 51400 bytes .* batches of 500, more than 49152; "
+                                               "use a smaller --batch-size or --device cpu"):
+        mlr.make_app(["--device", "cuda", "--batch-size", "500"])
+    assert mlr.make_app(["--device", "auto", "--batch-size", "500"]).config["device"] == "cpu"
+    assert mlr.make_app(["--device", "auto", "--batch-size", "400"]).config["device"] == "auto"
+
+
+def test_a_numba_cuda_that_fails_to_import_means_no_gpu_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``numba.cuda`` may fail to import with more than an ImportError (an AttributeError of a
+    numba-cuda that does not fit the installed NumPy): ``--device auto`` then raised it instead of
+    taking the CPU, and ``--device cuda`` gave a traceback instead of the reason."""
+    import builtins
+
+    real = builtins.__import__
+
+    def broken(name: str, *args: object, **kwargs: object) -> object:
+        if name == "numba" and "cuda" in (args[2] if len(args) > 2 and args[2] else ()):
+            raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+        return real(name, *args, **kwargs)
+
+    for cached in (gpu.cuda_module, gpu.why_unavailable):
+        cached.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", broken)
+    try:
+        assert gpu.cuda_module() is None and gpu.resolve("auto") == "cpu"
+        with pytest.raises(litz.ConfigError, match="numba.cuda does not import: AttributeError: module 'numpy' has "
+                                                   "no attribute 'row_stack'"):
+            gpu.check_device("cuda")
+    finally:
+        monkeypatch.undo()
+        for cached in (gpu.cuda_module, gpu.why_unavailable):
+            cached.cache_clear()
+
+
 @pytest.mark.skipif(not gpu.available() or gpu.simulated(), reason="needs an NVIDIA GPU (the simulator check runs "
                                                                     "everywhere)")
 def test_on_a_gpu_the_steps_equal_the_cpu_kernels_on_fashion_mnist() -> None:

@@ -53,6 +53,20 @@ SIMULATED_CHECK = textwrap.dedent("""
         for c, g in zip(cpu_out, gpu_out):
             assert np.array_equal(c, g), use_filter
         assert cpu_out[2][3] > 0  # offers entered lists: the comparison compared something
+    # the data goes to the device once for the executor's points, though each task hands the join a
+    # fresh read-only view of them; another array (a new job's) goes again
+    from apps import nndescent_cuda as nc
+    from apps.kernel_util import read_only
+    uploads = []
+    to_device = nc.cuda.to_device
+    nc.cuda.to_device = lambda a: (uploads.append(a.shape) if a.dtype == np.float32 else None, to_device(a))[1]
+    points = x.copy()
+    for _ in range(3):
+        join_distances(read_only(points), new, old, threads=4)
+    assert len(uploads) == 1, uploads
+    join_distances(read_only(points.copy()), new, old, threads=4)
+    join_distances(read_only(points[:, 1:]), new, old, threads=4)  # (the same memory, other columns)
+    assert len(uploads) == 3, uploads
     print("simulated join ok", checked)
 """)
 
