@@ -649,24 +649,39 @@ def _ended_if_gone(job: str, when: str) -> None:
         raise JobEnded(f"job {job} ended {when} (its etcd is gone)") from None
 
 
-def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: float,
+             secret_file: str | None = None) -> dict[str, Any] | None:
     """Write a command for the master (``command["id"]`` names it) and wait for its answer
     under ``commands/result/<id>``; None if none came before ``deadline``.
+
+    A secured job's master (its registration says ``secured``) takes only commands signed with the
+    job secret (``security.sign_command``): ``secret_file`` (``--secret-file``, default
+    ``$LITZ_SECRET_FILE``) must name it, else LitzError says so before anything is written.
 
     The answer is watched, not polled: a job that stops on the command takes its private etcd
     with it a few milliseconds after answering. Should the answer still be missed, a local
     job's etcd gone and its record removed (the launcher removes it before stopping etcd) mean
     the job ended: JobEnded, so ``litz stop`` can tell that from a job that does not answer."""
+    import os
     import time
 
     from litz.errors import EtcdUnreachable
+    from litz.runtime import security
     from litz.runtime.elastic import RESULTS
+    from litz.runtime.node import MASTER_KEY
 
     answer = f"{RESULTS}{command['id']}"
     if not _master_registered(mem, job, deadline):
         return None
+    secret = None
+    if (mem.get(MASTER_KEY) or {}).get("secured"):
+        secret_file = secret_file or os.environ.get("LITZ_SECRET_FILE") or None
+        if secret_file is None:
+            raise LitzError(f"job {job} is secured: its master takes only commands signed with the job secret; "
+                            "pass --secret-file PATH (a copy of the job's secret file) or set $LITZ_SECRET_FILE")
+        secret = security.load_secret(secret_file)
     mem.watch_prefix(answer)
-    mem.put(key, {**command, "time": time.time()})
+    mem.put(key, security.sign_command(secret, key, command))
     while True:
         for ev in mem.wait_events(max(0.0, min(0.5, deadline - time.monotonic()))):
             if ev.key == answer and ev.kind == "put" and ev.value:
@@ -700,6 +715,7 @@ def scale(argv: list[str]) -> int:
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--wait", action="store_true", help="return only when the job has reached the new size")
     p.add_argument("--timeout", type=_positive_seconds, default=60.0)
+    _secret_option(p)
     args = p.parse_args(argv)
     cid = _secrets.token_hex(4)
     try:
@@ -708,7 +724,7 @@ def scale(argv: list[str]) -> int:
             kind, want = next((k, v) for k, v in (("workers", args.workers), ("servers", args.servers),
                                                    ("drain_host", args.drain_host)) if v is not None)
             deadline = time.monotonic() + args.timeout
-            result = _command(mem, args.job, SCALE_KEY, {"id": cid, kind: want}, deadline)
+            result = _command(mem, args.job, SCALE_KEY, {"id": cid, kind: want}, deadline, args.secret_file)
             if result is None or not result["ok"]:
                 print(f"litz: scale refused: {result['reason']}" if result else
                       f"litz: the master did not answer scale command {cid} in {args.timeout:.0f} s", file=sys.stderr)
@@ -743,7 +759,7 @@ def _scale_outcome(cid: str, kind: str, want: Any, entry: dict[str, Any]) -> int
 
 
 def _ask_master(job: str, etcd: str | None, key: str, fields: dict[str, Any],
-                timeout: float) -> tuple[str, dict[str, Any] | None]:
+                timeout: float, secret_file: str | None = None) -> tuple[str, dict[str, Any] | None]:
     """Send the job's master a command (``key``: which) and wait for its answer: ``(command id,
     answer or None if none came within timeout)``. Raises LitzError if the job cannot be found."""
     import secrets as _secrets
@@ -754,7 +770,14 @@ def _ask_master(job: str, etcd: str | None, key: str, fields: dict[str, Any],
     cid = _secrets.token_hex(4)
     url = _job_url(job, etcd)
     with Membership(url, job) as mem:
-        return cid, _command(mem, job, key, {"id": cid, **fields}, time.monotonic() + timeout)
+        return cid, _command(mem, job, key, {"id": cid, **fields}, time.monotonic() + timeout, secret_file)
+
+
+def _secret_option(p: argparse.ArgumentParser) -> None:
+    """``--secret-file`` of the commands sent to a running job: a secured job takes only signed ones."""
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="the job secret, for a job launched with one: its master takes only commands signed "
+                        "with it (default $LITZ_SECRET_FILE)")
 
 
 def _answered(result: dict[str, Any] | None, *, late: str, refused: str, done: str) -> int:
@@ -779,9 +802,10 @@ def checkpoint(argv: list[str]) -> int:
     p.add_argument("--job", required=True)
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--timeout", type=_positive_seconds, default=120.0)
+    _secret_option(p)
     args = p.parse_args(argv)
     try:
-        _, result = _ask_master(args.job, args.etcd, CHECKPOINT_KEY, {}, args.timeout)
+        _, result = _ask_master(args.job, args.etcd, CHECKPOINT_KEY, {}, args.timeout, args.secret_file)
     except LitzError as exc:
         print(f"litz: {exc}", file=sys.stderr)
         return 1
@@ -805,11 +829,13 @@ def stop(argv: list[str]) -> int:
                    help="take a consistent checkpoint first (the job needs --checkpoint-dir); resume with --resume")
     p.add_argument("--etcd", default=None, help="etcd URL (default: the one the local launcher recorded)")
     p.add_argument("--timeout", type=_positive_seconds, default=120.0)
+    _secret_option(p)
     args = p.parse_args(argv)
     try:
         if args.etcd is None and _signal_a_loading_launcher(args.job):
             return 0
-        cid, result = _ask_master(args.job, args.etcd, STOP_KEY, {"checkpoint": args.checkpoint}, args.timeout)
+        cid, result = _ask_master(args.job, args.etcd, STOP_KEY, {"checkpoint": args.checkpoint}, args.timeout,
+                                  args.secret_file)
     except JobEnded as exc:  # what was asked for: the job no longer runs (its own answer was lost with its etcd)
         print(f"litz: {exc}")
         return 0

@@ -582,8 +582,10 @@ def test_processes_started_later_get_the_secret_the_job_started_with(tmp_path: P
                                 servers=1, job=job, secret_file=secret_file)
     try:
         wait_running(job, out)
+        kept = tmp_path / "job.secret.kept"  # (commands are signed with the job's own secret)
+        shutil.copy(secret_file, kept)
         generate_secret_file(secret_file, overwrite=True)  # the file now holds another secret
-        assert scale(["--job", job, "--workers", "2", "--wait", "--timeout", "30"]) == 0
+        assert scale(["--job", job, "--workers", "2", "--wait", "--timeout", "30", "--secret-file", str(kept)]) == 0
         workers = [p for p in job_status(job)["processes"] if p["role"] == "worker"]
         assert len(workers) == 2 and all(p["executors"] for p in workers)
     finally:
@@ -591,6 +593,68 @@ def test_processes_started_later_get_the_secret_the_job_started_with(tmp_path: P
         runner.join(60)
     assert out["res"].value == "done"
     assert out["res"].total("secured") == len(out["res"].stats) and out["res"].total("auth_refused") == 0
+
+
+def test_a_secured_job_takes_only_commands_and_agent_requests_signed_with_its_secret(
+        tmp_path: Path, secret_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """etcd is a job's command channel, and anyone who can reach a shared etcd can write it: before,
+    such a writer could stop, scale or drain a secured job, and make its node agents start
+    processes. Now a secured job's master takes only commands signed with the job secret, each
+    once and only while fresh, and its agents only signed requests; the CLI signs with
+    ``--secret-file`` and says what is missing without it."""
+    from litz.cli import job_status, scale
+    from litz.runtime.elastic import RESULTS, SCALE_KEY
+    from litz.runtime.membership import Membership
+
+    monkeypatch.setenv("LITZ_JOBS_DIR", str(tmp_path))
+    monkeypatch.delenv("LITZ_SECRET_FILE", raising=False)
+    job = f"signed-{time.time_ns()}"
+    stop = tmp_path / "stop"
+    secret = load_secret(secret_file)
+    other = JobSecret(os.urandom(32).hex().encode())
+    runner, out = run_in_thread(testapps.slow_app(executors=4, stop_after=60.0, stop_file=str(stop)), workers=1,
+                                servers=1, job=job, secret_file=secret_file)
+
+    def workers() -> list[str]:
+        return sorted(p["id"] for p in job_status(job)["processes"] if p["role"] == "worker" and p["state"] == "member")
+
+    try:
+        wait_running(job, out)
+        assert scale(["--job", job, "--workers", "2"]) == 1  # no secret: refused here, nothing written
+        with Membership(jobs.lookup(job)["etcd"], job) as mem:
+            def answer(cid: str) -> dict:
+                deadline = time.monotonic() + 20
+                while (got := mem.get(f"{RESULTS}{cid}")) is None:
+                    assert time.monotonic() < deadline, f"no answer to {cid}"
+                    time.sleep(0.05)
+                return got
+
+            forged = {"unsigned": security.sign_command(None, SCALE_KEY, {"id": "c1", "workers": 2}),
+                      "other secret": security.sign_command(other, SCALE_KEY, {"id": "c2", "workers": 2}),
+                      "stale": security.sign_command(secret, SCALE_KEY, {"id": "c3", "workers": 2,
+                                                                         "time": time.time() - 1000})}
+            for (name, value), why in zip(forged.items(), ("not signed with the job secret", "not the job secret's",
+                                                           "signed more than 300 s from now"), strict=True):
+                mem.put(SCALE_KEY, value)
+                got = answer(value["id"])
+                assert not got["ok"] and why in got["reason"], (name, got)
+            agent = next(p["host"] for p in job_status(job)["processes"] if p["role"] == "agent")
+            mem.put(f"agents/{agent}/spawn", {"workers": ["w7"], "time": time.time()})  # an agent request, forged
+            assert scale(["--job", job, "--workers", "2", "--wait", "--timeout", "30",
+                          "--secret-file", str(secret_file)]) == 0
+            assert workers() == ["w0", "w1"]
+            taken = mem.get(SCALE_KEY)  # the signed command, as anyone may read it back
+            assert scale(["--job", job, "--workers", "1", "--wait", "--timeout", "30",
+                          "--secret-file", str(secret_file)]) == 0
+            with caplog.at_level(logging.WARNING):
+                mem.put(SCALE_KEY, taken)  # replayed: refused, not answered (nor scaled out again)
+                time.sleep(1.0)
+            assert workers() == ["w0"] and "it was taken already (a replay)" in caplog.text
+            assert "ignored the spawn request at agents/" in caplog.text and "w7" not in str(job_status(job))
+    finally:
+        stop.touch()
+        runner.join(60)
+    assert out["res"].value == "done"
 
 
 def test_running_server_refuses_an_outsider_and_logs_it(etcd, secret_file: Path) -> None:

@@ -132,7 +132,7 @@ class Elasticity:
             raise _Refused(f"scale command {self.op.cid} is still in progress")
         if self.m.recovering:
             raise _Refused("the job is recovering from a lost process; try again once it has")
-        unknown = set(cmd) - {"id", "workers", "servers", "drain_host", "time"}
+        unknown = set(cmd) - {"id", "workers", "servers", "drain_host", "time", "sig"}
         if unknown:
             raise _Refused(f"unsupported scale option(s) {sorted(unknown)}")
         kinds = [k for k in ("workers", "servers", "drain_host") if k in cmd]
@@ -211,7 +211,7 @@ class Elasticity:
                 request[kind] = [f"{prefix}{first + i}" for i in range(n)]
                 self._next_id[prefix] = first + n
                 op.joining.update(request[kind])
-        self.m.etcd_writes.put(f"{AGENTS}{agent}/spawn", request)  # (sent again until etcd takes it)
+        self.m.request_agent(agent, "spawn", request)  # (sent again until etcd takes it)
 
     def _retire(self, op: ScaleOp, leaving: list[str]) -> None:
         """Move everything off ``leaving``; ``tick`` retires each process once it is empty."""
@@ -364,5 +364,5 @@ class Elasticity:
         if op.drain_host is not None:  # the drained host's agents have nothing left to run: they leave
             for name, agent in sorted(self.m.agents.items()):
                 if agent.get("host") == op.drain_host:
-                    self.m.etcd_writes.put(f"{AGENTS}{name}/exit", {"command": op.cid})
+                    self.m.request_agent(name, "exit", {"command": op.cid})
         self._next_join()

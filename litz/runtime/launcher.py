@@ -34,10 +34,10 @@ from litz.errors import ConfigError, EtcdUnreachable, LitzError, ProcessLost
 from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator, checked_timeout
 from litz.ps.tables import is_int, table_index
 from litz.runtime import jobs, security, spawner, stragglers
-from litz.runtime.elastic import AGENTS, RESULTS, SCALE_KEY
+from litz.runtime.elastic import AGENTS, JOINS, RESULTS, SCALE_KEY
 from litz.runtime.etcd_server import LocalEtcd
 from litz.runtime.master import STATUS_KEY, Master, Resume, StartupTimeout
-from litz.runtime.membership import KeyHeld, Membership, lease_ttl
+from litz.runtime.membership import Event, KeyHeld, Membership, lease_ttl
 from litz.runtime.node import MASTER_KEY, MasterPresence, proc_key
 from litz.runtime.transport import check_bind_host, host_name
 
@@ -308,10 +308,7 @@ class LocalCluster:
         self.check_held()
         if self._agent is not None:
             for ev in self._agent.poll_events():
-                if ev.kind == "put" and ev.key.endswith("/spawn") and ev.value:
-                    self.handle_spawn(ev.value)
-                elif ev.kind == "put" and ev.key.endswith("/exit"):
-                    self.exit_requested = True
+                self.on_request(ev)
         self.check_children()
 
     def check_held(self) -> None:
@@ -324,6 +321,22 @@ class LocalCluster:
             raise LitzError(f"this launcher's hold on etcd key {key} of job {self.job!r} was taken by another "
                             f"(pid {holder.get('pid')} on {holder.get('host')}) while this one was cut off "
                             "from etcd longer than its lease: it gives way and stops")
+
+    def on_request(self, ev: Event) -> None:
+        """A request of the master's to this agent, seen in etcd (``agents/HOST/spawn``: start
+        processes; ``agents/HOST/exit``: the host was drained, leave). In a secured job only one
+        signed with the job secret (``security.command_refusal``): anyone who can write a shared
+        etcd could have written it (before, such a writer made agents start processes)."""
+        kind = ev.key.rsplit("/", 1)[-1]
+        if ev.kind != "put" or not ev.value or kind not in ("spawn", "exit"):
+            return
+        why = security.command_refusal(self.secret, ev.key, ev.value)
+        if why is not None:
+            log.warning("agent of job %s: ignored the %s request at %s: %s", self.job, kind, ev.key, why)
+        elif kind == "spawn":
+            self.handle_spawn(ev.value)
+        else:
+            self.exit_requested = True
 
     def handle_spawn(self, request: Any) -> None:
         """Start the processes the master asked this agent for (each id once). ``numba``: the master's
@@ -609,11 +622,12 @@ def join(job: str, etcd: str, *, workers: int = 1, servers: int = 0, host: str =
         cid = f"join-{cluster.node}-{secrets.token_hex(3)}"
         agent.watch_prefix(f"commands/result/{cid}")
         agent.watch_prefix(MASTER_KEY)
-        agent.put(f"commands/join/{cluster.node}", {"id": cid, "agent": cluster.node, "workers": workers,
-                                                     "servers": servers, "time": time.time()})
+        offer = f"{JOINS}{cluster.node}"
+        agent.put(offer, security.sign_command(cluster.secret, offer, {"id": cid, "agent": cluster.node,
+                                                                       "workers": workers, "servers": servers}))
         deadline = time.monotonic() + timeout
         accepted = False
-        drain = _HostDrain(agent, cluster.node)
+        drain = _HostDrain(agent, cluster.node, cluster.secret)
         presence = MasterPresence(master)
         sigterms: list[int] = []
         with _on_sigterm(lambda: sigterms.append(1)):
@@ -691,10 +705,8 @@ def _join_step(cluster: LocalCluster, agent: Membership, cid: str, job: str, dra
         elif ev.key == MASTER_KEY and ev.kind == "put" and ev.value:
             if presence.put(ev.value):
                 log.warning("the job's master registered again; this host stays in the job")
-        elif ev.key.endswith("/spawn") and ev.kind == "put" and ev.value:
-            cluster.handle_spawn(ev.value)
-        elif ev.key.endswith("/exit") and ev.kind == "put":
-            cluster.exit_requested = True
+        elif ev.key.startswith(AGENTS):
+            cluster.on_request(ev)
     if presence.gone(time.monotonic()) and not cluster.job_ended:
         log.error("the job's master is gone (%s)", presence.why_gone())
         cluster.job_ended = True  # our processes leave on their own
@@ -705,8 +717,9 @@ class _HostDrain:
     """A node agent's request that the master drain its host (what SIGTERM asks), made again
     every ``retry`` seconds while the master refuses it."""
 
-    def __init__(self, agent: Membership, host: str, retry: float = 2.0, patience: float = 30.0) -> None:
-        self.agent, self.host, self.retry, self.patience = agent, host, retry, patience
+    def __init__(self, agent: Membership, host: str, secret: security.JobSecret | None = None, retry: float = 2.0,
+                 patience: float = 30.0) -> None:
+        self.agent, self.host, self.secret, self.retry, self.patience = agent, host, secret, retry, patience
         self.cid: str | None = None
         self.accepted = False
         self.waiting = False  # asked, no answer yet (a request is answered within ``patience``)
@@ -734,7 +747,8 @@ class _HostDrain:
             if not self._watched:
                 self.agent.watch_prefix(f"{RESULTS}{self.cid}")
                 self._watched = True
-            self.agent.put(SCALE_KEY, {"id": self.cid, "drain_host": self.host, "time": time.time()})
+            self.agent.put(SCALE_KEY, security.sign_command(self.secret, SCALE_KEY,
+                                                            {"id": self.cid, "drain_host": self.host}))
         except EtcdUnreachable as exc:
             self._unsent = True
             log.warning("cannot ask the master to drain this host yet (%s); trying again in %.0f s", exc,

@@ -36,8 +36,8 @@ from litz.errors import ConfigError, JobStopped, LitzError, ProcessLost, TableEr
 from litz.ft.checkpoint import DEFAULT_TIMEOUT, CheckpointCoordinator, CheckpointRound, select_top
 from litz.ft.driver_state import dump_driver, load_driver
 from litz.ps.tables import Table, is_int, lookup, shard_of, table_index
-from litz.runtime import spawner, stragglers
-from litz.runtime.elastic import AGENT_PROCS, COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
+from litz.runtime import security, spawner, stragglers
+from litz.runtime.elastic import AGENT_PROCS, AGENTS, COMMANDS, JOINS, RESULTS, SCALE_KEY, Elasticity
 from litz.runtime.membership import Event, Membership, lease_ttl
 from litz.runtime.node import PROCS, kill_job_process, proc_key, register_exclusively
 from litz.runtime.protocol import Message, snapshot, undecodable_in
@@ -737,6 +737,7 @@ class Master:
         self._deferred: list[Message] = []
         self._byes: dict[str, dict[str, Any]] = {}
         self._events: collections.deque[Event] = collections.deque()  # etcd events not handled yet
+        self._commands_taken: dict[tuple[str, str], float] = {}  # (key, id) of signed commands taken, when
         self._unresponsive: set[str] = set()  # never answered the initialisation: not waited for again
         # workers still in a task the finished job abandoned when it ended (``shutdown``): the
         # launcher kills them rather than wait seconds for them to leave
@@ -1005,6 +1006,8 @@ class Master:
                 self.procs[ev.value["id"]] = ev.value
                 self.endpoint.connect(ev.value["id"], ev.value["addr"])
                 self.elastic.on_registered(ev.value["id"])
+            elif ev.kind == "put" and ev.value is not None and self._command_refused(ev.key, ev.value):
+                continue
             elif ev.kind == "put" and ev.key == SCALE_KEY and ev.value is not None:
                 self.elastic.on_command(ev.value)
             elif ev.kind == "put" and ev.key.startswith(JOINS) and ev.value is not None:
@@ -1014,6 +1017,38 @@ class Master:
             elif ev.kind == "put" and ev.key == STOP_KEY and ev.value is not None:
                 self.on_stop_command(ev.value)
         self.elastic.offers_due()
+
+    def _command_refused(self, key: str, value: dict[str, Any]) -> bool:
+        """Whether the command found at etcd ``key`` (``litz scale``, ``stop``, ``checkpoint``, a host's
+        join offer or drain) is refused, and said so. A secured job takes only commands signed with
+        its secret (``security.command_refusal``), each id once: anyone who can write a shared etcd
+        could stop, scale or drain it before. An unsigned one is answered (a user who forgot
+        ``--secret-file`` learns why); a replay is not (its answer would overwrite the first's)."""
+        if key not in (SCALE_KEY, CHECKPOINT_KEY, STOP_KEY) and not key.startswith(JOINS):
+            return False
+        cid = value.get("id")
+        why = security.command_refusal(self.endpoint.secret, key, value)
+        if why is None and self.endpoint.secret is not None:
+            now = time.time()
+            if len(self._commands_taken) > 1000:  # (older than a signature lasts: cannot come again)
+                self._commands_taken = {c: t for c, t in self._commands_taken.items()
+                                        if now - t < 2 * security.COMMAND_TTL}
+            if (key, str(cid)) in self._commands_taken:
+                log.warning("refused the command at %s (id %r): it was taken already (a replay)", key, cid)
+                return True
+            self._commands_taken[(key, str(cid))] = now
+        if why is None:
+            return False
+        log.warning("refused the command at %s (id %r): %s", key, cid, why)
+        if isinstance(cid, str) and 0 < len(cid) <= 64:
+            self.reply_command(cid, False, f"refused: {why}")
+        return True
+
+    def request_agent(self, agent: str, kind: str, value: dict[str, Any]) -> None:
+        """Ask node agent ``agent`` for something (``spawn`` processes, ``exit``) through etcd, signed
+        with the job secret in a secured job (agents take no other), written soon (``EtcdWrites``)."""
+        key = f"{AGENTS}{agent}/{kind}"
+        self.etcd_writes.put(key, security.sign_command(self.endpoint.secret, key, value))
 
     def _learn_agent(self, key: str, value: dict[str, Any] | None) -> None:
         """A node agent registered (``value``) or left (None)."""

@@ -38,6 +38,7 @@ import hashlib
 import hmac
 import ipaddress
 import itertools
+import json
 import logging
 import os
 import queue
@@ -51,6 +52,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.utils.z85
@@ -132,6 +134,54 @@ class JobSecret:
 
     def __repr__(self) -> str:
         return f"JobSecret(from {self.source}, key {self.fingerprint})"
+
+
+#: Label of the key that signs a secured job's commands in etcd (derived from the CURVE secret key,
+#: which every process of the job has).
+COMMAND_LABEL = b"litz-etcd-commands-v1"
+#: Seconds a signed command stays valid: an older one (a replay of one seen in etcd) is refused.
+#: Hosts' clocks must agree to well within this.
+COMMAND_TTL = 300.0
+
+
+def _command_mac(secret: JobSecret, key: str, value: dict[str, Any]) -> str:
+    body = json.dumps([key, {k: v for k, v in value.items() if k != "sig"}], sort_keys=True,
+                      separators=(",", ":"), default=str)
+    signing = hmac.new(secret.secret_key, COMMAND_LABEL, hashlib.sha256).digest()
+    return hmac.new(signing, body.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_command(secret: JobSecret | None, key: str, value: dict[str, Any]) -> dict[str, Any]:
+    """``value``, to be written at etcd key ``key`` (relative to the job), with the time and, for a
+    secured job, an HMAC of both under the job secret (``sig``).
+
+    etcd is the job's command channel (``litz scale``, ``stop``, ``checkpoint``, a host's join
+    offer and drain, the master's requests to node agents), and anyone who can reach a shared
+    etcd can write it: a secured job acts only on commands signed with its secret
+    (:func:`command_refusal`), as its sockets accept only peers that hold it."""
+    value = {**value, "time": value.get("time", time.time())}
+    return value if secret is None else {**value, "sig": _command_mac(secret, key, value)}
+
+
+def command_refusal(secret: JobSecret | None, key: str, value: dict[str, Any],
+                    now: float | None = None) -> str | None:
+    """Why a secured job must not act on ``value`` found at etcd key ``key``, or None (also for
+    any value when the job has no secret): not signed, signed with another secret or for another
+    key, or older than ``COMMAND_TTL`` s (a replay of a command seen in etcd; the master also
+    refuses a command id it has taken already)."""
+    if secret is None:
+        return None
+    sig = value.get("sig")
+    if not isinstance(sig, str):
+        return ("it is not signed with the job secret (this job is secured: pass --secret-file, or set "
+                "$LITZ_SECRET_FILE)")
+    if not hmac.compare_digest(sig, _command_mac(secret, key, value)):
+        return "its signature is not the job secret's"
+    when = value.get("time")
+    now = time.time() if now is None else now
+    if not isinstance(when, (int, float)) or isinstance(when, bool) or abs(now - when) > COMMAND_TTL:
+        return f"it was signed more than {COMMAND_TTL:.0f} s from now (a replay, or clocks that disagree)"
+    return None
 
 
 def load_secret(path: str | os.PathLike[str]) -> JobSecret:
