@@ -338,7 +338,7 @@ def test_a_node_agent_without_the_application_warms_numba_when_the_master_asks(e
     # the master's side: its requests carry whether its own process has Numba loaded
     put: list[tuple[str, dict]] = []
     master = type("M", (), {"procs": {"w0": {}}, "lost": set(),
-                            "etcd_writes": type("E", (), {"put": lambda self, k, v: put.append((k, v))})()})()
+                            "request_agent": lambda self, agent, kind, v: put.append((f"agents/{agent}/{kind}", v))})()
     for loaded in (False, True):
         monkeypatch.setattr(spawner, "numba_loaded", lambda loaded=loaded: loaded)
         Elasticity(master)._spawn(ScaleOp(cid="c", started=0.0), "host-b", workers=1)  # type: ignore[arg-type]
