@@ -26,7 +26,7 @@ import zmq
 from litz.errors import ConfigError, EtcdUnreachable
 from litz.runtime import security
 from litz.runtime.membership import Event, KeyHeld, Membership, lease_ttl
-from litz.runtime.protocol import Message
+from litz.runtime.protocol import FROM_MASTER, INITS, Message
 from litz.runtime.transport import Endpoint, host_name
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -473,6 +473,9 @@ class Node:
         if msg.sender in self.fenced:  # (fenced while it waited for its look-up)
             log.debug("%s: dropped %r from %s, which was declared lost", self.ident, msg.type, msg.sender)
             return
+        if msg.type in FROM_MASTER and (why := self._not_from_master(msg)) is not None:
+            log.warning("%s: refused %r from %s: %s", self.ident, msg.type, msg.sender, why)
+            return
         handler = getattr(self, f"on_{msg.type}", None)
         if handler is None:
             log.warning("%s: unexpected %r message from %s; ignored", self.ident, msg.type, msg.sender)
@@ -483,6 +486,32 @@ class Node:
         except Exception as exc:  # a bad request must never kill the process
             log.exception("%s: failed to handle %r from %s", self.ident, msg.type, msg.sender)
             self.reply_error(msg, f"{type(exc).__name__}: {exc}")
+
+    def _not_from_master(self, msg: Message) -> str | None:
+        """Why ``msg``, of a type only the master sends (``FROM_MASTER``), is refused; None if it is not.
+
+        The master names itself in the init (``master``), which it sends first; before it, the
+        job's master is the process registered under ``MASTER_KEY`` if this one has seen it (a
+        test's stand-in registers elsewhere, and its init is taken). A process initialised
+        once takes no other init: a second one wiped a server's shards, or made a worker's
+        executors afresh, losing what they held. Before the init, only a ``shutdown`` is taken
+        (the master ends a job whose processes it never initialised)."""
+        registered = (self.master_presence.record or {}).get("id")
+        if msg.type in INITS:
+            if self.master is not None:
+                return f"this process was initialised already, by {self.master}"
+            if registered is not None and msg.sender != registered:
+                return f"the job's master is {registered}"
+            if msg.get("master") != msg.sender:
+                return f"it names {msg.get('master')!r} as the master, not its sender"
+            return None
+        if self.master is None:
+            if msg.type == "shutdown" and registered in (None, msg.sender):
+                return None
+            return "this process has no master yet (it was not initialised)"
+        if msg.sender != self.master:
+            return f"only its master, {self.master}, sends them"
+        return None
 
     def on_fence(self, msg: Message) -> None:
         """The master declared a process lost and recovers its work elsewhere: if it only stalled

@@ -220,6 +220,20 @@ MESSAGES: dict[str, MessageType] = _declare(
 )
 
 
+#: Message types only the job's master sends to a worker or server: commands that set up, move,
+#: recover, checkpoint or end what a process holds. ``Node`` refuses one from anyone else (logged,
+#: naming the type and the sender), and an init once it has been initialised: a second
+#: ``init_server`` emptied a server's shards, a second ``init_worker`` made its executors afresh.
+#: (Not ``tasks``: a worker forwards the late tasks of an executor that left it; nor
+#: ``stats_request``, which only reads counters.)
+INITS = frozenset({"init_server", "init_worker"})
+FROM_MASTER = INITS | frozenset({
+    "shutdown", "fence", "migrate_out", "ship", "migrate_shards", "routes", "settle", "restore_shards",
+    "server_lost", "restore_executors", "rollback", "reload_shards", "reload_executors", "shard_map",
+    "checkpoint", "ckpt_scores", "ckpt_save", "checkpoint_done",
+})
+
+
 def pack_object(obj: Any) -> list[Any]:
     """Pickle an object (executor state or input) with its large buffers out of band.
 
