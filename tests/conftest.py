@@ -214,18 +214,21 @@ def wait_running(job: str, out: dict | None = None, timeout: float = 60.0) -> di
     return status_when(job, lambda s: s["master"].get("phase") == "running", timeout, out)
 
 
-def wire_without_sockets(nodes: Any) -> list[tuple[str, str, str, list]]:
+def wire_without_sockets(nodes: Any, peers: tuple[str, ...] = ()) -> list[tuple[str, str, str, list]]:
     """Record what ``nodes`` (workers and servers built but never started) send, encoded as on the
-    wire, as ``(from, to, kind, frames)``; each knows the others and ``master`` (no etcd lookup) and
-    has ``master`` as its master. A test delivers what it chooses, in the order it chooses."""
+    wire, as ``(from, to, kind, frames)``; each knows the others and ``master`` (no etcd lookup; the
+    commands that route to them take them as reachable) and has ``master`` as its master. A test
+    delivers what it chooses, in the order it chooses. ``peers``: other processes they know (as a
+    worker knows the servers its init named)."""
     from litz.runtime.protocol import encode
 
     sent: list[tuple[str, str, str, list]] = []
-    idents = {node.ident for node in nodes} | {"master"}
+    idents = {node.ident for node in nodes} | {"master", *peers}
     for node in nodes:
         node.endpoint.send = (lambda peer, kind, who=node.ident, **fields:
                               sent.append((who, peer, kind, encode(kind, **fields))))
         node._looked_up.update(idents)
+        node.endpoint.knows = idents.__contains__
         node.master = "master"
     return sent
 

@@ -10,8 +10,8 @@ import cloudpickle
 import numpy as np
 
 import litz
-from litz.ps.server import ServerNode
-from litz.ps.tables import Table
+from litz.ps.server import ServerNode, ShardStore
+from litz.ps.tables import Table, table_index
 from litz.runtime.protocol import MESSAGES, Message
 from litz.runtime.worker import DEFAULT_OPTIONS, Worker
 
@@ -118,3 +118,173 @@ def test_a_second_init_worker_does_not_make_the_executors_afresh() -> None:
         assert len(sent) == 1 and w.slots[0].executor is ex and ex.state == 5 and w.shard_map == ["s0"] * 4
     finally:
         w.endpoint.close()
+
+
+def _worker(shard_map: list[str], peers: tuple[str, ...] = ("s0", "s1")) -> tuple[Worker, Sent]:
+    """A worker initialised by hand (no sockets): table ``t`` of rows (2,), 4 shards routed by ``shard_map``."""
+    w = Worker("w0", "job", "127.0.0.1:1")
+    sent = _recording(w)
+    w.master, w.tables, w.num_shards, w.shard_map = "master", table_index([Table("t", (2,))]), 4, list(shard_map)
+    w.endpoint.peers.update((peer, f"ipc:///nowhere/{peer}") for peer in ("master", *peers))  # (never sent to)
+    return w, sent
+
+
+def _waiting(w: Worker, table: str, key: Any, version: int = 0) -> Any:
+    """A task blocked on ``key`` as ``ps_get`` leaves one, its fetch queued."""
+    import greenlet
+
+    from litz.runtime.worker import Task, _Wait
+
+    wait = _Wait(greenlet.getcurrent(), Task(7, 0, version, None))
+    wait.pending.add(key)
+    if w.cache.request(table, key, version, wait):
+        w._queue_fetches(table, [key], version)
+    return wait
+
+
+def test_routes_naming_a_server_without_an_address_are_refused_and_the_worker_lives() -> None:
+    """``routes`` (or ``server_lost``) naming a server the worker has no address for was taken, and
+    the next read raised out of the loop: the worker died (exit 70). Now the worker reads the
+    registrations (not here: no etcd) and refuses it, changing nothing, saying so to the master."""
+    w, sent = _worker(["s0", "s1", "s0", "s1"])
+    try:
+        w.dispatch(Message("routes", {"rid": 5, "shard_map": ["ghost"] * 4, "gone": ["s0"]}, sender="master"))
+        w.dispatch(Message("server_lost", {"server": "s1", "shard_map": ["ghost"] * 4}, sender="master"))
+        w.dispatch(Message("routes", {"rid": 6, "shard_map": ["s1"] * 3, "gone": ["s0"]}, sender="master"))
+        w.dispatch(Message("shard_map", {"shard_map": ["s0", 3, "s0", "s0"]}, sender="master"))
+        assert w.shard_map == ["s0", "s1", "s0", "s1"] and w._gone == set() and not w._route_acks
+        assert [(to, kind, f.get("about")) for to, kind, f in sent] == [("master", "error", "routes"),
+                                                                      ("master", "error", "server_lost"),
+                                                                      ("master", "error", "routes"),
+                                                                      ("master", "error", "shard_map")]
+        assert "'ghost', which no registration of the job names" in sent[0][2]["reason"]
+        assert "shard_map must name a server for each of the 4 shards" in sent[2][2]["reason"]
+        w.dispatch(Message("routes", {"rid": 7, "shard_map": ["s1"] * 4, "gone": ["s0"]}, sender="master"))
+        assert w.shard_map == ["s1"] * 4 and sent[-1] == ("master", "routes_ack", {"rid": 7})
+    finally:
+        w.endpoint.close()
+
+
+def test_a_read_or_update_that_cannot_be_sent_fails_naming_its_server_and_the_rest_go_on() -> None:
+    """A read or an update for a server without an address raised out of the worker's loop (exit 70).
+    Now the tasks waiting for that server's keys fail, naming the server, the request, the table
+    and the key; the other servers' reads go; an update is refused as a server refuses one (the
+    master is told, before the completions it would release)."""
+    w, sent = _worker(["s0", "ghost", "s0", "ghost"])
+    sent_frames = []
+    real = w.endpoint.send
+
+    def send(peer: str, kind: str, **fields: Any) -> None:
+        if peer not in w.endpoint.peers:
+            from litz.errors import ProtocolError
+
+            raise ProtocolError(f"w0: no address known for peer {peer!r}")
+        sent_frames.append(peer)
+        real(peer, kind, **fields)
+
+    w.endpoint.send = send  # type: ignore[method-assign]
+    try:
+        stuck, fine = _waiting(w, "t", 1), _waiting(w, "t", 2)
+        w._send_fetches()
+        assert stuck.resumed and "fetch of table 't' key 1 from ghost (request" in stuck.error
+        assert "no address known for peer 'ghost'" in stuck.error
+        assert not fine.resumed and [(to, kind) for to, kind, _ in sent] == [("s0", "get")]
+        assert list(w._sent_to.values()) == ["s0"] and len(w._fetching) == 1
+        w._send_updates({"t": ([0, 1], [np.ones(2), np.ones(2)])})
+        assert [(to, kind) for to, kind, _ in sent[1:]] == [("s0", "update"), ("master", "error")]
+        assert sent[2][2]["about"] == "update" and "could not be sent to ghost" in sent[2][2]["reason"]
+        assert "table 't' (1 keys from 1)" in sent[2][2]["reason"]
+        assert len(w._unacked) == 1 and len(w._update_items) == 1  # s0's part waits for its ack
+    finally:
+        w.endpoint.close()
+
+
+def test_a_server_refuses_routes_to_an_unknown_server_and_fails_only_what_it_cannot_forward() -> None:
+    srv = ServerNode("s0", "job", "127.0.0.1:1")
+    sent = _recording(srv)
+    try:
+        srv.master = "master"
+        srv.store = ShardStore(table_index([Table("t", (2,))]), [0, 1, 2, 3], 4)
+        srv.store.extract([1], "s1")  # shard 1 moved to s1, which is leaving
+        srv.dispatch(Message("routes", {"rid": 3, "shard_map": ["s0", "ghost", "s0", "s0"], "gone": ["s1"]},
+                             sender="master"))
+        assert srv.store.forward == {1: "s1"} and [(to, kind, f.get("about")) for to, kind, f in sent] == [
+            ("master", "error", "routes")]
+        sent2: Sent = []
+
+        def send(peer: str, kind: str, **fields: Any) -> None:
+            if peer == "s1":
+                raise RuntimeError("no address for s1")
+            sent2.append((peer, kind, fields))
+
+        srv.endpoint.send = send  # type: ignore[method-assign]
+        srv.dispatch(Message("get", {"rid": 4, "items": [["t", [0, 1]]]}, sender="w0"))
+        [(to, kind, fields)] = sent2
+        assert (to, kind, fields["rid"]) == ("w0", "get_reply", 4) and not srv._subs
+        assert fields["values"] == [None] and "forwarding to s1, where its shard moved, failed" in fields["errors"][0]
+    finally:
+        srv.endpoint.close()
+
+
+class _Registry:
+    """A membership whose read of the registrations waits until released (etcd answering late)."""
+
+    started = True
+    lost_any = False
+
+    def __init__(self, registrations: dict[str, dict]) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.registrations = registrations
+        self.reads = 0
+
+    def get_prefix(self, prefix: str) -> dict[str, dict]:
+        self.reads += 1
+        self.release.wait(10)
+        return dict(self.registrations)
+
+    def poll_events(self) -> list:
+        return []
+
+
+def test_routes_naming_a_server_not_known_yet_wait_for_its_registration_and_keep_their_order() -> None:
+    """The master's etcd watch may be ahead of the worker's: a server it names is looked up off the
+    loop, and the routes (and the routing commands after them, in order) wait for the read."""
+    import time
+
+    from litz.runtime.transport import Endpoint
+
+    s9 = Endpoint("s9")
+    w, sent = _worker(["s0", "s1", "s0", "s1"])
+    w.membership = _Registry({"procs/server/s9": {"id": "s9", "addr": s9.address, "role": "server"}})
+    try:
+        w.dispatch(Message("routes", {"rid": 5, "shard_map": ["s0", "s9", "s0", "s9"], "gone": ["s1"]},
+                           sender="master"))
+        w.dispatch(Message("server_lost", {"server": "s9", "shard_map": ["s0"] * 4}, sender="master"))
+        assert sent == [] and w.shard_map == ["s0", "s1", "s0", "s1"] and len(w._awaiting) == 2
+        w.membership.release.set()
+        deadline = time.monotonic() + 10
+        while w._awaiting:
+            assert time.monotonic() < deadline, "the routes never went on"
+            w.poll(20)
+        assert w.membership.reads == 1 and "s9" in w.endpoint.peers
+        assert w.shard_map == ["s0"] * 4 and w._gone == {"s1", "s9"}  # the routes first, then the loss
+        assert sent == [("master", "routes_ack", {"rid": 5})]
+    finally:
+        w.endpoint.close()
+        s9.close()
+
+
+def test_the_master_stops_the_job_when_a_process_refuses_its_routes() -> None:
+    """A refused ``routes`` or ``server_lost`` leaves requests routed where they would wait for ever
+    (and a scale-in waiting for the routes' acknowledgement): the job stops, saying why."""
+    import pytest
+
+    from litz.errors import LitzError
+    from litz.runtime.master import Master, MasterState
+
+    m = object.__new__(Master)
+    m.state, m.errors = MasterState(1, ["w0"], ["s0"]), []
+    with pytest.raises(LitzError, match="w0 refused the new routes \\(routes\\): it names 'ghost'"):
+        m._report_error(Message("error", {"reason": "it names 'ghost'", "about": "routes", "rid": 5}, sender="w0"))

@@ -281,7 +281,7 @@ def test_a_fetch_queued_before_its_server_left_goes_to_the_new_owner(news: str) 
     from litz.runtime.worker import Worker
 
     w = Worker("w0", "job", "127.0.0.1:1")
-    sent = wire_without_sockets([w])
+    sent = wire_without_sockets([w], peers=("s0", "s1"))
     try:
         w.tables, w.num_shards, w.shard_map = table_index([litz.Table("t", (2,))]), 2, ["s0", "s1"]
         w.app, w.num_executors = {"executor": _Hinting, "config": {}}, 1

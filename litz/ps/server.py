@@ -18,7 +18,7 @@ import numpy as np
 from litz.errors import LitzError, TableError
 from litz.ft.checkpoint import RoundOutcomes
 from litz.ps.tables import Table, lookup, shard_of, table_index
-from litz.runtime.node import Node, exit_process, main
+from litz.runtime.node import Node, checked_shard_map, exit_process, main
 from litz.runtime.protocol import Message
 
 log = logging.getLogger(__name__)
@@ -611,19 +611,31 @@ class ServerNode(Node):
                 continue
             self._sub_rid += 1
             items = [sub for _, _, sub in parts]
+            try:
+                self.endpoint.send(dest, pend.kind, rid=self._sub_rid, items=items,
+                                   **({"origin": pend.origin} if pend.origin is not None else {}))
+            except Exception as exc:  # (no address for it, say): these items fail, naming it; the rest go on
+                why = f"forwarding to {dest}, where its shard moved, failed: {type(exc).__name__}: {exc}"
+                log.error("%s: %s %s of %s (request %r): %s", self.ident, pend.kind, [sub[:2] for sub in items],
+                          pend.requester, pend.rid, why)
+                for i, _, sub in parts:
+                    pend.values[i], pend.errors[i] = None, f"table {sub[0]!r} keys {sub[1][:4]!r}: {why}"
+                continue
             self._subs[self._sub_rid] = (pend, [(i, idx) for i, idx, _ in parts], dest, items)
             pend.outstanding += 1
             self.forwarded += 1
-            self.endpoint.send(dest, pend.kind, rid=self._sub_rid, items=items,
-                               **({"origin": pend.origin} if pend.origin is not None else {}))
 
     def _reply(self, pend: _Pending) -> None:
         extra: dict[str, Any] = {"moved": pend.moved} if pend.moved else {}
-        if pend.kind == "get":
-            self.endpoint.send(pend.requester, "get_reply", rid=pend.rid, values=pend.values, errors=pend.errors,
-                               **extra)
-        else:
-            self.endpoint.send(pend.requester, "update_ack", rid=pend.rid, errors=pend.errors, **extra)
+        try:
+            if pend.kind == "get":
+                self.endpoint.send(pend.requester, "get_reply", rid=pend.rid, values=pend.values, errors=pend.errors,
+                                   **extra)
+            else:
+                self.endpoint.send(pend.requester, "update_ack", rid=pend.rid, errors=pend.errors, **extra)
+        except Exception as exc:  # (a stranger, with no address): nobody to answer; the caller goes on
+            log.error("%s: cannot answer %s request %r of %s: %s: %s", self.ident, pend.kind, pend.rid, pend.requester,
+                      type(exc).__name__, exc)
 
     def _sub_done(self, rid: int, values: list[Any] | None, errors: list[Any], moved: dict[int, str]) -> None:
         entry = self._subs.pop(rid, None)
@@ -661,14 +673,20 @@ class ServerNode(Node):
     # -- shard migration ---------------------------------------------------------------------------
     def on_routes(self, msg: Message) -> None:
         """Servers left: forward what went to them where the master says; answer when none is pending."""
-        gone = set(msg["gone"])
         store = self._store()
+        smap, gone = checked_shard_map(msg, store.num_shards), set(msg["gone"])
+        targets = {smap[shard] for shard, dest in store.forward.items() if dest in gone}
+        if targets & gone:
+            raise LitzError(f"routes from {msg.sender} sends shards of the leaving servers {sorted(gone)} to "
+                            f"{sorted(targets & gone)}, which leave too")
+        if self.awaits_peers(msg, targets):
+            return
         for shard, dest in list(store.forward.items()):
             if dest in gone:
-                if msg["shard_map"][shard] == self.ident:  # cannot happen once installed here; be safe
+                if smap[shard] == self.ident:  # cannot happen once installed here; be safe
                     del store.forward[shard]
                 else:
-                    store.forward[shard] = msg["shard_map"][shard]
+                    store.forward[shard] = smap[shard]
         self._route_acks.append((msg.sender, msg["rid"], gone))
         self._answer_routes()
 
@@ -823,8 +841,14 @@ class ServerNode(Node):
 
     def on_server_lost(self, msg: Message) -> None:
         """A server died: forward to the new owners of its shards, and send again what it never answered."""
-        lost, shard_map = msg["server"], msg["shard_map"]
         store = self._store()
+        lost, shard_map = msg["server"], checked_shard_map(msg, store.num_shards)
+        resent = any(dest == lost for _, _, dest, _ in self._subs.values())  # to any owner of their keys
+        targets = set(shard_map) if resent else {shard_map[s] for s, dest in store.forward.items() if dest == lost}
+        if lost in targets:
+            raise LitzError(f"server_lost from {msg.sender} sends the shards of the lost {lost} to {lost}")
+        if self.awaits_peers(msg, targets):
+            return
         for shard, dest in list(store.forward.items()):
             if dest == lost:
                 store.forward[shard] = shard_map[shard]

@@ -1162,6 +1162,9 @@ class Master:
         if msg.get("about") == "update":  # the worker sends it before the completions that made the update
             raise LitzError(f"updates sent by {msg.sender} were refused, so the tables lack them and the job "
                             f"stops: {msg['reason']}")
+        if msg.get("about") in ("routes", "server_lost", "shard_map"):  # it routes to where it did: requests
+            # there would wait for ever (and a scale-in for its routes_ack)
+            raise LitzError(f"{msg.sender} refused the new routes ({msg['about']}): {msg['reason']}")
         if msg.get("about") in ("restore_executors", "restore_shards", "reload_executors", "reload_shards"):
             # the recovery would wait for this process forever
             raise LitzError(f"recovery failed on {msg.sender} ({msg['about']}): {msg['reason']}")

@@ -18,12 +18,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
-from litz.errors import ConfigError, EtcdUnreachable
+from litz.errors import ConfigError, EtcdUnreachable, LitzError
 from litz.runtime import security
 from litz.runtime.membership import Event, KeyHeld, Membership, lease_ttl
 from litz.runtime.protocol import FROM_MASTER, INITS, Message
@@ -59,6 +60,10 @@ MASTER_GRACE_EXTRA = 1.0
 START_WAIT = 30.0
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+
+
+#: the requests whose answer, an error included, carries their ``rid`` (``Node.reply_error``)
+_REQUESTS = frozenset({"get", "update", "stats_request"})
 
 
 def proc_key(role: str, ident: str) -> str:
@@ -158,6 +163,10 @@ class Node:
         self._lookup_reading: set[str] | None = None  # the senders the read under way answers for
         self._lookup_retry: dict[str, tuple[float, float]] = {}  # failed look-ups: (when again, wait)
         self.messages_dropped = 0  # from unknown senders, past MAX_PARKED (see dispatch)
+        # commands naming processes whose addresses are unknown here, in order, with those processes:
+        # they wait for a read of the registrations (``awaits_peers``)
+        self._awaiting: deque[tuple[Message, list[str]]] = deque()
+        self._releasing: Message | None = None  # the waiting command being handled again
         self.stopping = False
         self.exit_code = 0
         self.poller = zmq.Poller()
@@ -258,14 +267,62 @@ class Node:
         """From the loop: release the messages of senders whose address came another way (an init's
         peers, a migration's destination), forget look-ups no message waits for any more, and start
         the ones whose wait after a failure is over."""
-        if not self._parked and not self._lookup_wanted:
+        if not self._parked and not self._lookup_wanted and not self._awaiting:
             return
         for sender in [s for s in self._parked if s in self.endpoint.peers]:
             self._release_parked(sender)
-        for sender in [s for s in self._lookup_wanted if s not in self._parked]:
+        self._release_awaiting()
+        awaited = {name for _, names in self._awaiting for name in names}
+        for sender in [s for s in self._lookup_wanted if s not in self._parked and s not in awaited]:
             self._lookup_wanted.discard(sender)
             self._lookup_retry.pop(sender, None)
         self._start_lookup()
+
+    def awaits_peers(self, msg: Message, names: Iterable[str]) -> bool:
+        """Whether command ``msg``, which routes to the processes ``names``, must not be handled now: it
+        waits (True) while a process it names has no known address here, or while an earlier
+        command waits (commands that route are handled in order), or it is refused (True, logged
+        and answered with an error) once a read of the registrations did not find one of them.
+
+        A worker or server sent to a process it has no address for raised out of its loop and
+        died (exit 70): a ``routes`` or ``server_lost`` naming an unknown server killed it at the
+        next read. The master names only registered processes, but its etcd watch may be ahead of
+        ours: the registrations are read off the loop first (``_look_up_peers``), as for a message
+        from an unknown sender."""
+        if self._awaiting and self._releasing is not msg:  # behind an earlier one, in order
+            self._awaiting.append((msg, list(names)))
+            return True
+        unknown = sorted({n for n in names if n != self.ident and not self.endpoint.knows(n)})
+        if not unknown:
+            return False
+        if not self.membership.started or all(n in self._looked_up for n in unknown):
+            reason = (f"{self.ident} refused {msg.type!r} from {msg.sender}: it names {', '.join(map(repr, unknown))}, "
+                      "which no registration of the job names")
+            log.error("%s", reason)
+            self.reply_error(msg, reason)
+            return True
+        if self._releasing is msg:  # (it names others than when it began to wait) at the front again
+            self._awaiting.appendleft((msg, list(names)))
+        else:
+            self._awaiting.append((msg, list(names)))
+        for name in unknown:
+            if name not in self._looked_up:
+                self._look_up_peers(name)
+        return True
+
+    def _release_awaiting(self) -> None:
+        """Handle again, in order, the commands that waited for addresses and may go on now (each
+        is handled, or refused, or waits again at the front)."""
+        while self._awaiting:
+            msg, names = self._awaiting[0]
+            if any(n != self.ident and not self.endpoint.knows(n) and n not in self._looked_up for n in names):
+                return  # its look-up is under way
+            self._awaiting.popleft()
+            self._releasing = msg
+            try:
+                self._handle(msg)
+            finally:
+                self._releasing = None
 
     def _release_parked(self, sender: str) -> None:
         """Handle, in order, the messages of ``sender`` that waited for its address."""
@@ -520,8 +577,12 @@ class Node:
             self.fenced.add(msg["ident"])
 
     def reply_error(self, msg: Message, reason: str) -> None:
+        """Tell the sender of ``msg`` why it failed. With its request id only if ``msg`` is a request
+        answered by that id (``get``, ``update``, ``stats_request``): the rid of a ``routes`` is not
+        one the master waits on (it dropped the error as an answer it never asked for, and did not
+        see the refusal), and the rid of a reply is the answered process's own, not the sender's."""
         fields: dict[str, Any] = {"reason": reason, "about": msg.type}
-        if isinstance(msg.fields.get("rid"), int):
+        if msg.type in _REQUESTS and isinstance(msg.fields.get("rid"), int):
             fields["rid"] = msg.fields["rid"]
         try:
             self.endpoint.send(msg.sender, "error", **fields)
@@ -615,6 +676,19 @@ class Node:
             self.endpoint.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+
+def checked_shard_map(msg: Message, num_shards: int) -> list[str]:
+    """The ``shard_map`` of ``msg`` (and its ``gone`` servers), checked: a server id for each of the
+    ``num_shards`` shards. A LitzError names what is wrong: a short map raised part-way (an
+    IndexError), leaving the routes half changed."""
+    smap = msg["shard_map"]
+    if len(smap) != num_shards or not all(isinstance(s, str) for s in smap):
+        raise LitzError(f"{msg.type!r} from {msg.sender}: its shard_map must name a server for each of the "
+                        f"{num_shards} shards, got {smap!r:.200}")
+    if not all(isinstance(s, str) for s in msg.get("gone", ())):
+        raise LitzError(f"{msg.type!r} from {msg.sender}: its gone servers must be ids, got {msg['gone']!r:.200}")
+    return smap
 
 
 def register_exclusively(membership: Membership, key: str, record: dict[str, Any]) -> None:

@@ -256,6 +256,10 @@ class Endpoint:
         self.peers[peer] = address
         return True
 
+    def knows(self, peer: str) -> bool:
+        """Whether a message can be addressed to ``peer`` (its address is known)."""
+        return peer in self.peers
+
     def forget(self, peer: str) -> None:
         """A peer left the job (its etcd registration is gone): its socket closes once
         :data:`DEPARTED_GRACE` has passed (at a later ``forget``, ``send``, or a node's poll).

@@ -32,7 +32,7 @@ from litz.ft.checkpoint import RoundOutcomes, RowSaves, RowScoring
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
-from litz.runtime.node import Node, exit_process, main, proc_key
+from litz.runtime.node import Node, checked_shard_map, exit_process, main, proc_key
 from litz.runtime.protocol import Message, pack_object, snapshot, undecodable_in, unpack_object
 
 log = logging.getLogger(__name__)
@@ -343,6 +343,8 @@ class Worker(Node):
     def on_reload_executors(self, msg: Message) -> None:
         """Start the new timeline: these executors, from the checkpoint (or fresh), routing by
         the master's shard map."""
+        if self.awaits_peers(msg, checked_shard_map(msg, len(self.shard_map))):
+            return
         self.restore_gen += 1
         self._gone |= set(msg["lost"])
         self.shard_map = list(msg["shard_map"])
@@ -863,7 +865,25 @@ class Worker(Node):
                     items.append([name, keys])
             self._fetching[self._rid] = record
             self._sent_to[self._rid] = server
-            self.endpoint.send(server, "get", rid=self._rid, items=items)
+            try:
+                self.endpoint.send(server, "get", rid=self._rid, items=items)
+            except Exception as exc:  # (no address for it, say): its reads fail, the others go on
+                self._fetch_unsent(self._rid, server, exc)
+
+    def _fetch_unsent(self, rid: int, server: str, exc: Exception) -> None:
+        """Read request ``rid`` could not be sent to ``server``: fail the tasks waiting for its keys,
+        naming the server, the request, the table and the key. Before, the error escaped the
+        loop and the worker died (exit 70), or, in a handler, the other servers' reads were lost."""
+        self._sent_to.pop(rid, None)
+        why = f"{type(exc).__name__}: {exc}"
+        log.error("%s: could not send read request %d to %s (%s); the tasks waiting for it fail", self.ident, rid,
+                  server, why)
+        for name, keys, _ in self._fetching.pop(rid, ()):
+            for key in keys:
+                for wait in self.cache.fail(name, key):
+                    wait.error = f"fetch of table {name!r} key {key!r} from {server} (request {rid}) " \
+                                 f"could not be sent: {why}"
+                    self._resume(wait)
 
     def _learn_moves(self, msg: Message) -> None:
         """A server forwarded part of our request: send the next ones straight to the new owner.
@@ -908,9 +928,15 @@ class Worker(Node):
         The answer tells the master that this worker will never send to them again and has no
         request there unanswered, so they may exit without losing anything.
         """
-        gone = set(msg["gone"])
+        smap, gone = checked_shard_map(msg, len(self.shard_map)), set(msg["gone"])
+        targets = {smap[shard] for shard, server in enumerate(self.shard_map) if server in gone}
+        if targets & gone:
+            raise LitzError(f"routes from {msg.sender} sends shards of the leaving servers {sorted(gone)} to "
+                            f"{sorted(targets & gone)}, which leave too")
+        if self.awaits_peers(msg, targets):
+            return
         self._gone |= gone
-        for shard, server in enumerate(msg["shard_map"]):
+        for shard, server in enumerate(smap):
             if self.shard_map[shard] in gone:
                 self.shard_map[shard] = server
         self._route_acks.append((msg.sender, msg["rid"], gone))
@@ -1011,9 +1037,25 @@ class Worker(Node):
             self._rid += 1
             self._sent_to[self._rid] = server
             self._update_items[self._rid] = items  # kept until acknowledged: a lost server's are sent again
-            self.endpoint.send(server, "update", rid=self._rid, items=items, **extra)
+            try:
+                self.endpoint.send(server, "update", rid=self._rid, items=items, **extra)
+            except Exception as exc:  # (no address for it, say): refused, as a server refuses an update
+                del self._sent_to[self._rid], self._update_items[self._rid]
+                self._update_unsent(self._rid, server, items, exc)
+                continue
             rids.append(self._rid)
         return rids
+
+    def _update_unsent(self, rid: int, server: str, items: list[Any], exc: Exception) -> None:
+        """Update ``rid`` could not be sent to ``server``: the tables lack it, so the master is told,
+        before the completions it would release, and stops the job saying why (as for an update a
+        server refused). Before, the error escaped the loop and the worker died (exit 70)."""
+        shown = ", ".join(f"table {name!r} ({len(keys)} keys from {keys[0]!r})" for name, keys, _ in items[:3])
+        reason = f"update {rid} ({shown}) could not be sent to {server}: {type(exc).__name__}: {exc}"
+        self.update_errors.append(reason)
+        log.error("%s: %s", self.ident, reason)
+        if self.master:
+            self.endpoint.send(self.master, "error", reason=reason, about="update")
 
     def _acked(self, rid: int) -> None:
         """An update message was answered; its barrier lifts once every part of it was."""
@@ -1028,16 +1070,21 @@ class Worker(Node):
 
     def on_shard_map(self, msg: Message) -> None:
         """After a full recovery: route by exactly this map (the servers dropped their forwards)."""
-        if msg.sender == self.master:
+        if msg.sender == self.master and not self.awaits_peers(msg, checked_shard_map(msg, len(self.shard_map))):
             self.shard_map = list(msg["shard_map"])
 
     def on_server_lost(self, msg: Message) -> None:
         """A server died and its shards were restored on others (SCAR partial recovery): route
         to their new owners and send again what it never answered, fetches and updates alike.
         The updates land on the restored rows, which predate them."""
-        lost = msg["server"]
+        lost, smap = msg["server"], checked_shard_map(msg, len(self.shard_map))
+        targets = {smap[shard] for shard, server in enumerate(self.shard_map) if server == lost}
+        if lost in targets:
+            raise LitzError(f"server_lost from {msg.sender} sends the shards of the lost {lost} to {lost}")
+        if self.awaits_peers(msg, targets):
+            return
         self._gone.add(lost)
-        for shard, server in enumerate(msg["shard_map"]):
+        for shard, server in enumerate(smap):
             if self.shard_map[shard] == lost:
                 self.shard_map[shard] = server
         for rid, server in list(self._sent_to.items()):
