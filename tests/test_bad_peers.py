@@ -288,3 +288,38 @@ def test_the_master_stops_the_job_when_a_process_refuses_its_routes() -> None:
     m.state, m.errors = MasterState(1, ["w0"], ["s0"]), []
     with pytest.raises(LitzError, match="w0 refused the new routes \\(routes\\): it names 'ghost'"):
         m._report_error(Message("error", {"reason": "it names 'ghost'", "about": "routes", "rid": 5}, sender="w0"))
+
+
+def _master(workers: int = 2, executors: int = 2) -> tuple[Any, Sent]:
+    from litz.runtime.master import Master
+    from tests import testapps
+
+    m = Master(testapps.migrating_app(tasks=10, executors=executors, move_prob=0.0), "j", None,  # type: ignore[arg-type]
+               workers=workers, servers=1, num_executors=executors)
+    return m, _recording(m)
+
+
+def test_only_the_source_of_a_migration_says_ship_ready_and_with_task_ids(caplog) -> None:  # noqa: ANN001
+    """A ``ship_ready`` whose task ids were not ints (a list) raised out of the master's loop and
+    failed the job; one from a process that is not the migration's source was obeyed. Both are
+    dropped now, logged; the source's own is taken, moving only its executors' tasks."""
+    from litz.runtime.master import MasterState
+
+    m, sent = _master()
+    try:
+        st = m.state = MasterState(3, ["w0", "w1", "w2"], ["s0"])  # executor i on wi
+        queued, other = st.dispatch(0, "queued"), st.dispatch(2, "other")
+        st.take_outbox()
+        [(mid, _, _)] = st.start_migration([0], "w1")
+        m.on_ship_ready(Message("ship_ready", {"mid": mid, "tasks": [[1]]}, sender="w1"))
+        m.on_ship_ready(Message("ship_ready", {"mid": mid, "tasks": [queued]}, sender="w1"))
+        m.on_ship_ready(Message("ship_ready", {"mid": mid, "tasks": [[queued], "x"]}, sender="w0"))
+        assert sent == [] and st.inflight[queued].worker == "w0"
+        assert f"ship_ready for migration {mid} from w1, which is not its source w0; dropped" in caplog.text
+        assert "names malformed task ids [[" in caplog.text
+        m.on_ship_ready(Message("ship_ready", {"mid": mid, "tasks": [queued, other]}, sender="w0"))
+        assert sent == [("w0", "ship", {"mid": mid})]
+        assert st.inflight[queued].worker == "w1" and st.inflight[other].worker == "w2"
+        assert f"names tasks [{other}], which are not of its executors [0]" in caplog.text
+    finally:
+        m.endpoint.close()

@@ -2604,7 +2604,21 @@ class Master:
         mig = st.migrations.get(msg["mid"])
         if msg.sender in self.lost or mig is None or mig[2] in self.lost:
             return  # cancelled, abandoned, or a loss being settled: the settle decides
-        st.tasks_moved(msg["tasks"], mig[2])
+        eids, source, dest = mig
+        tasks = msg["tasks"]
+        if msg.sender != source:  # only the source knows its executors' queued tasks and may ship them
+            log.warning("ship_ready for migration %d from %s, which is not its source %s; dropped", msg["mid"],
+                        msg.sender, source)
+            return
+        if not all(is_int(t) for t in tasks):  # (a list as a task id raised out of the job's loop)
+            log.warning("ship_ready for migration %d from %s names malformed task ids %.200r; dropped", msg["mid"],
+                        msg.sender, tasks)
+            return
+        others = {t for t in tasks if (rec := st.inflight.get(t)) is not None and rec.executor_id not in eids}
+        if others:  # tasks of other executors: they do not leave with these
+            log.warning("ship_ready for migration %d from %s names tasks %s, which are not of its executors %s; "
+                        "they stay where they are", msg["mid"], msg.sender, sorted(others)[:10], eids)
+        st.tasks_moved([t for t in tasks if t not in others], dest)
         self.endpoint.send(msg.sender, "ship", mid=msg["mid"])
 
     def on_migrated(self, msg: Message) -> None:
