@@ -323,3 +323,41 @@ def test_only_the_source_of_a_migration_says_ship_ready_and_with_task_ids(caplog
         assert f"names tasks [{other}], which are not of its executors [0]" in caplog.text
     finally:
         m.endpoint.close()
+
+
+def test_the_master_takes_a_tasks_report_only_from_the_worker_running_it(caplog) -> None:  # noqa: ANN001
+    """Any process's ``done`` for a task in flight was taken (its driver counted a result the task
+    never produced). Only the worker the task went to, or the one its executor is on now (a late
+    task forwarded after its executor), may report it; others are logged and dropped."""
+    from litz.api import Driver
+    from litz.runtime.master import MasterState
+
+    class _Keep(Driver):
+        def __init__(self) -> None:
+            self.done: list[tuple[int, Any]] = []
+            self.failed: list[int] = []
+
+        def handle_task_completion(self, result: Any) -> None:
+            self.done.append((result.task_id, result.value))
+
+        def handle_task_failure(self, failure: Any) -> None:
+            self.failed.append(failure.task_id)
+
+    m, _ = _master()
+    try:
+        st = m.state = MasterState(2, ["w0", "w1"], ["s0"])  # executor 0 on w0, 1 on w1
+        a, b, c = st.dispatch(0, "a"), st.dispatch(1, "b"), st.dispatch(0, "c")
+        d = _Keep()
+        d._finished = False
+        m._on_done(d, Message("done", {"completed": [[a, "forged"]], "failed": [[c, "forged"]]}, sender="w1"))
+        m._on_done(d, Message("done", {"completed": [[b, "forged"]], "failed": []}, sender="stray"))
+        assert d.done == [] and d.failed == [] and sorted(st.inflight) == [a, b, c]
+        assert f"w1 reported completed task {a}, which runs on w0 (its executor 0 is on w0); dropped" in caplog.text
+        assert f"stray reported completed task {b}, which runs on w1" in caplog.text
+        m._on_done(d, Message("done", {"completed": [[a, 1], [b, 2]], "failed": []}, sender="w0"))
+        assert d.done == [(a, 1)]
+        st.placement[0] = "w1"  # executor 0 moved to w1, and task c, forwarded after it, ran there
+        m._on_done(d, Message("done", {"completed": [[b, 2], [c, 3]], "failed": []}, sender="w1"))
+        assert d.done == [(a, 1), (b, 2), (c, 3)] and not st.inflight
+    finally:
+        m.endpoint.close()

@@ -2671,18 +2671,27 @@ class Master:
             driver.handle_task_completion(TaskResult(rec.executor_id, rec.args, value, task_id, rec.version))
 
     def _reports(self, msg: Message, field_name: str) -> list[tuple[int, Any]]:
-        """The ``[task id, value]`` pairs of a ``done`` message's field that name tasks in flight; any
-        other entry (malformed, or a task this job does not have) is logged and dropped, so that a
-        bad report never ends the job nor counts."""
-        assert self.state is not None
+        """The ``[task id, value]`` pairs of a ``done`` message's field that name tasks in flight on its
+        sender; any other entry (malformed, a task this job does not have, or one another worker
+        runs) is logged and dropped, so that a bad report never ends the job nor counts.
+
+        The sender must be the worker the task was sent to (or moved to with its queued executor:
+        ``tasks_moved``), or the one its executor is placed on now (a task that reached an executor's
+        old worker after it left was forwarded to the new one). Before, any process's report of a
+        task in flight was taken: its driver counted a result the task never produced."""
+        st = self.state
+        assert st is not None
         out = []
         entries = msg[field_name]
         for entry in entries if isinstance(entries, list) else [entries]:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and is_int(entry[0])):
                 log.warning("malformed %s report from %s: %.200r; dropped", field_name, msg.sender, entry)
-            elif entry[0] not in self.state.inflight:
+            elif (rec := st.inflight.get(entry[0])) is None:
                 log.warning("%s reported %s task %d, which is not in flight; dropped", msg.sender, field_name,
                             entry[0])
+            elif msg.sender != rec.worker and msg.sender != st.placement.get(rec.executor_id):
+                log.warning("%s reported %s task %d, which runs on %s (its executor %d is on %s); dropped", msg.sender,
+                            field_name, entry[0], rec.worker, rec.executor_id, st.placement.get(rec.executor_id))
             else:
                 out.append((entry[0], entry[1]))
         return out
