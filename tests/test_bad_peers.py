@@ -361,3 +361,35 @@ def test_the_master_takes_a_tasks_report_only_from_the_worker_running_it(caplog)
         assert d.done == [(a, 1), (b, 2), (c, 3)] and not st.inflight
     finally:
         m.endpoint.close()
+
+
+def test_moving_shards_is_all_or_nothing() -> None:
+    """``extract([0, 3])`` with shard 3 not hosted took shard 0 out, then raised: its rows were lost.
+    Every shard is checked first now, and a server refuses a move to a process it cannot reach."""
+    import pytest
+
+    from litz.errors import TableError
+
+    store = ShardStore(table_index([Table("t", (2,))]), [0, 1], 4)
+    store.update("t", [0, 4, 1], np.ones((3, 2)))
+    for shards, why in [([0, 3], r"3\]? (is )?not on this server"), ([0, 0], "some named twice"),
+                        ([0, "1"], r"\['1'\] not on this server")]:
+        with pytest.raises(TableError, match=why):
+            store.extract(shards, "s1")
+        assert sorted(store.shards) == [0, 1] and not store.forward
+        np.testing.assert_array_equal(store.get("t", [0, 4, 1]), np.ones((3, 2)))
+    srv = ServerNode("s0", "job", "127.0.0.1:1")
+    sent = _recording(srv)
+    try:
+        srv.master, srv.store = "master", store
+        srv.dispatch(Message("migrate_shards", {"mid": 4, "shards": [0, 3], "dest": "s1"}, sender="master"))
+        srv.endpoint.peers["s1"] = "ipc:///nowhere/s1"
+        srv.dispatch(Message("migrate_shards", {"mid": 5, "shards": [0, 3], "dest": "s1"}, sender="master"))
+        assert [(to, kind, f["about"]) for to, kind, f in sent] == [("master", "error", "migrate_shards")] * 2
+        assert "migration 4 to 's1': no address known for it" in sent[0][2]["reason"]
+        assert "[3] not on this server" in sent[1][2]["reason"]
+        assert sorted(store.shards) == [0, 1] and not store.forward
+        srv.dispatch(Message("migrate_shards", {"mid": 6, "shards": [0], "dest": "s1"}, sender="master"))
+        assert sent[-1][:2] == ("s1", "shard_data") and sorted(store.shards) == [1] and store.forward == {0: "s1"}
+    finally:
+        srv.endpoint.close()

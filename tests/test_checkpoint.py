@@ -1812,6 +1812,7 @@ def test_a_shards_saved_copies_move_with_it() -> None:
         a.store.settle(3, ok=True)
         a.store.update("t", [1], np.array([[3.0, 4.0]]))  # row 1 moves by 5 after the checkpoint
         a._looked_up.add("master")
+        a.endpoint.peers["s1"] = b.endpoint.address  # (as the master's dest_addr tells it)
         a.dispatch(Message("migrate_shards", {"mid": 1, "shards": [1], "dest": "s1"}, sender="master"))
         [(peer, frames)] = sent
         msg = decode(frames, sender="s0")

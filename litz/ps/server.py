@@ -172,13 +172,17 @@ class ShardStore:
     def extract(self, shards: list[int], dest: str) -> list[list[Any]]:
         """Remove shards for migration: ``[table, shard, keys, stacked rows]`` per non-empty table.
 
-        From now on requests for them are forwarded to ``dest``.
+        From now on requests for them are forwarded to ``dest``. All or nothing: every shard is
+        checked first (one not hosted here, or named twice, raised after the shards before it had
+        been taken out, and their rows were lost).
         """
+        absent = [shard for shard in shards if not (type(shard) is int and shard in self.shards)]
+        if absent or len(set(shards)) != len(shards):
+            raise TableError(f"cannot move shards {list(shards)!r:.200} to {dest}: "
+                             + (f"{absent[:10]!r} not on this server" if absent else "some named twice"))
         out: list[list[Any]] = []
         for shard in shards:
-            tables = self.shards.pop(shard, None)
-            if tables is None:
-                raise TableError(f"shard {shard} is not on this server")
+            tables = self.shards.pop(shard)
             for name, rows in tables.items():
                 if rows:
                     out.append([name, shard, list(rows), np.stack(list(rows.values()))])
@@ -702,6 +706,9 @@ class ServerNode(Node):
         if msg.get("dest_addr"):
             self.endpoint.connect(msg["dest"], msg["dest_addr"])
         store = self._store()
+        if msg["dest"] == self.ident or not self.endpoint.knows(msg["dest"]):  # the shards would go nowhere
+            raise TableError(f"cannot move shards {msg['shards']!r:.200} of migration {msg['mid']} to {msg['dest']!r}: "
+                             + ("it is this server" if msg["dest"] == self.ident else "no address known for it"))
         data = store.extract(list(msg["shards"]), msg["dest"])
         saved, staged = store.extract_saved(data), store.extract_staged(list(msg["shards"]))
         scored = [[s, self._scored_in.pop(s)] for s in msg["shards"] if s in self._scored_in]

@@ -1159,6 +1159,8 @@ class Master:
             return
         if msg.get("about") in ("executor_state", "migrate_out", "ship"):  # executors would be lost: stop cleanly
             raise LitzError(f"executor migration failed on {msg.sender}: {msg['reason']}")
+        if msg.get("about") in ("migrate_shards", "shard_data"):  # it would wait for ever, or rows are lost
+            raise LitzError(f"shard migration failed on {msg.sender}: {msg['reason']}")
         if msg.get("about") == "update":  # the worker sends it before the completions that made the update
             raise LitzError(f"updates sent by {msg.sender} were refused, so the tables lack them and the job "
                             f"stops: {msg['reason']}")
