@@ -393,3 +393,30 @@ def test_moving_shards_is_all_or_nothing() -> None:
         assert sent[-1][:2] == ("s1", "shard_data") and sorted(store.shards) == [1] and store.forward == {0: "s1"}
     finally:
         srv.endpoint.close()
+
+
+def test_a_malformed_task_fails_alone_and_the_rest_of_its_message_runs() -> None:
+    """A malformed item in a ``tasks`` message raised and dropped the rest of the message, whose
+    tasks then stayed in flight for ever. The good ones run now; a bad one is reported as its task's
+    failure, naming it, or, without a readable task id, as an error naming the message."""
+    w, sent = _worker(["s0"] * 4)
+    w.app, w.num_executors = {"executor": _Counter, "config": {}}, 2
+    try:
+        from litz.runtime.worker import Slot
+
+        for eid in (0, 1):
+            w.slots[eid] = Slot(w._make_executor(eid))
+        w.dispatch(Message("tasks", {"tasks": [[1, 0, 0, "a"], [2, 1, 0], "junk", [3, 1, "v", None],
+                                               [4, 1, 0, "c"]]}, sender="master"))
+        w._run_runnable()
+        w.flush()
+        done = [f for to, kind, f in sent if kind == "done"]
+        assert [c[0] for f in done for c in f["completed"]] == [1, 4]
+        failed = {t: why for f in done for t, why in f["failed"]}
+        assert sorted(failed) == [2, 3] and "item 1 of a tasks message from master is not [task id" in failed[2]
+        assert "task 3 cannot run on worker w0: item 3 " in failed[3]
+        [error] = [f for to, kind, f in sent if kind == "error"]
+        assert error["about"] == "tasks" and "item 2 of a tasks message from master" in error["reason"]
+        assert "no task id can be read in it" in error["reason"]
+    finally:
+        w.endpoint.close()

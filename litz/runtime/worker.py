@@ -548,7 +548,15 @@ class Worker(Node):
 
     # -- tasks --------------------------------------------------------------------------
     def on_tasks(self, msg: Message) -> None:
-        for item in msg["tasks"]:
+        """Queue each task for its executor (or forward it after an executor that left). Each item
+        is checked on its own: a malformed one raised and dropped the rest of the message, whose
+        tasks then stayed in flight for ever. It fails alone now, reported to the master as its
+        task's failure, or, if no task id can be read in it, as an error naming the message."""
+        for n, item in enumerate(msg["tasks"]):
+            if not ((type(item) is list or type(item) is tuple) and len(item) == 4 and type(item[0]) is int
+                    and type(item[1]) is int and type(item[2]) is int):
+                self._malformed_task(msg, n, item)
+                continue
             task_id, eid, version, args = item
             if msg.undecodable and (bad := undecodable_in(args)) is not None:  # this task fails, no other
                 self.tasks_failed += 1
@@ -557,8 +565,15 @@ class Worker(Node):
                 continue
             slot = self.slots.get(eid)
             if slot is None and eid in self.moved_to:  # a late task for an executor that left: forward it
+                try:
+                    self.endpoint.send(self.moved_to[eid], "tasks", tasks=[item])
+                except Exception as exc:  # (the rest of the message goes on)
+                    self.tasks_failed += 1
+                    self._record("failed", [task_id, f"worker {self.ident} could not forward task {task_id} to "
+                                            f"{self.moved_to[eid]}, where executor {eid} moved: "
+                                            f"{type(exc).__name__}: {exc}"], eid)
+                    continue
                 self.tasks_forwarded += 1
-                self.endpoint.send(self.moved_to[eid], "tasks", tasks=[item])
                 continue
             if slot is None:
                 self._record("failed", [task_id, f"executor {eid} is not hosted by worker {self.ident}"], eid)
@@ -570,6 +585,24 @@ class Worker(Node):
             elif len(slot.queue) == 1:  # next in line
                 self._prefetch(slot, task)
         self._send_fetches()
+
+    def _malformed_task(self, msg: Message, n: int, item: Any) -> None:
+        """Item ``n`` of tasks message ``msg`` is not ``[task id, executor id, version, arguments]``
+        (ints but the arguments): its task fails, reported to the master; an item without a
+        readable task id is reported as an error naming the message."""
+        reason = (f"item {n} of a tasks message from {msg.sender} is not [task id, executor id, version, "
+                  f"arguments] (ints but the arguments): {item!r:.200}")
+        task_id = item[0] if type(item) in (list, tuple) and item and type(item[0]) is int else None
+        if task_id is None:
+            log.error("%s: %s; no task id can be read in it: dropped", self.ident, reason)
+            if self.master is not None:
+                self.endpoint.send(self.master, "error", reason=f"worker {self.ident}: {reason}; no task id can be "
+                                   "read in it: dropped", about="tasks")
+            return
+        eid = item[1] if len(item) > 1 and type(item[1]) is int else -1
+        self.tasks_failed += 1
+        log.error("%s: task %d fails: %s", self.ident, task_id, reason)
+        self._record("failed", [task_id, f"task {task_id} cannot run on worker {self.ident}: {reason}"], eid)
 
     def _prefetch(self, slot: Slot, task: Task) -> None:
         """Fetch what the task next in line says it will read (``Executor.prefetch``), at its version.
