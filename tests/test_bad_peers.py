@@ -420,3 +420,108 @@ def test_a_malformed_task_fails_alone_and_the_rest_of_its_message_runs() -> None
         assert "no task id can be read in it" in error["reason"]
     finally:
         w.endpoint.close()
+
+
+def test_a_task_sent_twice_runs_once_and_one_shipped_away_may_come_back(caplog) -> None:  # noqa: ANN001
+    """The same task id sent twice (in one message, or again later) ran twice, its updates counted
+    twice. It runs once now, the others logged. A task shipped away with its executor is forgotten:
+    it may come back with it (or be forwarded back), and then runs here."""
+    from litz.runtime.protocol import pack_object
+    from litz.runtime.worker import Slot, Task
+
+    w, sent = _worker(["s0"] * 4, peers=("s0", "w1"))
+    w.app, w.num_executors = {"executor": _Counter, "config": {}}, 2
+    try:
+        w.slots[0] = Slot(w._make_executor(0))
+        w.dispatch(Message("tasks", {"tasks": [[10, 0, 0, "x"], [10, 0, 0, "x"]]}, sender="master"))
+        w.dispatch(Message("tasks", {"tasks": [[10, 0, 0, "x"]]}, sender="master"))
+        w._run_runnable()
+        w.dispatch(Message("tasks", {"tasks": [[10, 0, 0, "x"], [11, 0, 0, "y"]]}, sender="master"))
+        w._run_runnable()
+        w.flush()
+        assert [c for _, kind, f in sent if kind == "done" for c in f["completed"]] == [[10, 1], [11, 2]]
+        assert "refused task 10 for executor 0 from master: it is queued, running or ran here already" in caplog.text
+        # executor 0 leaves with task 12 queued; the task may come back here (forwarded back, or with it)
+        w.slots[0].queue.append(Task(12, 0, 0, "z"))
+        w._new_task(12, 0, "master")
+        w.dispatch(Message("migrate_out", {"mid": 1, "executors": [0], "dest": "w1", "ship_input": False},
+                           sender="master"))
+        w.dispatch(Message("ship", {"mid": 1}, sender="master"))
+        [shipped] = [f for to, kind, f in sent if kind == "executor_state"]
+        assert [t[0] for t in shipped["executors"][0][3]] == [12]
+        w.dispatch(Message("executor_state", {"mid": 2, "source": "w1", "executors": [
+            [0, pack_object(5), None, [[12, 0, 0, "z"]], None, []]]}, sender="w1"))
+        w._run_runnable()
+        w.flush()
+        assert [c for _, kind, f in sent if kind == "done" for c in f["completed"]][-1] == [12, 6]
+    finally:
+        w.endpoint.close()
+
+
+def test_executors_or_shards_that_arrive_twice_are_refused(caplog) -> None:  # noqa: ANN001
+    """An ``executor_state`` naming an executor hosted here replaced it (state and queued tasks
+    lost); a ``shard_data`` sent again put back rows updated since. Both are refused now: a
+    migration that arrived already is logged, one bringing what is hosted here is told to the master."""
+    from litz.runtime.protocol import pack_object
+    from litz.runtime.worker import Slot
+
+    w, sent = _worker(["s0"] * 4, peers=("s0", "w1"))
+    w.app, w.num_executors = {"executor": _Counter, "config": {}}, 2
+    try:
+        w.slots[0] = Slot(ex := w._make_executor(0))
+        ex.state = 3
+        state = [1, pack_object(7), None, [], None, []]
+        w.dispatch(Message("executor_state", {"mid": 1, "source": "w1", "executors": [state]}, sender="w1"))
+        w.dispatch(Message("executor_state", {"mid": 1, "source": "w1", "executors": [state]}, sender="w1"))
+        w.dispatch(Message("executor_state", {"mid": 2, "source": "w1", "executors": [[0, *state[1:]]]},
+                           sender="w1"))
+        assert [(to, kind) for to, kind, _ in sent] == [("master", "migrated"), ("master", "error")]
+        assert sent[1][2]["about"] == "executor_state" and "executors [0] run here already" in sent[1][2]["reason"]
+        assert w.slots[0].executor is ex and ex.state == 3 and w.slots[1].executor.state == 7
+        assert "refused executors [1] of migration 1 from w1: it arrived already" in caplog.text
+    finally:
+        w.endpoint.close()
+    srv = ServerNode("s1", "job", "127.0.0.1:1")
+    sent = _recording(srv)
+    try:
+        srv.master, srv.store = "master", ShardStore(table_index([Table("t", (2,))]), [0], 4)
+        data = {"mid": 4, "shards": [1], "data": [["t", 1, [1], np.full((1, 2), 10.0)]], "source": "s0"}
+        srv.dispatch(Message("shard_data", data, sender="s0"))
+        srv.dispatch(Message("update", {"rid": 1, "items": [["t", [1], np.ones((1, 2))]], "low": 1}, sender="w0"))
+        srv.dispatch(Message("shard_data", data, sender="s0"))
+        srv.dispatch(Message("shard_data", {**data, "mid": 5}, sender="s0"))
+        np.testing.assert_array_equal(srv.store.get("t", [1]), np.full((1, 2), 11.0))
+        assert [(to, kind) for to, kind, _ in sent] == [("master", "shards_moved"), ("w0", "update_ack"),
+                                                        ("master", "error")]
+        assert sent[2][2]["about"] == "shard_data"
+        assert "migration 5 from s0: shards [1] are hosted" in sent[2][2]["reason"]
+        assert "refused shards [1] of migration 4 from s0: they arrived already" in caplog.text
+    finally:
+        srv.endpoint.close()
+
+
+def test_an_update_sent_again_after_it_was_answered_is_refused_but_a_resend_with_origin_is_not() -> None:
+    """An update that came again after its sender's ``low`` had passed its rid was applied again:
+    ``AppliedOnce`` had pruned what it applied. It is refused now (answered with an error, so that
+    nothing waits). Updates that carry an ``origin`` (sent again after a server's loss, or
+    forwarded) are ``AppliedOnce``'s to judge, whatever their rid: never refused."""
+    srv = ServerNode("s1", "job", "127.0.0.1:1")
+    sent = _recording(srv)
+    one = np.ones((1, 2))
+    try:
+        srv.master, srv.store = "master", ShardStore(table_index([Table("t", (2,))]), [0, 1, 2, 3], 4)
+        srv.dispatch(Message("update", {"rid": 4, "items": [["t", [0], one]], "low": 4}, sender="w0"))
+        srv.dispatch(Message("update", {"rid": 4, "items": [["t", [0], one]], "low": 4}, sender="w0"))  # at once:
+        # skipped by AppliedOnce, which remembers (w0, 4) until a later low passes it (rid 7's, pruning it)
+        srv.dispatch(Message("update", {"rid": 7, "items": [["t", [1], one]], "low": 5}, sender="w0"))
+        srv.dispatch(Message("update", {"rid": 4, "items": [["t", [0], one]], "low": 4}, sender="w0"))
+        assert sent[-1][1] == "error" and sent[-1][2]["rid"] == 4 and sent[-1][2]["about"] == "update"
+        assert "refused update 4 from w0: it was answered already" in sent[-1][2]["reason"]
+        # update 5 went to s0, which forwarded key 2 here and died; w0 sends it again (rid 8, origin 5)
+        srv.dispatch(Message("update", {"rid": 9, "items": [["t", [2], one]], "origin": ["w0", 5, 5]}, sender="s0"))
+        srv.dispatch(Message("update", {"rid": 8, "items": [["t", [2, 3], np.ones((2, 2))]], "origin": ["w0", 5, 5]},
+                             sender="w0"))
+        assert [kind for _, kind, _ in sent[-2:]] == ["update_ack", "update_ack"]
+        np.testing.assert_array_equal(srv.store.get("t", [0, 1, 2, 3]), np.ones((4, 2)))
+    finally:
+        srv.endpoint.close()

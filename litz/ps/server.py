@@ -65,6 +65,22 @@ class AppliedOnce:
         self.num_shards = num_shards
         # (sender, rid) -> table -> the lists of keys applied here under that origin
         self.applied: dict[tuple[str, int], dict[str, list[list[Hashable]]]] = {}
+        # sender -> the highest ``low`` its updates sent straight here named (``answered``)
+        self.lows: dict[str, int] = {}
+
+    def answered(self, sender: str, rid: int, low: int | None) -> bool:
+        """Whether update ``rid``, sent straight here by ``sender`` (no ``origin``), was answered
+        already: an update it sent here later named a lowest unanswered rid above it. Its updates
+        reach this server in the order of their rids, one connection, and it never sends one
+        again under its own rid (a resend after a server's loss, or a forward, is a new message
+        with ``origin``, which this does not judge), so this one is the same message again: applied
+        once, then pruned (``prune``), it would be applied twice. Records ``low`` otherwise."""
+        seen = self.lows.get(sender)
+        if seen is not None and rid < seen:
+            return True
+        if low is not None and (seen is None or low > seen):
+            self.lows[sender] = low
+        return False
 
     def prune(self, sender: str, low: int) -> None:
         """``sender`` holds no update below rid ``low`` any more: none of them can come again."""
@@ -75,6 +91,7 @@ class AppliedOnce:
 
     def forget(self, sender: str) -> None:
         """``sender`` is gone for good (declared lost): none of its updates can come again."""
+        self.lows.pop(sender, None)
         for origin in [o for o in self.applied if o[0] == sender]:
             del self.applied[origin]
 
@@ -503,6 +520,7 @@ class ServerNode(Node):
         # left: the round chose among them here, and their new server does not score them again
         self._left: dict[tuple[str, Hashable], np.ndarray] = {}
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
+        self._mids_in: set[int] = set()  # shard migrations received (one sent again is refused)
         self._abandoned_to: set[str] = set()  # dead servers of a rollback under way: forward nothing there
         self._rollback_from: tuple[str, int] | None = None  # (master, round) owed "rolled_back" (on_rollback)
         self.forwarded = 0
@@ -554,6 +572,13 @@ class ServerNode(Node):
         if once is not None:
             store.once.prune(once[0], int(origin[2]))
         elif kind == "update":  # straight from its sender: it is this origin, which its forwarded parts name
+            if store.once.answered(msg.sender, msg["rid"], msg.get("low")):
+                reason = (f"{self.ident} refused update {msg['rid']} from {msg.sender}: it was answered already (a "
+                          f"later update said {store.once.lows[msg.sender]} was the lowest unanswered); not applied "
+                          "again")
+                log.warning("%s", reason)
+                self.endpoint.send(msg.sender, "error", rid=msg["rid"], reason=reason, about="update")
+                return
             origin = [msg.sender, msg["rid"], msg.get("low", msg["rid"])]
             once = (msg.sender, int(msg["rid"]))
             store.once.prune(msg.sender, origin[2])
@@ -732,6 +757,15 @@ class ServerNode(Node):
             log.warning("%s: dropped shards %s of migration %d, abandoned by a rollback", self.ident,
                         msg["shards"], msg["mid"])
             return
+        if msg["mid"] in self._mids_in:  # sent again: installed, it put back rows updated since
+            log.warning("%s: refused shards %.100r of migration %d from %s: they arrived already", self.ident,
+                        msg["shards"], msg["mid"], msg.sender)
+            return
+        self._mids_in.add(msg["mid"])
+        hosted = [s for s in msg["shards"] if type(s) is int and s in self._store().shards]
+        if hosted:
+            self._shard_data_refused(msg, f"shards {hosted} are hosted here already")
+            return
         self._store().install(list(msg["shards"]), msg["data"])
         self._store().install_saved(msg.get("saved", []))
         self._store().install_staged(msg.get("staged", []))
@@ -740,6 +774,15 @@ class ServerNode(Node):
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
+
+    def _shard_data_refused(self, msg: Message, why: str) -> None:
+        """Refuse shard migration ``msg`` whole, telling the master (which waits for the shards, and
+        stops the job: their rows travelled in this message only)."""
+        reason = (f"{self.ident} refused the shards {msg['shards']!r:.100} of migration {msg['mid']} from "
+                  f"{msg.sender}: {why}")
+        log.error("%s", reason)
+        assert self.master is not None
+        self.endpoint.send(self.master, "error", reason=reason, about="shard_data")
 
     # -- SCAR partial checkpoints -----------------------------------------------------------------
     def on_ckpt_scores(self, msg: Message) -> None:

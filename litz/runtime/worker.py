@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: seconds a server named in a hint that could not be looked up (unknown, or etcd away) is not asked for again
 UNKNOWN_SERVER_WAIT = 5.0
+#: task ids a worker remembers having queued or run, to refuse one sent again (it ran twice, its
+#: updates applied twice); past this many the oldest are forgotten
+RECENT_TASKS = 1 << 14
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "cache": True,  # use the version-tagged process cache
@@ -161,6 +164,10 @@ class Worker(Node):
         self.outgoing: list[Outgoing] = []
         self._ship_due = False  # a leaving executor's task ended or was reported: check after the next poll
         self.moved_to: dict[int, str] = {}  # executors shipped away: late tasks are forwarded there
+        # the ids of the last RECENT_TASKS tasks queued here (those shipped away since excepted), in order
+        self._task_ids: set[int] = set()
+        self._task_order: deque[int] = deque()
+        self._mids_in: set[int] = set()  # executor migrations received (one sent again is refused)
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self.migrations_out = 0
         self.migrations_in = 0
@@ -314,6 +321,8 @@ class Worker(Node):
         self._scored.clear()
         self._staged.clear()
         self.moved_to.clear()
+        self._task_ids.clear()  # (the checkpoint's tasks come again, with their ids)
+        self._task_order.clear()
         self.cache = ProcessCache(enabled=bool(self.options["cache"]))
         self.log.discard()
         self._to_fetch.clear()
@@ -578,6 +587,8 @@ class Worker(Node):
             if slot is None:
                 self._record("failed", [task_id, f"executor {eid} is not hosted by worker {self.ident}"], eid)
                 continue
+            if not self._new_task(task_id, eid, msg.sender):
+                continue
             task = Task(task_id, eid, version, args)
             slot.queue.append(task)
             if not slot.running and not slot.leaving:
@@ -585,6 +596,21 @@ class Worker(Node):
             elif len(slot.queue) == 1:  # next in line
                 self._prefetch(slot, task)
         self._send_fetches()
+
+    def _new_task(self, task_id: int, eid: int, sender: str) -> bool:
+        """Whether task ``task_id`` may be queued here: not if it is queued, running or ran here
+        already (a duplicated message ran it twice, and its updates counted twice), which is
+        logged; it is remembered otherwise (the last ``RECENT_TASKS``). A task shipped away with
+        its executor is forgotten (``on_ship``): it may come back with it, or be forwarded back."""
+        if task_id in self._task_ids:
+            log.warning("%s: refused task %d for executor %d from %s: it is queued, running or ran here already",
+                        self.ident, task_id, eid, sender)
+            return False
+        self._task_ids.add(task_id)
+        self._task_order.append(task_id)
+        if len(self._task_order) > RECENT_TASKS:
+            self._task_ids.discard(self._task_order.popleft())
+        return True
 
     def _malformed_task(self, msg: Message, n: int, item: Any) -> None:
         """Item ``n`` of tasks message ``msg`` is not ``[task id, executor id, version, arguments]``
@@ -673,6 +699,7 @@ class Worker(Node):
             slot = self.slots.pop(e)
             saves = self.row_saves.pop(e, None)
             queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
+            self._task_ids.difference_update(t.task_id for t in slot.queue)
             ship = mig.ship_input and slot.executor.ship_input  # else the destination loads it
             payload.append([e, states[e], pack_object(slot.executor.input) if ship else None, queued,
                             pack_object(saves) if saves is not None else None, self._take_staged(e, saves)])
@@ -704,8 +731,19 @@ class Worker(Node):
             log.warning("%s: dropped executors %s of migration %d, abandoned by a rollback", self.ident,
                         [e[0] for e in msg["executors"]], msg["mid"])
             return
+        if msg["mid"] in self._mids_in:  # sent again: its executors run here, or ran and moved on
+            log.warning("%s: refused executors %.100r of migration %d from %s: it arrived already", self.ident,
+                        [e[0] if type(e) in (list, tuple) and e else e for e in msg["executors"]], msg["mid"],
+                        msg.sender)
+            return
+        self._mids_in.add(msg["mid"])
         try:
             self._receive_executors(msg)
+        except LitzError as exc:  # refused before anything was taken: the master must know, or it would hang
+            reason = f"worker {self.ident} could not take executors of migration {msg['mid']} from {msg.sender}: {exc}"
+            log.error(reason)
+            assert self.master is not None
+            self.endpoint.send(self.master, "error", reason=reason, about="executor_state")
         except Exception:  # the executors cannot run here: the master must know, or the job would hang
             reason = f"worker {self.ident} could not take executors of migration {msg['mid']}:\n" \
                      f"{traceback.format_exc()}"
@@ -714,14 +752,26 @@ class Worker(Node):
             self.endpoint.send(self.master, "error", reason=reason, about="executor_state")
 
     def _receive_executors(self, msg: Message) -> None:
+        """Host the executors a migration shipped here, with their queued tasks. One this worker
+        hosts already is refused (LitzError), before any is taken: it replaced the one running
+        here, state and queued tasks lost."""
+        entries = msg["executors"]
+        if not all((type(e) is list or type(e) is tuple) and len(e) == 6 and type(e[0]) is int for e in entries):
+            raise LitzError(f"its executors are not [executor id, state, input, queued tasks, saved rows, undo "
+                            f"entries] each: {entries!r:.200}")
+        hosted = [e[0] for e in entries if e[0] in self.slots]
+        if hosted:
+            raise LitzError(f"executors {hosted} run here already")
+        if len({e[0] for e in entries}) != len(entries):
+            raise LitzError(f"it names executors twice: {[e[0] for e in entries]}")
         arrived = []
-        for eid, state, inp, tasks, saves, undo in msg["executors"]:
+        for eid, state, inp, tasks, saves, undo in entries:
             self.moved_to.pop(eid, None)
             slot = self.slots[eid] = Slot(self._make_executor(eid, [state, inp]))
             if saves is not None:  # what the running checkpoint holds of its rows
                 self.row_saves[eid] = unpack_object(saves)
             self._staged_arrived(eid, undo)
-            slot.queue.extend(Task(*t) for t in tasks)
+            slot.queue.extend(Task(*t) for t in tasks if self._new_task(t[0], eid, msg.sender))
             if slot.queue:
                 self._start_next(slot)
             arrived.append(eid)
