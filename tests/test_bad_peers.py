@@ -525,3 +525,63 @@ def test_an_update_sent_again_after_it_was_answered_is_refused_but_a_resend_with
         np.testing.assert_array_equal(srv.store.get("t", [0, 1, 2, 3]), np.ones((4, 2)))
     finally:
         srv.endpoint.close()
+
+
+def test_a_malformed_read_reply_fails_the_tasks_waiting_for_it_naming_what_is_wrong() -> None:
+    """A worker's ``get_reply`` forgot its request, then raised part-way when it was short, held rows
+    of the wrong shape or dtype, or a list, or a hint of a shard out of range: the tasks waiting
+    for it blocked for ever. Checked first now: the waiting tasks fail, naming the server, the
+    request, the table and the key; a bad hint alone is ignored."""
+    w, sent = _worker(["s0"] * 4)
+    try:
+        cases = {1: dict(values=[], errors=[]), 2: dict(values=[np.ones((1, 7), np.float32)], errors=[None]),
+                 3: dict(values=[np.ones((1, 2), np.int64)], errors=[None]), 4: dict(values=[[[1.0, 2.0]]],
+                                                                                    errors=[None])}
+        for key, fields in cases.items():
+            wait = _waiting(w, "t", key)
+            w._send_fetches()
+            rid = sent[-1][2]["rid"]
+            w.dispatch(Message("get_reply", {"rid": rid, **fields}, sender="s0"))
+            assert wait.resumed and f"fetch of table 't' key {key} from s0 (request {rid}) failed" in wait.error
+            assert not w._fetching and not w._sent_to
+        assert "its reply gave list [[1.0, 2.0]] for 1 rows of shape (2,) and dtype float32" in wait.error
+        wait = _waiting(w, "t", 5)
+        w._send_fetches()
+        rid = sent[-1][2]["rid"]
+        w.dispatch(Message("get_reply", {"rid": rid, "values": [np.ones((1, 2), np.float32)], "errors": [None],
+                                         "moved": {1000: "s0", 1: 7}}, sender="s0"))
+        assert wait.resumed and wait.error is None and wait.values[5].tolist() == [1.0, 1.0]
+        assert w.shard_map == ["s0"] * 4 and not w._fetching
+    finally:
+        w.endpoint.close()
+
+
+def test_a_server_passes_on_a_malformed_or_stray_answer_to_a_forward_as_an_error() -> None:
+    """A server waiting for the answer to a part it forwarded took the entry out, then raised on a
+    short answer or rows of the wrong shape: the original requester was never answered. An answer
+    from a process it did not ask was taken. Now a stray answer is dropped, and a malformed one
+    fails its items, naming the server, the request, the table and the keys."""
+    srv = ServerNode("s0", "job", "127.0.0.1:1")
+    sent = _recording(srv)
+    try:
+        srv.master, srv.store = "master", ShardStore(table_index([Table("t", (2,))]), [0, 1, 2, 3], 4)
+        srv.store.extract([1], "s1")
+        for n, answer in enumerate([{"values": [], "errors": []},
+                                    {"values": [np.ones((1, 7), np.float32)], "errors": [None]},
+                                    {"values": [np.ones((2, 2), np.float64)], "errors": [None]}]):
+            srv.dispatch(Message("get", {"rid": 100 + n, "items": [["t", [0, 1, 5]]]}, sender="w0"))
+            to, kind, sub = sent[-1]
+            assert (to, kind) == ("s1", "get")
+            srv.dispatch(Message("get_reply", {"rid": sub["rid"], "values": [np.full((2, 2), 6.0, np.float32)],
+                                               "errors": [None]}, sender="s2"))
+            assert sent[-1][1] == "get" and sub["rid"] in srv._subs  # a stray answer: dropped
+            srv.dispatch(Message("get_reply", {"rid": sub["rid"], **answer}, sender="s1"))
+            to, kind, reply = sent[-1]
+            assert (to, kind, reply["rid"]) == ("w0", "get_reply", 100 + n) and not srv._subs
+            assert reply["values"] == [None] and f"table 't' keys [1, 5]: forwarded to s1 as request {sub['rid']}, " \
+                "its reply was malformed" in reply["errors"][0]
+        srv.dispatch(Message("update", {"rid": 200, "items": [["t", [1], np.ones((1, 2))]], "low": 200}, sender="w0"))
+        srv.dispatch(Message("update_ack", {"rid": sent[-1][2]["rid"], "errors": []}, sender="s1"))
+        assert sent[-1][:2] == ("w0", "update_ack") and "0 errors for 1 items" in sent[-1][2]["errors"][0]
+    finally:
+        srv.endpoint.close()

@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 ROLLED_BACK = "its server died and the job rolls back"  # a read forwarded to a server lost in a rollback
 
 
+def _described(value: Any) -> str:
+    """What a reply gave instead of rows, for an error."""
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r:.60}"
+
+
 def item_error(item: Any, exc: Exception) -> str:
     """Why a request's item was refused: Litz's own check says it all; anything else was raised by
     the application's code for the table (its combiner or initializer), so name the table and keys."""
@@ -666,19 +673,55 @@ class ServerNode(Node):
             log.error("%s: cannot answer %s request %r of %s: %s: %s", self.ident, pend.kind, pend.rid, pend.requester,
                       type(exc).__name__, exc)
 
-    def _sub_done(self, rid: int, values: list[Any] | None, errors: list[Any], moved: dict[int, str]) -> None:
-        entry = self._subs.pop(rid, None)
+    def _sub_done(self, rid: int, values: list[Any] | None, errors: list[Any], moved: dict[int, str],
+                  sender: str | None = None) -> None:
+        """The answer to forwarded request ``rid`` (from ``sender``; None: this server's own verdict):
+        its parts go into the original request, answered once every part is in.
+
+        Checked before it is taken: only the server it went to may answer it, and it must give an
+        error (or, for a read, a value) per item, each value the rows asked for (an array of the
+        table's row shape and dtype, one row per key). The entry was taken out first, and a reply
+        that was short or held the wrong rows raised: the original requester was never answered.
+        A malformed reply fails its items, naming the server, the request, the table and the keys."""
+        entry = self._subs.get(rid)
         if entry is None:
             log.warning("%s: reply to unknown forwarded request %r", self.ident, rid)
             return
-        pend, parts, _, _ = entry
+        pend, parts, dest, items = entry
+        if sender is not None and sender != dest:
+            log.warning("%s: %s answered forwarded request %r, which went to %s: dropped", self.ident, sender, rid,
+                        dest)
+            return
+        del self._subs[rid]
+        bad = None
+        if len(errors) != len(parts) or (values is not None and len(values) != len(parts)):
+            bad = (f"{len(errors)} errors" + (f" and {len(values)} values" if values is not None else "")
+                   + f" for {len(parts)} items")
+        tables = self.store.tables if self.store is not None else {}
         for n, (i, idx) in enumerate(parts):
-            if errors[n] is not None:
+            why = bad
+            if why is None and errors[n] is None and values is not None and pend.values[i] is not None:
+                rows, table = values[n], tables.get(items[n][0])
+                if table is None or not (type(rows) is np.ndarray and rows.shape[:1] == (len(idx),)
+                                         and rows.shape[1:] == table.shape and rows.dtype == table.dtype):
+                    why = (f"{_described(rows)} for {len(idx)} rows"
+                           + (f" of shape {table.shape} and dtype {table.dtype}" if table is not None else ""))
+            if why is not None:
+                why = f"table {items[n][0]!r} keys {items[n][1][:4]!r}: forwarded to {dest} as request {rid}, " \
+                      f"its reply was malformed: {why}"
+                log.error("%s: %s (for %s's %s %r)", self.ident, why, pend.requester, pend.kind, pend.rid)
+                pend.errors[i], pend.values[i] = why, None
+            elif errors[n] is not None:
                 pend.errors[i] = errors[n]
                 pend.values[i] = None
             elif values is not None and pend.values[i] is not None:
                 pend.values[i][idx] = values[n]
-        pend.moved.update(moved)
+        n = self.store.num_shards if self.store is not None else 0
+        hints = {s: d for s, d in moved.items() if type(s) is int and 0 <= s < n and isinstance(d, str)}
+        if len(hints) != len(moved):
+            log.warning("%s: ignored malformed hints in %s's answer to forwarded request %r: %.100r", self.ident,
+                        dest, rid, moved)
+        pend.moved.update(hints)
         pend.outstanding -= 1
         if not pend.outstanding:
             self._reply(pend)
@@ -686,16 +729,16 @@ class ServerNode(Node):
         self._answer_rollback()
 
     def on_get_reply(self, msg: Message) -> None:
-        self._sub_done(msg["rid"], msg["values"], msg["errors"], msg.get("moved") or {})
+        self._sub_done(msg["rid"], msg["values"], msg["errors"], msg.get("moved") or {}, msg.sender)
 
     def on_update_ack(self, msg: Message) -> None:
-        self._sub_done(msg["rid"], None, msg["errors"], msg.get("moved") or {})
+        self._sub_done(msg["rid"], None, msg["errors"], msg.get("moved") or {}, msg.sender)
 
     def on_error(self, msg: Message) -> None:
         rid = msg.get("rid")
         entry = self._subs.get(rid) if isinstance(rid, int) else None
         if entry is not None:
-            self._sub_done(rid, None, [msg["reason"]] * len(entry[1]), {})
+            self._sub_done(rid, None, [msg["reason"]] * len(entry[1]), {}, msg.sender)
         else:
             log.error("%s: error from %s: %s", self.ident, msg.sender, msg["reason"])
 

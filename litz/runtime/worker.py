@@ -89,6 +89,13 @@ class Outgoing:
     asked: bool = False  # ship_ready sent: the executors leave on the master's "ship"
 
 
+def _described(value: Any) -> str:
+    """What a reply gave instead of rows, for an error."""
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r:.60}"
+
+
 def keeps_rows(ex: Executor) -> bool:
     """Whether partial checkpoints save this executor's state by rows (it overrides ``state_rows``)."""
     return type(ex).state_rows is not Executor.state_rows
@@ -959,13 +966,17 @@ class Worker(Node):
         loop and the worker died (exit 70), or, in a handler, the other servers' reads were lost."""
         self._sent_to.pop(rid, None)
         why = f"{type(exc).__name__}: {exc}"
-        log.error("%s: could not send read request %d to %s (%s); the tasks waiting for it fail", self.ident, rid,
-                  server, why)
-        for name, keys, _ in self._fetching.pop(rid, ()):
+        self._fail_fetches(self._fetching.pop(rid, []), f"from {server} (request {rid}) could not be sent: {why}")
+
+    def _fail_fetches(self, record: list[tuple[str, list[Hashable], list[int]]], what: str) -> None:
+        """Fail the tasks waiting for the keys of ``record`` (a read request's items, no longer
+        awaited): each fails with ``fetch of table T key K <what>``, which is logged once."""
+        shown = ", ".join(f"table {name!r} ({len(keys)} keys from {keys[0]!r})" for name, keys, _ in record[:3])
+        log.error("%s: the reads of %s %s", self.ident, shown, what)
+        for name, keys, _ in record:
             for key in keys:
                 for wait in self.cache.fail(name, key):
-                    wait.error = f"fetch of table {name!r} key {key!r} from {server} (request {rid}) " \
-                                 f"could not be sent: {why}"
+                    wait.error = f"fetch of table {name!r} key {key!r} {what}"
                     self._resume(wait)
 
     def _learn_moves(self, msg: Message) -> None:
@@ -976,12 +987,17 @@ class Worker(Node):
         if self._sent_to.pop(msg["rid"], None) is None:
             return
         for shard, server in (msg.get("moved") or {}).items():
+            at = shard if type(shard) is int else int(shard) if isinstance(shard, str) and shard.isdigit() else -1
+            if not (0 <= at < len(self.shard_map) and isinstance(server, str)):  # (it raised: the reply was lost)
+                log.warning("%s: ignored a malformed hint in %s's %s %r: shard %.40r moved to %.40r", self.ident,
+                            msg.sender, msg.type, msg["rid"], shard, server)
+                continue
             if server in self._gone:  # a hint older than the server's departure
                 continue
             if server not in self.endpoint.peers:  # joined too recently for our etcd watch: ask etcd
                 self._look_up_server(server, shard)  # meanwhile the old route forwards
                 continue  # (sending there would fail: no address)
-            self.shard_map[int(shard)] = server
+            self.shard_map[at] = server
 
     def _look_up_server(self, server: str, shard: str) -> None:
         """Read the registration of ``server``, named in a hint, off the loop; its address lets later
@@ -1044,14 +1060,36 @@ class Worker(Node):
         return True
 
     def on_get_reply(self, msg: Message) -> None:
+        """Fill the cache with a server's rows and resume the tasks waiting for them. A reply is
+        checked before it is taken (it raised part-way, after its request was forgotten, and its
+        tasks waited for ever): one that does not give a value or an error per item fails the
+        request's tasks, a value that is not the rows asked for (an array of the table's row shape
+        and dtype, one row per key) fails its item's; each failure names the server, the request,
+        the table and the key."""
         if not self._from_asked(msg):
             return
-        self._learn_moves(msg)
-        record = self._fetching.pop(msg["rid"], None)
-        if record is None:
-            log.warning("%s: get_reply for unknown request %r", self.ident, msg["rid"])
+        rid, values, errors = msg["rid"], msg["values"], msg["errors"]
+        record = self._fetching.get(rid)
+        if record is not None and not len(values) == len(errors) == len(record):
+            self._sent_to.pop(rid, None)
+            del self._fetching[rid]
+            self._fail_fetches(record, f"from {msg.sender} (request {rid}) failed: its reply has {len(values)} values "
+                                       f"and {len(errors)} errors for {len(record)} items")
             return
-        for (name, keys, versions), values, error in zip(record, msg["values"], msg["errors"], strict=True):
+        self._learn_moves(msg)
+        record = self._fetching.pop(rid, None)
+        if record is None:
+            log.warning("%s: get_reply for unknown request %r", self.ident, rid)
+            return
+        tables = self.tables
+        for (name, keys, versions), rows, error in zip(record, values, errors, strict=True):
+            table = tables[name]
+            if error is None and not (type(rows) is np.ndarray and rows.shape[:1] == (len(keys),)
+                                      and rows.shape[1:] == table.shape and rows.dtype == table.dtype):
+                self._fail_fetches([(name, keys, versions)], f"from {msg.sender} (request {rid}) failed: its reply "
+                                   f"gave {_described(rows)} for {len(keys)} rows of shape {table.shape} and "
+                                   f"dtype {table.dtype}")
+                continue
             if error is not None and len(keys) > 1:  # perhaps one key's failure: each is asked again alone
                 self._fetch_alone.extend((name, key, version) for key, version in zip(keys, versions, strict=True))
                 continue
@@ -1061,7 +1099,7 @@ class Worker(Node):
                         wait.error = f"fetch of table {name!r} key {key!r} failed: {error}"
                         self._resume(wait)
                     continue
-                row = values[j]
+                row = rows[j]
                 row.flags.writeable = False  # shared by every task of the process through the cache
                 for wait, value in self.cache.fill(name, key, row, versions[j]):
                     wait.values[key] = value
