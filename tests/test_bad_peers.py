@@ -585,3 +585,46 @@ def test_a_server_passes_on_a_malformed_or_stray_answer_to_a_forward_as_an_error
         assert sent[-1][:2] == ("w0", "update_ack") and "0 errors for 1 items" in sent[-1][2]["errors"][0]
     finally:
         srv.endpoint.close()
+
+
+def test_shard_data_is_checked_whole_before_any_row_is_installed() -> None:
+    """``shard_data`` installed rows unchecked (a (1,) int8 row in a (3,) float64 table) and part-way
+    (a malformed second entry raised after the first was in). Every entry is checked first now,
+    as an update's rows are; a bad one refuses the whole migration, telling the master its id."""
+    def server() -> tuple[ServerNode, Sent]:
+        srv = ServerNode("s1", "job", "127.0.0.1:1")
+        sent = _recording(srv)
+        srv.master, srv.store = "master", ShardStore(table_index([Table("s", (3,), "float64")]), [0], 4)
+        return srv, sent
+
+    bad = [
+        ({"shards": [1], "data": [["s", 1, [1, 5], np.array([[7], [9]], np.int8)]]},
+         "has shape (2, 1), expected (2, 3)"),
+        ({"shards": [3], "data": [["s", 3, [3], np.full((1, 3), 5.0)], ["s", 3]]}, "a rows entry is not 4 fields"),
+        ({"shards": [1], "data": [["s", 1, [2], np.ones((1, 3))]]}, "keys [2] are not of shard 1"),
+        ({"shards": [1], "data": [["zz", 1, [1], np.ones((1, 3))]]}, "unknown table 'zz'"),
+        ({"shards": [1], "data": [["s", 1, [1], np.ones((1, 3), complex)]]}, "cannot be cast to the table's float64"),
+        ({"shards": [1, 1], "data": []}, "are not distinct shards"),
+        ({"shards": [1], "data": [], "staged": [[1, "s", 2, 2, None, None]]},
+         "an undo entry of table 's' is malformed"),
+    ]
+    for mid, (fields, why) in enumerate(bad, start=1):
+        srv, sent = server()
+        try:
+            srv.dispatch(Message("shard_data", {"mid": mid, "source": "s0", **fields}, sender="s0"))
+            [(to, kind, error)] = sent
+            assert (to, kind, error["about"]) == ("master", "error", "shard_data"), sent
+            assert f"refused the shards {fields['shards']!r} of migration {mid} from s0" in error["reason"]
+            assert why in error["reason"], error["reason"]
+            assert srv.store is not None and sorted(srv.store.shards) == [0] and srv.store.snapshot("s") == {}
+        finally:
+            srv.endpoint.close()
+    srv, sent = server()
+    try:
+        srv.dispatch(Message("shard_data", {"mid": 9, "source": "s0", "shards": [1], "data": [
+            ["s", 1, [1, 5], np.array([[1, 2, 3], [4, 5, 6]], np.int32)]]}, sender="s0"))
+        assert sent == [("master", "shards_moved", {"mid": 9, "shards": [1]})]
+        np.testing.assert_array_equal(srv.store.get("s", [1, 5]), [[1, 2, 3], [4, 5, 6]])
+        assert srv.store.get("s", [1]).dtype == np.float64
+    finally:
+        srv.endpoint.close()

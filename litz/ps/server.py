@@ -264,6 +264,69 @@ class ShardStore:
             elif not ended:
                 self._undo([entry])
 
+    def checked_arrival(self, shards: Any, data: Any, saved: Any, staged: Any, once: Any
+                        ) -> tuple[list[list[Any]], list[list[Any]], list[list[Any]]]:
+        """What a ``shard_data`` brings, every entry checked before anything is installed (as an
+        update's rows are, ``Table.check_delta``): its shards, new here; rows ``[table, shard, keys,
+        rows]`` of those shards, each key of its shard, the rows of the table's shape and a dtype
+        that casts to its own; saved copies, undo entries and applied-once records of the same.
+        Returns the rows, saved copies and undo entries, arrays in the tables' dtypes; TableError
+        names the first entry that is wrong (a bad one raised part-way: installed in part, the
+        rest of the shards' rows were lost)."""
+        n = self.num_shards
+        if not (all(type(s) is int and 0 <= s < n for s in shards) and len(set(shards)) == len(shards)):
+            raise TableError(f"its shards {shards!r:.100} are not distinct shards of 0..{n - 1}")
+        arriving = set(shards)
+
+        def entry(kind: str, e: Any, size: int) -> list[Any]:
+            if not ((type(e) is list or type(e) is tuple) and len(e) == size):
+                raise TableError(f"a {kind} entry is not {size} fields: {e!r:.100}")
+            return list(e)
+
+        def keys_of(table: Table, keys: Any, shard: int | None, kind: str) -> list[Hashable]:
+            checked = table.check_keys(keys)
+            wrong = [k for k in checked if (at := shard_of(k, n)) not in arriving
+                     or (shard is not None and at != shard)]
+            if wrong:
+                raise TableError(f"{kind} of table {table.name!r}: keys {wrong[:4]!r} are not of shard "
+                                 f"{shard if shard is not None else sorted(arriving)}")
+            return checked
+
+        rows_out = []
+        for e in data:
+            name, shard, keys, rows = entry("rows", e, 4)
+            table = lookup(self.tables, name)
+            if not (type(shard) is int and shard in arriving):
+                raise TableError(f"rows of table {table.name!r} for shard {shard!r:.20}, which does not arrive")
+            keys = keys_of(table, keys, shard, "rows")
+            rows_out.append([table.name, shard, keys,
+                             table.check_delta(rows, n=len(keys), what=f"rows of shard {shard}")])
+        saved_out = []
+        for e in saved:
+            name, keys, copies, rounds = entry("saved", e, 4)
+            table = lookup(self.tables, name)
+            keys = keys_of(table, keys, None, "saved copies")
+            rounds = np.asarray(rounds)
+            if rounds.shape != (len(keys),) or rounds.dtype.kind not in "iu":
+                raise TableError(f"saved copies of table {table.name!r}: rounds {rounds!r:.60} are not an int per key")
+            saved_out.append([table.name, keys, table.check_delta(copies, n=len(keys), what="saved copies"), rounds])
+        staged_out = []
+        for e in staged:
+            round_, name, shard, key, row, saved_in = entry("undo", e, 6)
+            table = lookup(self.tables, name)
+            if not (type(round_) is int and type(shard) is int and shard in arriving
+                    and (saved_in is None or type(saved_in) is int)):
+                raise TableError(f"an undo entry of table {table.name!r} is malformed: {e!r:.100}")
+            [key] = keys_of(table, [key], shard, "an undo entry")
+            staged_out.append([round_, table.name, shard, key,
+                               None if row is None else table.check_delta(row, what="an undo entry's row"), saved_in])
+        for e in once:
+            sender, rid, name, shard, keys = entry("applied-once", e, 5)
+            if not (isinstance(sender, str) and type(rid) is int and type(shard) is int and shard in arriving):
+                raise TableError(f"an applied-once entry is malformed: {e!r:.100}")
+            keys_of(lookup(self.tables, name), keys, shard, "an applied-once entry")
+        return rows_out, saved_out, staged_out
+
     def install(self, shards: list[int], data: list[list[Any]]) -> None:
         """Take over migrated shards (copies: received frames are read-only)."""
         for shard in shards:
@@ -809,11 +872,21 @@ class ServerNode(Node):
         if hosted:
             self._shard_data_refused(msg, f"shards {hosted} are hosted here already")
             return
-        self._store().install(list(msg["shards"]), msg["data"])
-        self._store().install_saved(msg.get("saved", []))
-        self._store().install_staged(msg.get("staged", []))
-        self._scored_in.update((int(s), int(cid)) for s, cid in msg.get("scored", []))
-        self._store().once.install(msg.get("once", []))
+        store = self._store()
+        try:  # every entry first: a bad one raised part-way, some rows installed, others lost
+            data, saved, staged = store.checked_arrival(msg["shards"], msg["data"], msg.get("saved", []),
+                                                        msg.get("staged", []), msg.get("once", []))
+            scored = [(int(s), int(cid)) for s, cid in msg.get("scored", []) if type(s) is int and type(cid) is int]
+            if len(scored) != len(msg.get("scored", [])):
+                raise TableError(f"its scored entries are not [shard, round] each: {msg['scored']!r:.100}")
+        except (TableError, TypeError, ValueError) as exc:
+            self._shard_data_refused(msg, str(exc))
+            return
+        store.install(list(msg["shards"]), data)
+        store.install_saved(saved)
+        store.install_staged(staged)
+        self._scored_in.update(scored)
+        store.once.install(msg.get("once", []))
         self.shards_in += len(msg["shards"])
         assert self.master is not None
         self.endpoint.send(self.master, "shards_moved", mid=msg["mid"], shards=msg["shards"])
