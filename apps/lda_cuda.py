@@ -81,6 +81,19 @@ def _uniform(seed: np.uint64, index: np.int64) -> float:  # pragma: no cover - r
 
 
 @cuda.jit(device=True)
+def _walk(rows: Any, totals: Any, ndk: Any, w: int, d: int, u: float, alpha: float, beta: float,
+          vbeta: float) -> tuple[int, float]:  # pragma: no cover - on the GPU
+    """The topic where the running sum of the conditional's weights, as the counts stand, passes
+    ``u``, and that sum; ``(-1, the whole sum)`` if it never does."""
+    acc = 0.0
+    for k in range(rows.shape[1]):
+        acc += (ndk[d, k] + alpha) * (rows[w, k] + beta) / (totals[k] + vbeta)
+        if u < acc:
+            return k, acc
+    return -1, acc
+
+
+@cuda.jit(device=True)
 def _resample(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any, z: Any, t: int, alpha: float,
               beta: float, vbeta: float, seed: np.uint64, changed: Any) -> None:  # pragma: no cover - on the GPU
     """Token ``t``: out of the counts, a draw from its full conditional as the counts stand, back in."""
@@ -95,23 +108,11 @@ def _resample(rows: Any, totals: Any, ndk: Any, tok_word: Any, tok_doc: Any, z: 
     for k in range(K):
         s += (ndk[d, k] + alpha) * (rows[w, k] + beta) / (totals[k] + vbeta)
     r = _uniform(seed, t)
-    u = r * s
-    new = -1
-    acc = 0.0
-    for k in range(K):
-        acc += (ndk[d, k] + alpha) * (rows[w, k] + beta) / (totals[k] + vbeta)
-        if u < acc:
-            new = k
-            break
+    new, seen = _walk(rows, totals, ndk, w, d, r * s, alpha, beta, vbeta)
     if new < 0:  # concurrent moves shrank the weights since they were summed: the same draw, scaled to
-        u = r * acc  # the sum this walk saw (always ending on the last topic leaned the chain towards it)
-        new = K - 1
-        acc = 0.0
-        for k in range(K):
-            acc += (ndk[d, k] + alpha) * (rows[w, k] + beta) / (totals[k] + vbeta)
-            if u < acc:
-                new = k
-                break
+        new, seen = _walk(rows, totals, ndk, w, d, r * seen, alpha, beta, vbeta)  # the sum that walk saw
+        if new < 0:  # (always ending on the last topic leaned the chain towards it)
+            new = K - 1
     cuda.atomic.add(ndk, (d, new), 1)
     cuda.atomic.add(rows, (w, new), 1)
     cuda.atomic.add(totals, new, 1)
