@@ -276,6 +276,41 @@ def test_routes_naming_a_server_not_known_yet_wait_for_its_registration_and_keep
         s9.close()
 
 
+def test_the_masters_later_messages_wait_behind_its_command_that_waits_for_an_address() -> None:
+    """A ``reload_executors`` naming a server not known yet waits for the read of the registrations;
+    the ``tasks`` the master sent after it, for the executors it brings, wait behind it, in order
+    (they were handled at once and failed: "executor 0 is not hosted by worker w0")."""
+    import time
+
+    from litz.runtime.transport import Endpoint
+
+    s9 = Endpoint("s9")
+    w = Worker("w0", "job", "127.0.0.1:1")
+    sent = _recording(w)
+    w.endpoint.peers["master"] = "ipc:///nowhere/master"
+    try:
+        w.dispatch(_init_worker())
+        w.membership = _Registry({"procs/server/s9": {"id": "s9", "addr": s9.address, "role": "server"}})
+        w.dispatch(Message("rollback", {"lost": [], "round": 1}, sender="master"))
+        w.dispatch(Message("reload_executors", {"executors": [0], "shard_map": ["s9"] * 4, "lost": [], "round": 1},
+                           sender="master"))
+        w.dispatch(Message("tasks", {"tasks": [[5, 0, 0, None]]}, sender="master"))
+        assert len(w._awaiting) == 2 and w.tasks_failed == 0
+        w.membership.release.set()
+        deadline = time.monotonic() + 10
+        while w._awaiting or not any(kind == "done" for _, kind, _ in sent):
+            assert time.monotonic() < deadline, f"the reload and its task never went on: {sent}"
+            w.poll(20)
+            w._run_runnable()  # (what the worker's loop does between polls)
+            w.flush()
+        assert w.tasks_failed == 0 and w.slots[0].executor.state == 1
+        [done] = [f for _, kind, f in sent if kind == "done"]
+        assert [list(c) for c in done["completed"]] == [[5, 1]] and not done["failed"], done
+    finally:
+        w.endpoint.close()
+        s9.close()
+
+
 def test_the_master_stops_the_job_when_a_process_refuses_its_routes() -> None:
     """A refused ``routes`` or ``server_lost`` leaves requests routed where they would wait for ever
     (and a scale-in waiting for the routes' acknowledgement): the job stops, saying why."""

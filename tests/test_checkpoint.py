@@ -619,6 +619,39 @@ def test_resume_refuses_a_checkpoint_another_user_owns_or_its_group_may_write(tm
     storage.refuse_checkpoint_public(fs, ck, storage.read_manifest(fs, ck))
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give files to another user (chown)")
+def test_a_store_that_gives_this_users_files_another_owner_is_trusted_for_them(tmp_path: Path,
+                                                                             monkeypatch) -> None:
+    """On NFS with ``root_squash`` every file root makes is nobody's: the owner check refused every
+    such checkpoint directory, a first run's included. The owner the store gives a file this
+    process makes in the root (a probe) is trusted there too, and only there."""
+    from types import SimpleNamespace
+
+    nobody = 65534
+    root = tmp_path / "squashed"
+    root.mkdir(mode=0o700)
+    os.chown(root, nobody, -1)  # as such a store shows what root made
+    with pytest.raises(storage.CheckpointError, match="belongs to .*uid 65534"):
+        storage.prepare_root(str(root))
+    fstat = os.fstat
+
+    def squashed(fd: int) -> object:
+        st = fstat(fd)
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{root}/.litz-owner-"):
+            return SimpleNamespace(st_uid=nobody, st_mode=st.st_mode)
+        return st
+
+    monkeypatch.setattr(storage.os, "fstat", squashed)
+    storage.prepare_root(str(root))  # the probe in it is nobody's: so are this user's files there
+    assert list(root.iterdir()) == []  # (the probes are gone)
+    elsewhere = tmp_path / "planted"  # another directory of nobody's, where this process's files are its own
+    elsewhere.mkdir(mode=0o755)
+    os.chown(elsewhere, nobody, -1)
+    monkeypatch.undo()
+    with pytest.raises(storage.CheckpointError, match="belongs to .*uid 65534"):
+        storage.refuse_public(str(elsewhere))
+
+
 class _StorageVanishingDriver(testapps.MigratingDriver):
     """Takes a checkpoint; once it is written turns the checkpoint directory into a file and asks
     for another (which cannot make its directory); once that failed puts the directory back and

@@ -632,9 +632,12 @@ def test_a_secured_job_takes_only_commands_and_agent_requests_signed_with_its_se
             forged = {"unsigned": security.sign_command(None, SCALE_KEY, {"id": "c1", "workers": 2}),
                       "other secret": security.sign_command(other, SCALE_KEY, {"id": "c2", "workers": 2}),
                       "stale": security.sign_command(secret, SCALE_KEY, {"id": "c3", "workers": 2,
-                                                                         "time": time.time() - 1000})}
+                                                                         "time": time.time() - 1000}),
+                      "earlier run's": security.sign_command(secret, SCALE_KEY, {"id": "c4", "workers": 2,
+                                                                                 "time": time.time() - 200})}
             for (name, value), why in zip(forged.items(), ("not signed with the job secret", "not the job secret's",
-                                                           "signed more than 300 s from now"), strict=True):
+                                                           "signed more than 300 s from now",
+                                                           "signed before this process started"), strict=True):
                 mem.put(SCALE_KEY, value)
                 got = answer(value["id"])
                 assert not got["ok"] and why in got["reason"], (name, got)

@@ -267,7 +267,7 @@ def refuse_public(location: str) -> None:
     if not isinstance(fs, pafs.LocalFileSystem):
         return
     shown = redact(location)
-    why = _untrusted(root, group_may_write=True)
+    why = _untrusted(root, group_may_write=True, owners=_owners_of_ours(root))
     if why is not None:
         raise CheckpointError(f"checkpoint directory {shown} {why}: its checkpoints hold pickles that --resume loads, "
                               f"so {'anyone' if 'every user' in why else 'its owner'} could make the job run their "
@@ -275,16 +275,38 @@ def refuse_public(location: str) -> None:
                               + (f", or chmod o-w {shown}" if "every user" in why else ""))
 
 
-def _untrusted(path: str, *, group_may_write: bool) -> str | None:
+def _owners_of_ours(root: str) -> frozenset[int]:
+    """The owners a file of this user may have under the local ``root``: this user, root, and the
+    owner the filesystem gives a file this process creates there, found by making one (NFS with
+    ``root_squash`` makes root's files nobody's; a store mapping users elsewhere, another uid).
+    Where this process may not create a file (a directory someone else made), only the first two:
+    what another user planted there is theirs."""
+    owners = {os.geteuid(), 0}
+    probe = f"{root}/.litz-owner-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return frozenset(owners)
+    try:
+        owners.add(os.fstat(fd).st_uid)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return frozenset(owners)
+
+
+def _untrusted(path: str, *, group_may_write: bool, owners: frozenset[int] | None = None) -> str | None:
     """Why the job must not load what the local ``path`` holds (a phrase: ``belongs to …``, ``is
     writable by …``), or None: it is missing (what is missing is reported by whoever needs it), or
-    it belongs to this user or root and neither every user (nor, unless ``group_may_write``, its
-    group) may write it. Symbolic links are followed: what counts is what would be read."""
+    it belongs to one of ``owners`` (by default this user and root; :func:`_owners_of_ours`) and
+    neither every user (nor, unless ``group_may_write``, its group) may write it. Symbolic links
+    are followed: what counts is what would be read."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    if st.st_uid not in (os.geteuid(), 0):
+    if st.st_uid not in (owners or (os.geteuid(), 0)):
         try:
             import pwd
 
@@ -311,8 +333,9 @@ def refuse_checkpoint_public(fs: pafs.FileSystem, path: str, manifest: dict[str,
         return
     names = [MANIFEST, *manifest.get("shards_files", []), *manifest.get("executors_files", []),
              *manifest.get("executor_rows_files", []), *([manifest["driver"]] if "driver" in manifest else [])]
+    owners = _owners_of_ours(os.path.dirname(path))
     for where in [path, *(f"{path}/{name}" for name in names)]:
-        why = _untrusted(where, group_may_write=False)
+        why = _untrusted(where, group_may_write=False, owners=owners)
         if why is not None:
             what = "directory" if where == path else "file"
             fix = (f"check it, then chmod -R go-w {path} to resume from it" if "writable" in why else

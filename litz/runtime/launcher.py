@@ -330,7 +330,7 @@ class LocalCluster:
         kind = ev.key.rsplit("/", 1)[-1]
         if ev.kind != "put" or not ev.value or kind not in ("spawn", "exit"):
             return
-        why = security.command_refusal(self.secret, ev.key, ev.value)
+        why = security.command_refusal(self.secret, ev.key, ev.value, since=self._since)
         if why is not None:
             log.warning("agent of job %s: ignored the %s request at %s: %s", self.job, kind, ev.key, why)
         elif kind == "spawn":

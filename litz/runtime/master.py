@@ -738,6 +738,7 @@ class Master:
         self._byes: dict[str, dict[str, Any]] = {}
         self._events: collections.deque[Event] = collections.deque()  # etcd events not handled yet
         self._commands_taken: dict[tuple[str, str], float] = {}  # (key, id) of signed commands taken, when
+        self._started_at = time.time()  # a command signed before it is an earlier run's (_command_refused)
         self._unresponsive: set[str] = set()  # never answered the initialisation: not waited for again
         # workers still in a task the finished job abandoned when it ended (``shutdown``): the
         # launcher kills them rather than wait seconds for them to leave
@@ -1027,7 +1028,7 @@ class Master:
         if key not in (SCALE_KEY, CHECKPOINT_KEY, STOP_KEY) and not key.startswith(JOINS):
             return False
         cid = value.get("id")
-        why = security.command_refusal(self.endpoint.secret, key, value)
+        why = security.command_refusal(self.endpoint.secret, key, value, since=self._started_at)
         if why is None and self.endpoint.secret is not None:
             now = time.time()
             if len(self._commands_taken) > 1000:  # (older than a signature lasts: cannot come again)

@@ -533,6 +533,11 @@ class Node:
         if msg.type in FROM_MASTER and (why := self._not_from_master(msg)) is not None:
             log.warning("%s: refused %r from %s: %s", self.ident, msg.type, msg.sender, why)
             return
+        if self._awaiting and self._releasing is not msg and msg.sender == self._awaiting[0][0].sender:
+            # behind a command of its sender's that waits for an address (awaits_peers): in order, as
+            # sent (tasks for the executors a waiting reload_executors brings were refused)
+            self._awaiting.append((msg, []))
+            return
         handler = getattr(self, f"on_{msg.type}", None)
         if handler is None:
             log.warning("%s: unexpected %r message from %s; ignored", self.ident, msg.type, msg.sender)

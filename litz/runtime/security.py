@@ -164,11 +164,12 @@ def sign_command(secret: JobSecret | None, key: str, value: dict[str, Any]) -> d
 
 
 def command_refusal(secret: JobSecret | None, key: str, value: dict[str, Any],
-                    now: float | None = None) -> str | None:
+                    now: float | None = None, since: float | None = None) -> str | None:
     """Why a secured job must not act on ``value`` found at etcd key ``key``, or None (also for
     any value when the job has no secret): not signed, signed with another secret or for another
-    key, or older than ``COMMAND_TTL`` s (a replay of a command seen in etcd; the master also
-    refuses a command id it has taken already)."""
+    key, older than ``COMMAND_TTL`` s, or signed before ``since`` (when the reader started: a
+    command of an earlier run of the job, such as the ``litz stop`` that ended it, replayed to the
+    run resumed after it). The master also refuses a command id it has taken already."""
     if secret is None:
         return None
     sig = value.get("sig")
@@ -181,6 +182,8 @@ def command_refusal(secret: JobSecret | None, key: str, value: dict[str, Any],
     now = time.time() if now is None else now
     if not isinstance(when, (int, float)) or isinstance(when, bool) or abs(now - when) > COMMAND_TTL:
         return f"it was signed more than {COMMAND_TTL:.0f} s from now (a replay, or clocks that disagree)"
+    if since is not None and when < since:
+        return "it was signed before this process started (a replay of an earlier run's, or clocks that disagree)"
     return None
 
 
