@@ -88,26 +88,32 @@ if cuda is not None:
 
 
 class _DeviceData:
-    """This process's device copy of the data, for the host array it was made from."""
+    """This process's device copies of the data, for the host arrays they were made from (the
+    ``KEEP`` used last): the executors of one process usually share one array, but one that
+    arrived by a migration brings its own copy, and executors taking turns re-uploaded theirs."""
+
+    KEEP = 4
 
     def __init__(self) -> None:
-        self.host: np.ndarray | None = None  # the array whose memory the copy was made from (kept alive)
-        self.layout: tuple[Any, ...] = ()
-        self.device: Any = None
+        # (the array whose memory a copy was made from, kept alive; its view's layout; the copy)
+        self.copies: list[tuple[np.ndarray, tuple[Any, ...], Any]] = []
         self.lock = threading.Lock()
 
     def get(self, data: np.ndarray) -> Any:
-        """The device copy of ``data``, uploaded when it is not the array the copy was made from: a
-        new job, or another data set. Not by the view's identity: the join gets a fresh read-only
-        view of the executor's points at every task (``kernel_util.read_only``), and every task
-        uploaded the whole data set again (219 MB on Fashion-MNIST)."""
+        """The device copy of ``data``, uploaded when none was made from that memory: a new job, or
+        another data set. Not by the view's identity: the join gets a fresh read-only view of the
+        executor's points at every task (``kernel_util.read_only``), and every task uploaded the
+        whole data set again (219 MB on Fashion-MNIST)."""
         owner = data.base if isinstance(data.base, np.ndarray) else data
         layout = (data.__array_interface__["data"][0], data.shape, data.strides, data.dtype.str)
         with self.lock:
-            if self.host is not owner or self.layout != layout:
-                self.device = cuda.to_device(np.ascontiguousarray(data, dtype=np.float32))
-                self.host, self.layout = owner, layout
-            return self.device
+            for i, (host, seen, device) in enumerate(self.copies):
+                if host is owner and seen == layout:
+                    self.copies.append(self.copies.pop(i))  # (used last)
+                    return device
+            device = cuda.to_device(np.ascontiguousarray(data, dtype=np.float32))
+            self.copies = [*self.copies[-(self.KEEP - 1):], (owner, layout, device)]
+            return device
 
 
 _DATA = _DeviceData()

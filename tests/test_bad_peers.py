@@ -663,3 +663,22 @@ def test_shard_data_is_checked_whole_before_any_row_is_installed() -> None:
         assert srv.store.get("s", [1]).dtype == np.float64
     finally:
         srv.endpoint.close()
+
+
+def test_recent_ids_refuse_what_came_already_and_forget_only_what_is_oldest() -> None:
+    """``RecentIds`` (a worker's task ids, a worker's and a server's migrations): an id taken twice
+    is refused; one forgotten (a task shipped away) may come again, and stays known until its
+    newest taking is among the oldest. A set beside the order dropped it at its first taking's
+    turn, while the task it came back as was still queued: a duplicate of it then ran."""
+    from litz.runtime.node import RecentIds
+
+    ids = RecentIds(3)
+    assert ids.take(1) and not ids.take(1) and 1 in ids
+    ids.forget(1)
+    assert 1 not in ids and ids.take(1)  # shipped away, back again: known
+    assert ids.take(2) and ids.take(3)  # the first taking of 1 is the oldest now, and goes
+    assert 1 in ids and not ids.take(1)  # (its second taking is still among the last 3)
+    assert ids.take(4) and ids.take(5)
+    assert 1 not in ids and 2 not in ids and {3, 4, 5} <= {i for i in range(6) if i in ids}
+    ids.clear()
+    assert 5 not in ids and ids.take(5)

@@ -64,8 +64,13 @@ SIMULATED_CHECK = textwrap.dedent("""
     for _ in range(3):
         join_distances(read_only(points), new, old, threads=4)
     assert len(uploads) == 1, uploads
-    join_distances(read_only(points.copy()), new, old, threads=4)
+    other = points.copy()  # (an executor that arrived by a migration brings its own copy of the points)
+    join_distances(read_only(other), new, old, threads=4)
     join_distances(read_only(points[:, 1:]), new, old, threads=4)  # (the same memory, other columns)
+    assert len(uploads) == 3, uploads
+    for _ in range(2):  # executors of both copies taking turns: no upload
+        join_distances(read_only(points), new, old, threads=4)
+        join_distances(read_only(other), new, old, threads=4)
     assert len(uploads) == 3, uploads
     print("simulated join ok", checked)
 """)

@@ -18,7 +18,7 @@ import numpy as np
 from litz.errors import LitzError, TableError
 from litz.ft.checkpoint import RoundOutcomes
 from litz.ps.tables import Table, lookup, shard_of, table_index
-from litz.runtime.node import Node, checked_shard_map, exit_process, main
+from litz.runtime.node import Node, RecentIds, checked_shard_map, exit_process, main
 from litz.runtime.protocol import Message
 
 log = logging.getLogger(__name__)
@@ -590,7 +590,7 @@ class ServerNode(Node):
         # left: the round chose among them here, and their new server does not score them again
         self._left: dict[tuple[str, Hashable], np.ndarray] = {}
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
-        self._mids_in: set[int] = set()  # shard migrations received (one sent again is refused)
+        self._mids_in = RecentIds(1 << 12)  # shard migrations received (one sent again is refused)
         self._abandoned_to: set[str] = set()  # dead servers of a rollback under way: forward nothing there
         self._rollback_from: tuple[str, int] | None = None  # (master, round) owed "rolled_back" (on_rollback)
         self.forwarded = 0
@@ -867,7 +867,7 @@ class ServerNode(Node):
             log.warning("%s: refused shards %.100r of migration %d from %s: they arrived already", self.ident,
                         msg["shards"], msg["mid"], msg.sender)
             return
-        self._mids_in.add(msg["mid"])
+        self._mids_in.take(msg["mid"])
         hosted = [s for s in msg["shards"] if type(s) is int and s in self._store().shards]
         if hosted:
             self._shard_data_refused(msg, f"shards {hosted} are hosted here already")

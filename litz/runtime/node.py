@@ -187,12 +187,13 @@ class Node:
         used to exit after one call's deadline (5 s), and the scale went on without it."""
         deadline = time.monotonic() + START_WAIT
         self._patiently("connect", self.membership.start, deadline)
-        self.membership.watch_prefix(PROCS)
+        self._patiently("watch the registrations", lambda: self.membership.watch_prefix(PROCS), deadline)
         for key, value in self._patiently("read the registrations", lambda: self.membership.get_prefix(PROCS),
                                           deadline).items():
             self._learn(key, value)
         record = {"role": self.role, "id": self.ident, "host": host_name(self.endpoint.host),
-                  "addr": self.endpoint.address, "pid": os.getpid(), "started": time.time()}
+                  "addr": self.endpoint.address, "pid": os.getpid(), "started": time.time(),
+                  "lease_ttl": lease_ttl()}  # (how long a successor of the same id may have to wait)
         self._patiently("register", lambda: register_exclusively(self.membership, proc_key(self.role, self.ident),
                                                                  record), deadline)
 
@@ -683,6 +684,47 @@ class Node:
             os.close(self._wake_w)
 
 
+class RecentIds:
+    """The last ``size`` ids a process took (tasks, migrations), to refuse one that comes again
+    (a duplicated message ran a task twice, or installed a migration's rows over newer ones); an
+    id ``forget`` drops may come again (a task shipped away with its executor may come back). An
+    id taken again after ``forget`` stays known until its last taking is among the oldest: a set
+    beside the order forgot it when its first taking was (a duplicate then ran)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._live: set[int] = set()
+        self._order: deque[int] = deque()
+        self._times: dict[int, int] = {}  # id -> how often it is in _order
+
+    def __contains__(self, ident: object) -> bool:
+        return ident in self._live
+
+    def take(self, ident: int) -> bool:
+        """Remember ``ident``; False (remembering nothing) if it is known already."""
+        if ident in self._live:
+            return False
+        self._live.add(ident)
+        self._order.append(ident)
+        self._times[ident] = self._times.get(ident, 0) + 1
+        if len(self._order) > self.size:
+            old = self._order.popleft()
+            if self._times[old] == 1:
+                del self._times[old]
+                self._live.discard(old)
+            else:
+                self._times[old] -= 1
+        return True
+
+    def forget(self, ident: int) -> None:
+        self._live.discard(ident)
+
+    def clear(self) -> None:
+        self._live.clear()
+        self._order.clear()
+        self._times.clear()
+
+
 def checked_shard_map(msg: Message, num_shards: int) -> list[str]:
     """The ``shard_map`` of ``msg`` (and its ``gone`` servers), checked: a server id for each of the
     ``num_shards`` shards. A LitzError names what is wrong: a short map raised part-way (an
@@ -702,12 +744,16 @@ def register_exclusively(membership: Membership, key: str, record: dict[str, Any
     after a ``kill -9``) holds its key until its lease ends. ``KeyHeld`` if it is still held then.
     Exclusive, so that a process cut off from etcd past its lease never takes its key back from a
     newer job of the same name (it leaves instead: ``Node._leave_if_replaced``)."""
-    deadline = time.monotonic() + lease_ttl() + 1.0
+    started = time.monotonic()
+    deadline = started + lease_ttl() + 1.0
     while True:
         try:
             membership.register(key, record, exclusive=True)
             return
-        except KeyHeld:
+        except KeyHeld as exc:  # (a holder of a longer lease than ours, as its record says: its time)
+            held_for = exc.holder.get("lease_ttl")
+            if isinstance(held_for, (int, float)) and not isinstance(held_for, bool):
+                deadline = max(deadline, started + min(float(held_for), 3600.0) + 1.0)
             if time.monotonic() >= deadline:
                 raise
         time.sleep(0.25)

@@ -32,7 +32,7 @@ from litz.ft.checkpoint import RoundOutcomes, RowSaves, RowScoring
 from litz.ps.cache import ProcessCache
 from litz.ps.tables import Table, lookup, shard_of, table_index
 from litz.ps.update_log import UpdateLog
-from litz.runtime.node import Node, checked_shard_map, exit_process, main, proc_key
+from litz.runtime.node import Node, RecentIds, checked_shard_map, exit_process, main, proc_key
 from litz.runtime.protocol import Message, pack_object, snapshot, undecodable_in, unpack_object
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ UNKNOWN_SERVER_WAIT = 5.0
 #: task ids a worker remembers having queued or run, to refuse one sent again (it ran twice, its
 #: updates applied twice); past this many the oldest are forgotten
 RECENT_TASKS = 1 << 14
+#: migrations a worker or server remembers having received (to refuse one sent again)
+RECENT_MIGRATIONS = 1 << 12
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "cache": True,  # use the version-tagged process cache
@@ -172,9 +174,8 @@ class Worker(Node):
         self._ship_due = False  # a leaving executor's task ended or was reported: check after the next poll
         self.moved_to: dict[int, str] = {}  # executors shipped away: late tasks are forwarded there
         # the ids of the last RECENT_TASKS tasks queued here (those shipped away since excepted), in order
-        self._task_ids: set[int] = set()
-        self._task_order: deque[int] = deque()
-        self._mids_in: set[int] = set()  # executor migrations received (one sent again is refused)
+        self._task_ids = RecentIds(RECENT_TASKS)
+        self._mids_in = RecentIds(RECENT_MIGRATIONS)  # executor migrations received (one sent again is refused)
         self.abandoned_mids = 0  # migrations up to this id belong to a timeline rolled back
         self.migrations_out = 0
         self.migrations_in = 0
@@ -329,7 +330,6 @@ class Worker(Node):
         self._staged.clear()
         self.moved_to.clear()
         self._task_ids.clear()  # (the checkpoint's tasks come again, with their ids)
-        self._task_order.clear()
         self.cache = ProcessCache(enabled=bool(self.options["cache"]))
         self.log.discard()
         self._to_fetch.clear()
@@ -609,14 +609,10 @@ class Worker(Node):
         already (a duplicated message ran it twice, and its updates counted twice), which is
         logged; it is remembered otherwise (the last ``RECENT_TASKS``). A task shipped away with
         its executor is forgotten (``on_ship``): it may come back with it, or be forwarded back."""
-        if task_id in self._task_ids:
+        if not self._task_ids.take(task_id):
             log.warning("%s: refused task %d for executor %d from %s: it is queued, running or ran here already",
                         self.ident, task_id, eid, sender)
             return False
-        self._task_ids.add(task_id)
-        self._task_order.append(task_id)
-        if len(self._task_order) > RECENT_TASKS:
-            self._task_ids.discard(self._task_order.popleft())
         return True
 
     def _malformed_task(self, msg: Message, n: int, item: Any) -> None:
@@ -706,7 +702,8 @@ class Worker(Node):
             slot = self.slots.pop(e)
             saves = self.row_saves.pop(e, None)
             queued = [[t.task_id, t.executor_id, t.version, t.args] for t in slot.queue]
-            self._task_ids.difference_update(t.task_id for t in slot.queue)
+            for t in slot.queue:
+                self._task_ids.forget(t.task_id)
             ship = mig.ship_input and slot.executor.ship_input  # else the destination loads it
             payload.append([e, states[e], pack_object(slot.executor.input) if ship else None, queued,
                             pack_object(saves) if saves is not None else None, self._take_staged(e, saves)])
@@ -743,7 +740,7 @@ class Worker(Node):
                         [e[0] if type(e) in (list, tuple) and e else e for e in msg["executors"]], msg["mid"],
                         msg.sender)
             return
-        self._mids_in.add(msg["mid"])
+        self._mids_in.take(msg["mid"])
         try:
             self._receive_executors(msg)
         except LitzError as exc:  # refused before anything was taken: the master must know, or it would hang
