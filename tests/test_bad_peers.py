@@ -360,6 +360,42 @@ def test_only_the_source_of_a_migration_says_ship_ready_and_with_task_ids(caplog
         m.endpoint.close()
 
 
+def test_only_the_destination_says_a_migration_arrived(caplog) -> None:  # noqa: ANN001
+    """``migrated`` and ``shards_moved`` from a process that is not the migration's destination
+    ended the migration: the master placed the executors (or routed the shards) where they were
+    not yet. They are dropped now, logged; the destination's own ends it."""
+    from litz.runtime.master import MasterState
+
+    m, _ = _master()
+    try:
+        st = m.state = MasterState(3, ["w0", "w1", "w2"], ["s0", "s1"], num_shards=4)
+        [(mid, _, _)] = st.start_migration([0], "w1")
+        [(smid, _, _)] = st.start_shard_migration([0], "s1")
+        for sender in ("w2", "w0"):
+            m._handle_aside(Message("migrated", {"mid": mid, "executors": [0]}, sender=sender))
+        m._handle_aside(Message("shards_moved", {"mid": smid, "shards": [0]}, sender="s0"))
+        assert mid in st.migrations and smid in st.shard_migrations and st.placement[0] == "w0"
+        assert f"migrated message for migration {mid} from w2, which is not its destination w1" in caplog.text
+        assert f"shards_moved for migration {smid} from s0, which is not its destination s1" in caplog.text
+        m._handle_aside(Message("migrated", {"mid": mid, "executors": [0]}, sender="w1"))
+        m._handle_aside(Message("shards_moved", {"mid": smid, "shards": [0]}, sender="s1"))
+        assert not st.migrations and not st.shard_migrations and st.placement[0] == "w1" and st.shard_map[0] == "s1"
+    finally:
+        m.endpoint.close()
+
+
+def test_executors_come_only_from_the_source_they_name(caplog) -> None:  # noqa: ANN001
+    """An ``executor_state`` whose sender is not the source it names is not the move: dropped,
+    logged, nothing hosted (before, any peer's was hosted)."""
+    w, sent = _worker(["s0"] * 4)
+    try:
+        w.dispatch(Message("executor_state", {"mid": 3, "executors": [], "source": "w1"}, sender="w5"))
+        assert sent == [] and not w.slots and 3 not in w._mids_in
+        assert "refused executors of migration 3 from w5, which names 'w1' as their source" in caplog.text
+    finally:
+        w.endpoint.close()
+
+
 def test_the_master_takes_a_tasks_report_only_from_the_worker_running_it(caplog) -> None:  # noqa: ANN001
     """Any process's ``done`` for a task in flight was taken (its driver counted a result the task
     never produced). Only the worker the task went to, or the one its executor is on now (a late

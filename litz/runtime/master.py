@@ -1115,7 +1115,11 @@ class Master:
             self.elastic.tick()
         elif msg.type == "shards_moved":
             assert self.state is not None
-            if msg["mid"] in self.state.shard_migrations:
+            moving = self.state.shard_migrations.get(msg["mid"])
+            if moving is not None and msg.sender != moving[2]:  # (only its destination installed them)
+                log.warning("shards_moved for migration %d from %s, which is not its destination %s; dropped",
+                            msg["mid"], msg.sender, moving[2])
+            elif moving is not None:
                 self.state.finish_shard_migration(msg["mid"])
                 self.elastic.tick()
         elif msg.type == "settled":
@@ -2625,9 +2629,15 @@ class Master:
         self.endpoint.send(msg.sender, "ship", mid=msg["mid"])
 
     def on_migrated(self, msg: Message) -> None:
+        """The destination of executor migration ``mid`` hosts its executors. Only the destination:
+        another process's word placed the executors where they are not (their tasks lost)."""
         assert self.state is not None
         if msg["mid"] not in self.state.migrations:
             log.warning("migrated message for unknown migration %r from %s", msg["mid"], msg.sender)
+            return
+        if msg.sender != (dest := self.state.migrations[msg["mid"]][2]):
+            log.warning("migrated message for migration %d from %s, which is not its destination %s; dropped",
+                        msg["mid"], msg.sender, dest)
             return
         self.state.finish_migration(msg["mid"])
         self.migrations_done += 1

@@ -735,6 +735,10 @@ class Worker(Node):
             log.warning("%s: dropped executors %s of migration %d, abandoned by a rollback", self.ident,
                         [e[0] for e in msg["executors"]], msg["mid"])
             return
+        if msg["source"] != msg.sender:  # (the source ships them, naming itself: any other is not the move)
+            log.warning("%s: refused executors of migration %d from %s, which names %r as their source", self.ident,
+                        msg["mid"], msg.sender, msg["source"])
+            return
         if msg["mid"] in self._mids_in:  # sent again: its executors run here, or ran and moved on
             log.warning("%s: refused executors %.100r of migration %d from %s: it arrived already", self.ident,
                         [e[0] if type(e) in (list, tuple) and e else e for e in msg["executors"]], msg["mid"],
