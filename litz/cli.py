@@ -613,29 +613,28 @@ def _check_job_runs(mem: Any, job: str) -> None:
     raise LitzError(f"no job named {job!r} is running on etcd {mem.url}")
 
 
-def _master_registered(mem: Any, job: str, deadline: float) -> bool:
-    """Wait until the job's master is registered (False if not before ``deadline``): it watches for
-    commands before it registers, so a command written earlier, while the job starts, would be
-    missed. LitzError at once if there is no such job at all (a mistyped name), or it ended;
-    JobEnded if it ends meanwhile (its etcd gone with it)."""
+def _master_registered(mem: Any, job: str, deadline: float) -> dict[str, Any] | None:
+    """Wait until the job's master is registered and return its record (None if not before
+    ``deadline``): it watches for commands before it registers, so a command written earlier,
+    while the job starts, would be missed. LitzError at once if there is no such job at all (a
+    mistyped name), or it ended; JobEnded if it ends meanwhile (its etcd gone with it)."""
     import time
 
     from litz.errors import EtcdUnreachable
-    from litz.runtime.node import proc_key
+    from litz.runtime.node import MASTER_KEY
 
-    master = proc_key("master", "master")
     try:
-        if mem.get(master) is not None:
-            return True
+        if (record := mem.get(MASTER_KEY)) is not None:
+            return record
         _check_job_runs(mem, job)
-        while mem.get(master) is None:
+        while (record := mem.get(MASTER_KEY)) is None:
             if time.monotonic() > deadline:
-                return False
+                return None
             time.sleep(0.1)
     except EtcdUnreachable:  # a local job that ended as the command came?
         _ended_if_gone(job, "before it could take the command")
         raise
-    return True
+    return record
 
 
 def _ended_if_gone(job: str, when: str) -> None:
@@ -668,13 +667,13 @@ def _command(mem: Any, job: str, key: str, command: dict[str, Any], deadline: fl
     from litz.errors import EtcdUnreachable
     from litz.runtime import security
     from litz.runtime.elastic import RESULTS
-    from litz.runtime.node import MASTER_KEY
 
     answer = f"{RESULTS}{command['id']}"
-    if not _master_registered(mem, job, deadline):
+    master = _master_registered(mem, job, deadline)
+    if master is None:
         return None
     secret = None
-    if (mem.get(MASTER_KEY) or {}).get("secured"):
+    if master.get("secured"):
         secret_file = secret_file or os.environ.get("LITZ_SECRET_FILE") or None
         if secret_file is None:
             raise LitzError(f"job {job} is secured: its master takes only commands signed with the job secret; "
